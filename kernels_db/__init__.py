@@ -1,0 +1,1 @@
+"""Kernel timing database: schema, store, collectors, lookup."""

@@ -1,0 +1,1 @@
+"""Analysis passes over a captured program: shapes/costs, blocks, kernels, liveness."""
