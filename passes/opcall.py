@@ -40,3 +40,28 @@ def opcall_from_node(node: torch.fx.Node, context: Optional[Mapping[str, Any]] =
     val = node.meta.get("val")
     outputs = tuple(spec_of(v) for v in val) if isinstance(val, (list, tuple)) else (spec_of(val),)
     return OpCall.build(node.target, args, kwargs, outputs, context)
+
+
+def bind_value(value: Any, ev: "Evaluator") -> Any:  # noqa: F821
+    """Substitute concrete sizes into a spec / sympy value (recursively)."""
+    import sympy
+
+    from boomfx.passes.specs import TensorSpec as _TS
+    if isinstance(value, _TS):
+        return _TS(tuple(sympy.Integer(ev(s)) for s in value.shape), tuple(sympy.Integer(ev(s)) for s in value.stride),
+                   value.dtype, sympy.Integer(ev(value.storage_offset)))
+    if isinstance(value, list):
+        return [bind_value(v, ev) for v in value]
+    if isinstance(value, tuple):
+        return tuple(bind_value(v, ev) for v in value)
+    if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom):
+        if value.free_symbols:
+            return sympy.Integer(ev(value)) if value.is_integer is not False else sympy.Float(ev.number(value))
+        return value
+    return value
+
+
+def bind_call(call: OpCall, ev: "Evaluator") -> OpCall:  # noqa: F821
+    """The same call with every symbolic size replaced by its value under ``ev``'s bindings."""
+    return OpCall(call.op, {k: bind_value(v, ev) for k, v in call.args.items()},
+                  tuple(bind_value(v, ev) for v in call.outputs), call.context)

@@ -1,0 +1,263 @@
+"""The driver: capture -> passes -> pricing -> scheduler + allocator replay -> Report.
+
+``Analysis`` runs the symbolic passes once; ``Analysis.evaluate(bindings)`` prices and simulates one
+point, so sweeps and max-batch searches never re-trace.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import sympy
+import torch
+
+from boomfx.alloc_config import AllocatorConfig
+from boomfx.capture import capture, resolve_bindings
+from boomfx.devices import DeviceSpec, get_device
+from boomfx.errors import OptionError
+from boomfx.memory_outside import OutsideMemory
+from boomfx.memory_replay import AllocEvent, ReplayResult, replay
+from boomfx.modules import layer_of, module_path
+from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.kernels import kernel_pass
+from boomfx.passes.liveness import LivenessInfo, liveness_pass
+from boomfx.passes.manager import AnalysisManager
+from boomfx.passes.opcall import bind_call
+from boomfx.passes.shapes import cost_pass
+from boomfx.pricing import make_pricer
+from boomfx.program import Program, ProgramOptions
+from boomfx.report import (
+    AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
+)
+from boomfx.simulate import ScheduledKernel, Timeline, simulate
+
+aten = torch.ops.aten
+_HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
+
+
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    device: str = "a100-80gb"
+    alloc_conf: str = ""
+    outside_memory: str = ""
+    db: Optional[str] = None
+    from_db: Optional[str] = None
+
+
+@dataclass
+class PointResult:
+    """One evaluated point with the artefacts renderers beyond the Report need."""
+
+    report: Report
+    timeline: Timeline
+    replay: Optional[ReplayResult]
+    events: list[AllocEvent] = field(default_factory=list)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+class Analysis:
+    """Symbolic analysis of one program for one device; evaluate it at any binding of its symbols."""
+
+    def __init__(self, program: Program, device: DeviceSpec, options: AnalyzeOptions = AnalyzeOptions(),
+                 log: Optional[Callable[[str], None]] = None) -> None:
+        self.program = program
+        self.device = device
+        self.options = options
+        try:
+            self.alloc_config = AllocatorConfig.parse(options.alloc_conf or "")
+        except ValueError as exc:
+            raise OptionError(f"--alloc-conf: {exc}") from None
+        try:
+            base = OutsideMemory.for_device(device.compute_capability[0] or None)
+            self.outside = OutsideMemory.parse(options.outside_memory, base) if options.outside_memory else base
+        except ValueError as exc:
+            raise OptionError(f"--outside-memory: {exc}") from None
+        self.am = AnalysisManager(program, device)
+        self.kernels = self.am.get(kernel_pass)
+        self.costs = self.am.get(cost_pass)
+        self.liveness: LivenessInfo = self.am.get(liveness_pass)
+        self.pricer = make_pricer(device, options.db, options.from_db)
+        self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
+        self._nodes = list(program.graph.nodes)
+        self._price_cache: dict[Any, Any] = {}
+        self._node_module = {n.name: module_path(n) for n in self._nodes}
+
+    # -- pricing -------------------------------------------------------------------------------
+    def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
+        nc = self.costs.by_node[name]
+        call = bind_call(nc.call, ev)
+        key = (str(call.op), _freeze(dict(call.args)), _freeze(call.outputs), _freeze(dict(call.context)))
+        hit = self._price_cache.get(key)
+        if hit is None:
+            cost = nc.priced.cost
+            flops = ev.number(cost.flops)
+            moved = ev(cost.bytes_read) + ev(cost.bytes_written)
+            from boomfx.passes.costs.registry import Cost
+            price = self.pricer.price(call, Cost(flops, ev(cost.bytes_read), ev(cost.bytes_written)))
+            hit = (price, (flops, moved))
+            self._price_cache[key] = hit
+        return hit
+
+    def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
+        return Evaluator(bindings, self.symbol_map)
+
+    # -- one point -----------------------------------------------------------------------------
+    def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
+                 memory_only: bool = False) -> PointResult:
+        ev = self.evaluator(bindings)
+        kernels: list[KernelReport] = []
+        scheduled: list[ScheduledKernel] = []
+        workspace_at: dict[int, int] = {}
+        if not memory_only:
+            for step, node in enumerate(self._nodes):
+                if node.name not in self.costs.by_node:
+                    continue
+                price, (flops, moved) = self._price_node(node.name, ev)
+                nc = self.costs.by_node[node.name]
+                sync = node.target.overloadpacket in _HOST_SYNC_OPS
+                scheduled.append(ScheduledKernel(node.name, price.host_ns, price.time_ns, 0, sync))
+                workspace_at[step] = int(price.workspace_bytes or 0)
+                kernels.append(KernelReport(
+                    node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
+                    phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
+                    host_ns=price.host_ns, start_ns=0.0, source=price.source, modelled=nc.priced.modelled,
+                    workspace_bytes=int(price.workspace_bytes or 0)))
+        timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
+        for k, span in zip(kernels, timeline.spans):
+            k.start_ns = span.start_ns
+        memory, rep, events = self._memory(ev, workspace_at, record_trace)
+        report = self._report(bindings, kernels, timeline, memory)
+        return PointResult(report, timeline, rep, events)
+
+    # -- memory --------------------------------------------------------------------------------
+    def _events(self, ev: Evaluator, workspace_at: Mapping[int, int]) -> list[AllocEvent]:
+        events: list[AllocEvent] = []
+        for iv in self.liveness.intervals:
+            if iv.resident:
+                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node,
+                                         ((self._node_module.get(iv.node, ""), 0, iv.node),)))
+        next_id = len(self.liveness.intervals)
+        for label, size in self.outside.allocator_sizes():
+            events.append(AllocEvent("alloc", next_id, size, 0, label, (("", 0, label),)))
+            next_id += 1
+        last_step = -1
+        for step, kind, iv in self.liveness.events():
+            if step != last_step:
+                last_step = step
+            frames = ((self._node_module.get(iv.node, ""), 0, iv.node),)
+            if kind == "alloc":
+                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node, frames))
+                ws = workspace_at.get(step, 0)
+                if ws and iv.node == self.liveness.order[step]:
+                    events.append(AllocEvent("alloc", next_id, ws, 0, iv.node + ":workspace", frames))
+                    events.append(AllocEvent("free", next_id, ws, 0, iv.node + ":workspace", frames))
+                    next_id += 1
+            else:
+                events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), 0, iv.node, frames))
+        return events
+
+    def _memory(self, ev: Evaluator, workspace_at: Mapping[int, int],
+                record_trace: bool) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
+        timeline = self.liveness.timeline(ev)
+        combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
+        peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
+        point = self.liveness.peak(ev)
+        capacity = self.device.memory_bytes
+        outside = {item.name: item.nbytes for item in self.outside.items()} if self.device.kind == "cuda" else {}
+        rep: Optional[ReplayResult] = None
+        events: list[AllocEvent] = []
+        oom_node = oom_module = None
+        allocator = None
+        if self.device.kind == "cuda":
+            events = self._events(ev, workspace_at)
+            rep = replay(events, self.alloc_config, capacity - self.outside.total_bytes, record_trace=record_trace)
+            allocator = AllocatorReport(
+                rep.peak_allocated_bytes, rep.peak_reserved_bytes, rep.peak_active_bytes,
+                rep.fragmentation_at_peak_bytes, rep.largest_free_block_at_peak_bytes, rep.num_segments_at_peak,
+                int(rep.stats.get("num_alloc_retries", 0)), int(rep.stats.get("num_ooms", 0)),
+                self.options.alloc_conf or "(defaults)")
+            if rep.oom is not None:
+                label = rep.oom.label.split(":")[0]
+                oom_node, oom_module = label, self._node_module.get(label, "")
+            total = rep.peak_reserved_bytes + self.outside.total_bytes
+            if rep.oom is not None:
+                total = max(total, capacity - rep.oom.margin_bytes)
+        else:
+            total = combined[peak_step] if combined else 0
+        fits = rep.oom is None if rep is not None else total <= capacity
+        memory = MemoryReport(
+            peak_live_bytes=combined[peak_step] if combined else 0,
+            peak_step_node=self.liveness.order[peak_step] if combined else "",
+            by_category_bytes={c.value: b for c, b in sorted(point.by_category.items(), key=lambda kv: -kv[1])},
+            resident_bytes=self.liveness.resident_bytes(ev), workspace_bytes=workspace_at.get(peak_step, 0),
+            allocator=allocator, outside_allocator_bytes=outside, device_capacity_bytes=capacity,
+            total_device_bytes=total, fits=fits, margin_bytes=capacity - total,
+            oom_node=oom_node, oom_module=oom_module)
+        return memory, rep, events
+
+    # -- report --------------------------------------------------------------------------------
+    def _report(self, bindings: Mapping[sympy.Symbol, int], kernels: list[KernelReport], timeline: Timeline,
+                memory: MemoryReport) -> Report:
+        total = timeline.total_ns
+        time_report = TimeReport(total, timeline.device_busy_ns, timeline.host_busy_ns, timeline.host_bound_fraction,
+                                 len(kernels), sum(k.flops for k in kernels), sum(k.bytes_moved for k in kernels))
+        busy = sum(k.time_ns for k in kernels) or 1.0
+        symbols = [SymbolReport(i.name, i.role, i.min_value, i.max_value, bindings.get(i.symbol))
+                   for i in self.program.symbols.values()]
+        opts = self.program.options
+        return Report(
+            source=self.program.source, device=self.device.name, device_description=self.device.description,
+            mode="train" if opts.train else "inference",
+            options={"optimizer": opts.optimizer if opts.train else None, "amp": opts.amp,
+                     "checkpoint": opts.checkpoint, "alloc_conf": self.options.alloc_conf,
+                     "db": self.options.db, "from_db": self.options.from_db},
+            symbols=symbols, time=time_report, memory=memory,
+            by_module=_group(kernels, lambda k: layer_of(k.module), busy),
+            by_op=_group(kernels, lambda k: k.op, busy),
+            by_phase=_group(kernels, lambda k: k.phase, busy),
+            by_source=_group(kernels, lambda k: k.source, busy),
+            blocks=[], unmodelled_ops=self.costs.unmodelled_ops(), kernels=kernels)
+
+
+def _group(kernels: list[KernelReport], key: Callable[[KernelReport], str], busy: float) -> list[GroupTime]:
+    acc: dict[str, list[float]] = {}
+    for k in kernels:
+        slot = acc.setdefault(key(k), [0.0, 0])
+        slot[0] += k.time_ns
+        slot[1] += 1
+    groups = [GroupTime(name, t, int(n), t / busy) for name, (t, n) in acc.items()]
+    return sorted(groups, key=lambda g: -g.time_ns)
+
+
+def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-80gb", train: bool = False,
+            optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
+            dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
+            alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
+            dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None) -> Report:
+    """Predict time and memory of one step of ``source`` on ``device``.
+
+    ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
+    GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
+
+    Example::
+
+        >>> report = boomfx.analyze("gpt2.pt2", device="a100-80gb", train=True, batch=8, seq=1024)
+        >>> report.time.total_ns, report.memory.fits
+    """
+    started = time.perf_counter()
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    program = capture(source, *example_inputs, options=ProgramOptions(train, optimizer, amp, checkpoint),
+                      dynamic_shapes=dynamic_shapes, log=log)
+    analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
+    bindings = resolve_bindings(program, dims or {}, batch, seq)
+    report = analysis.evaluate(bindings).report
+    report.analysis_seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,66 @@
+"""Ground truth for memory: the peak of live tensor-storage bytes in a *real* run, at the tensor level.
+
+Every storage an op creates is seen by a dispatch mode when it appears as an op output, and its
+free is seen through a weakref to the (identity-preserved) Python storage object. Scratch memory
+that kernels allocate internally never appears as an op output, so it is not counted (that is what
+the kernel database's workspace measurement adds). Used by tests and benchmarks to check the
+liveness pass against reality, never inside predictions.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class LiveBytesResult:
+    peak_bytes: int          # peak live bytes, including the storages alive when tracking started
+    baseline_bytes: int      # bytes of the storages passed in as arguments (resident)
+    output: Any
+
+
+class _StorageTracker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: dict[int, weakref.ref] = {}
+
+    def track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        ref = self._seen.get(key)
+        if ref is not None and ref() is not None:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def on_free(_ref: Any, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._seen.pop(key, None)
+
+        self._seen[key] = weakref.ref(storage, on_free)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t.untyped_storage())
+        return out
+
+
+def measure_live_bytes(fn: Callable[..., Any], *args: Any) -> LiveBytesResult:
+    """Run ``fn(*args)`` on real tensors and return the peak of live storage bytes (arguments included)."""
+    tracker = _StorageTracker()
+    for t in tree_flatten(args)[0]:
+        if isinstance(t, torch.Tensor):
+            tracker.track(t.untyped_storage())
+    baseline = tracker.live
+    with tracker:
+        out = fn(*args)
+    return LiveBytesResult(tracker.peak, baseline, out)

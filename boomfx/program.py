@@ -1,0 +1,84 @@
+"""``Program``: the captured graph plus its symbols, the plain value handed from capture to the passes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import sympy
+import torch.fx
+
+# Placeholder roles (what an input of the graph is); liveness maps them to memory categories.
+ROLE_PARAM = "param"
+ROLE_BUFFER = "buffer"
+ROLE_INPUT = "input"
+ROLE_LABEL = "label"
+ROLE_OPT_STATE = "opt_state"
+ROLE_CONSTANT = "constant"
+ROLE_GRAD = "grad"
+
+# Node phases; inference programs are all forward.
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_OPTIMIZER = "optimizer"
+PHASE_RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class SymbolInfo:
+    """One symbolic dimension: its sympy symbol, exported range, and what it is (batch, seq) if known."""
+
+    symbol: sympy.Symbol
+    min_value: int
+    max_value: Optional[int]           # None: unbounded above
+    hint: Optional[int] = None         # the example size seen at export
+    role: Optional[str] = None         # "batch" | "seq" | None
+
+    @property
+    def name(self) -> str:
+        return str(self.symbol)
+
+    def describe(self) -> str:
+        hi = "inf" if self.max_value is None else str(self.max_value)
+        role = f" ({self.role})" if self.role else ""
+        return f"{self.name}{role} in [{self.min_value}, {hi}]"
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    train: bool = False
+    optimizer: str = "adamw"
+    amp: Optional[str] = None
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True)
+class Program:
+    """An fx graph on fake tensors with symbolic sizes, and everything the passes need to know about it.
+
+    ``input_roles`` maps placeholder names to roles; ``phases`` maps call nodes to forward/backward/
+    optimizer/recompute; ``grad_nodes`` maps nodes producing a parameter gradient to its FQN.
+    """
+
+    gm: torch.fx.GraphModule
+    symbols: Mapping[str, SymbolInfo]
+    input_roles: Mapping[str, str]
+    options: ProgramOptions = ProgramOptions()
+    phases: Mapping[str, str] = field(default_factory=dict)
+    grad_nodes: Mapping[str, str] = field(default_factory=dict)
+    param_names: Mapping[str, str] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.gm.graph
+
+    def symbol(self, name_or_role: str) -> SymbolInfo:
+        if name_or_role in self.symbols:
+            return self.symbols[name_or_role]
+        for info in self.symbols.values():
+            if info.role == name_or_role:
+                return info
+        raise KeyError(name_or_role)
+
+    def phase_of(self, node: torch.fx.Node) -> str:
+        return self.phases.get(node.name, PHASE_FORWARD)

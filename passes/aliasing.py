@@ -1,0 +1,106 @@
+"""Which outputs of a node share storage with which inputs, read from the op schema's alias annotations.
+
+``Tensor(a) self -> Tensor(a)`` is a view, ``Tensor(a!) self -> Tensor(a!)`` an in-place write. Two
+CompositeImplicit ops claim an alias but copy when the input is not viewable: ``reshape`` and
+``contiguous`` (and ``to`` when the dtype changes); for those the input/output strides decide.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx
+
+from boomfx.passes.specs import contiguous_strides
+
+aten = torch.ops.aten
+
+# Ops whose alias annotation means "may alias": decided per call from strides/dtypes.
+_MAYBE_COPY = {
+    aten.reshape.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten.to.other, aten.type_as.default, aten.flatten.using_ints, aten.view_as.default, aten.reshape_as.default,
+}
+
+# Views that do not carry an alias annotation we can rely on across versions.
+_ALWAYS_VIEW_CALLABLES = {operator.getitem}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    try:
+        return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+    except (TypeError, sympy.SympifyError):
+        return False
+
+
+def _is_contiguous(val: torch.Tensor) -> bool:
+    shape = [s.node.expr if isinstance(s, torch.SymInt) else s for s in val.shape]
+    strides = [s.node.expr if isinstance(s, torch.SymInt) else s for s in val.stride()]
+    want = contiguous_strides(tuple(sympy.sympify(s) for s in shape))
+    return all(_same(size, 1) or _same(st, w) for size, st, w in zip(shape, strides, want))
+
+
+def _copies_anyway(node: torch.fx.Node) -> bool:
+    """For the may-copy ops: True when this call materialises a new storage."""
+    src = node.args[0] if node.args else None
+    src_val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    out_val = node.meta.get("val")
+    if not isinstance(src_val, torch.Tensor) or not isinstance(out_val, torch.Tensor):
+        return False
+    if src_val.dtype != out_val.dtype:
+        return True
+    if node.target in (aten.reshape.default, aten.flatten.using_ints, aten.reshape_as.default,
+                       aten.contiguous.default):
+        return not _is_contiguous(src_val)
+    return False
+
+
+def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bool]]]:
+    """For each output of ``node`` (one entry for a single tensor), the input node it aliases and whether
+    it is an in-place write, or None when the output is a fresh storage."""
+    target = node.target
+    if target in _ALWAYS_VIEW_CALLABLES:
+        src = node.args[0]
+        return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
+    if not isinstance(target, torch._ops.OpOverload):
+        return [None]
+    schema = target._schema
+    val = node.meta.get("val")
+    n_out = len(val) if isinstance(val, (list, tuple)) else 1
+    if target in _MAYBE_COPY and _copies_anyway(node):
+        return [None] * n_out
+    # alias set of each tensor input -> the fx node passed for it
+    by_set: dict[str, torch.fx.Node] = {}
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None:
+            continue
+        value = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node):
+            for s in info.before_set | info.after_set:
+                by_set.setdefault(s, value)
+    results: list[Optional[tuple[torch.fx.Node, bool]]] = []
+    returns = schema.returns
+    for i in range(n_out):
+        ret = returns[min(i, len(returns) - 1)] if returns else None
+        info = ret.alias_info if ret is not None else None
+        src = None
+        if info is not None:
+            # list returns (``Tensor(a)[]`` from ``Tensor(a -> *) self``) carry the set on the wildcard
+            for s in (info.before_set or {"*"}):
+                if s in by_set:
+                    src = by_set[s]
+                    break
+        results.append((src, bool(info.is_write)) if src is not None else None)
+    return results
+
+
+def is_view_node(node: torch.fx.Node) -> bool:
+    """A node that launches no kernel: every output aliases an input without writing it."""
+    if node.op != "call_function":
+        return False
+    aliases = output_aliases(node)
+    return bool(aliases) and all(a is not None and not a[1] for a in aliases)

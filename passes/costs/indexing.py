@@ -1,0 +1,196 @@
+"""Cost rules for data movement: gathers, scatters, concatenation, padding, factories, sort/topk.
+
+These kernels do (almost) no arithmetic; their cost is bytes. The rules, by pattern:
+
+- gather-like (``embedding``, ``index``, ``index_select``, ``gather``): read the indices and only
+  the *gathered* elements (``out.numel`` of them), write the output. 0 FLOPs.
+- scatter-like out of place (``scatter``, ``index_put``, ``index_add``, ``slice_scatter``...):
+  copy ``self`` into the output (read self, write out), then read indices + source and write the
+  source-sized region again; accumulating variants do one add per source element.
+- in-place scatters (``index_put_``, ``scatter_add_``...): no copy; only the source-sized region
+  is read and written (plus a read of it when accumulating).
+- copy-like (``cat``, ``stack``, ``repeat``, ``expand_copy``, ``constant_pad_nd``, ``tril``...):
+  every input read once at its own size, output written once. 0 FLOPs.
+- factories (``zeros``, ``full``, ``arange``, ``*_like``, ``new_*``): write the output, read
+  nothing; ``empty*`` allocates without touching memory: 0 bytes.
+
+Example::
+
+    >>> # embedding(weight [100, 16] f32, indices [2, 8] i64): read 16*8 + 2*8*16*4 = 640 B,
+    >>> # write 2*8*16*4 = 512 B, 0 FLOPs
+
+Known limitations:
+- NB: gathers are priced at useful bytes; real kernels fetch whole 32-byte sectors, so scattered
+  narrow gathers move more.
+- NB: ``sort`` is priced at ``numel * ceil(log2(dim size))`` compare FLOPs with one read and one
+  write (a radix sort makes several passes); ``topk`` at one compare per element and one read
+  (radix select makes a few passes).
+- NB: ``embedding_dense_backward`` is priced as a zero-fill of the weight gradient plus one
+  accumulate per ``grad_output`` element; ``scale_grad_by_freq`` counting is ignored.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from boomfx.passes.costs.pointwise import bytes_of, first_output, read_all, unique_bytes, written_all
+from boomfx.passes.costs.registry import ZERO, Cost, OpCall, register_cost
+from boomfx.passes.specs import SymExpr, TensorSpec
+
+aten = torch.ops.aten
+
+
+def _index_bytes(indices: Any) -> SymExpr:
+    """Bytes of an index argument: a tensor, or a list of optional tensors (``index.Tensor``)."""
+    if isinstance(indices, (list, tuple)):
+        return bytes_of([i for i in indices if isinstance(i, TensorSpec)])
+    return unique_bytes(indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathers
+# ---------------------------------------------------------------------------------------------
+
+_GATHER_INDEX_ARG = {aten.embedding: "indices", aten.index: "indices", aten._unsafe_index: "indices",
+                     aten.index_select: "index", aten.gather: "index", aten.take_along_dim: "indices",
+                     aten.take: "index"}
+
+
+@register_cost(*_GATHER_INDEX_ARG)
+def gather_cost(call: OpCall) -> Cost:
+    """Read indices + the ``out.numel`` gathered elements; write the output."""
+    out = first_output(call)
+    index = call.arg(_GATHER_INDEX_ARG[call.op.overloadpacket])
+    return Cost(0, _index_bytes(index) + unique_bytes(out), unique_bytes(out))
+
+
+@register_cost(aten.embedding_dense_backward)
+def embedding_backward_cost(call: OpCall) -> Cost:
+    """Zero-fill grad_weight (written), then add each grad_output row into it: ``grad.numel`` FLOPs,
+    reading grad_output, indices and the touched rows (read-modify-write of ``grad.numel`` elements)."""
+    g, out = call.arg("grad_output"), first_output(call)
+    touched = g.numel * out.itemsize
+    return Cost(g.numel, bytes_of([g, call.arg("indices")]) + touched, unique_bytes(out) + touched)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatters
+# ---------------------------------------------------------------------------------------------
+
+# op -> (source argument, index argument, accumulates)
+_SCATTERS: dict[Any, tuple[str, str, bool]] = {
+    aten.scatter: ("src", "index", False), aten.scatter_add: ("src", "index", True),
+    aten.scatter_reduce: ("src", "index", True), aten.index_put: ("values", "indices", False),
+    aten._unsafe_index_put: ("values", "indices", False), aten.index_add: ("source", "index", True),
+    aten.index_copy: ("source", "index", False), aten.index_fill: ("", "index", False),
+    aten.masked_scatter: ("source", "mask", False), aten.slice_scatter: ("src", "", False),
+    aten.select_scatter: ("src", "", False), aten.diagonal_scatter: ("src", "", False),
+    aten.as_strided_scatter: ("src", "", False),
+}
+_INPLACE_SCATTERS = {aten.scatter_: aten.scatter, aten.scatter_add_: aten.scatter_add,
+                     aten.scatter_reduce_: aten.scatter_reduce, aten.index_put_: aten.index_put,
+                     aten.index_add_: aten.index_add, aten.index_copy_: aten.index_copy,
+                     aten.index_fill_: aten.index_fill, aten.masked_scatter_: aten.masked_scatter}
+
+
+def _scatter_region(call: OpCall, src_name: str, index_name: str) -> SymExpr:
+    """Elements the scatter writes: the source's, else the index's (scalar ``value`` scatters)."""
+    src = call.arg(src_name) if src_name else None
+    if isinstance(src, TensorSpec):
+        return src.numel
+    index = call.arg(index_name)
+    return index.numel if isinstance(index, TensorSpec) else sympy.Integer(0)
+
+
+@register_cost(*_SCATTERS, *_INPLACE_SCATTERS)
+def scatter_cost(call: OpCall) -> Cost:
+    """Out of place: copy self (read + write), then read index + source and write the region
+    (read it too when accumulating, one add per element). In place: region work only."""
+    packet = call.op.overloadpacket
+    inplace = packet in _INPLACE_SCATTERS
+    src_name, index_name, accumulates = _SCATTERS[_INPLACE_SCATTERS.get(packet, packet)]
+    accumulates = accumulates or bool(call.arg("accumulate"))
+    self_spec = call.arg("self")
+    region = _scatter_region(call, src_name, index_name) * self_spec.itemsize
+    src = call.arg(src_name) if src_name else None
+    read = unique_bytes(src) + (_index_bytes(call.arg(index_name)) if index_name else 0)
+    written = region
+    if accumulates:
+        read = read + region
+    if not inplace:
+        read, written = read + unique_bytes(self_spec), written + unique_bytes(first_output(call))
+    flops = region / self_spec.itemsize if accumulates else 0
+    return Cost(flops, read, written)
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies: concatenation, repetition, padding, masking
+# ---------------------------------------------------------------------------------------------
+
+@register_cost(aten.cat, aten.stack, aten.hstack, aten.vstack, aten.split_with_sizes_copy,
+               aten.split_copy, aten.unbind_copy, aten.repeat, aten.expand_copy, aten.tile,
+               aten.repeat_interleave, aten.constant_pad_nd, aten.pad, aten.reflection_pad1d,
+               aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
+               aten.replication_pad3d, aten.tril, aten.triu, aten.flip, aten.roll, aten.rot90,
+               aten.view_copy, aten.permute_copy, aten.transpose_copy, aten.t_copy, aten.slice_copy,
+               aten.select_copy, aten.unsqueeze_copy, aten.squeeze_copy, aten.diagonal_copy,
+               aten.as_strided_copy, aten.unfold_copy, aten.detach_copy, aten._reshape_copy,
+               aten.im2col, aten.col2im, aten.nonzero, aten.masked_select, aten.one_hot,
+               aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+               aten.pixel_shuffle, aten.pixel_unshuffle, aten.channel_shuffle, aten.bucketize,
+               aten.searchsorted, aten.unique_consecutive, aten._unique2, aten.tril_, aten.triu_)
+def copy_like_cost(call: OpCall) -> Cost:
+    """Every tensor input read once at its own size; every output written once; 0 FLOPs."""
+    written = written_all(call)
+    if not call.tensor_outputs() and isinstance(call.arg("self"), TensorSpec):  # in-place tril_/triu_
+        written = unique_bytes(call.arg("self"))
+    return Cost(0, read_all(call), written)
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories
+# ---------------------------------------------------------------------------------------------
+
+@register_cost(aten.zeros, aten.ones, aten.full, aten.arange, aten.linspace, aten.logspace, aten.eye,
+               aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones,
+               aten.new_full, aten.scalar_tensor)
+def factory_cost(call: OpCall) -> Cost:
+    """Writes its output; reads nothing (a ``*_like``/``new_*`` uses only the template's metadata)."""
+    return Cost(0, 0, written_all(call))
+
+
+@register_cost(aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+               aten.empty_permuted)
+def empty_cost(call: OpCall) -> Cost:
+    """Allocation only: no kernel, 0 bytes (the memory pass accounts for the allocation)."""
+    return ZERO
+
+
+# ---------------------------------------------------------------------------------------------
+# Sorting and selection
+# ---------------------------------------------------------------------------------------------
+
+def _dim_size(x: TensorSpec, dim: Any) -> SymExpr:
+    if x.ndim == 0:
+        return sympy.Integer(1)
+    return x.shape[int(dim) % x.ndim]
+
+
+@register_cost(aten.sort, aten.argsort, aten.msort)
+def sort_cost(call: OpCall) -> Cost:
+    """``numel * ceil(log2(n))`` compares along a dim of size ``n``; one read, values/indices written."""
+    x = call.arg("self")
+    if not isinstance(x, TensorSpec):  # aten.sort.int etc. on Python lists
+        return ZERO
+    n = _dim_size(x, call.arg("dim", -1) if call.arg("dim") is not None else -1)
+    compares = x.numel * sympy.ceiling(sympy.log(n, 2)) if n != 1 else sympy.Integer(0)
+    return Cost(compares, unique_bytes(x), written_all(call))
+
+
+@register_cost(aten.topk, aten.kthvalue)
+def topk_cost(call: OpCall) -> Cost:
+    """One compare per element (radix select), one read; the ``k`` values and indices written."""
+    x = call.arg("self")
+    return Cost(x.numel, unique_bytes(x), written_all(call))

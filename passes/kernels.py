@@ -1,0 +1,123 @@
+"""Kernel pass: which nodes launch a kernel on the target, of which class, and which SDPA backend.
+
+Views and bookkeeping ops launch nothing. Scaled-dot-product attention is priced as the variant the
+*target* would dispatch (flash needs sm80+ and fp16/bf16; mem-efficient handles fp32 and masks;
+otherwise math), not the one the host chose while tracing.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.fx
+
+from boomfx.devices import DeviceSpec
+from boomfx.passes.aliasing import is_view_node
+from boomfx.passes.manager import AnalysisManager
+from boomfx.program import Program
+
+aten = torch.ops.aten
+
+OP_CLASS_MATMUL = "matmul"
+OP_CLASS_CONV = "conv"
+OP_CLASS_ATTENTION = "attention"
+OP_CLASS_MEMORY = "memory"
+
+_MATMUL = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.addmv, aten.mv, aten.dot,
+           aten._addmm_activation, aten.einsum, aten.addbmm}
+_CONV = {aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, aten._convolution, aten.convolution_backward,
+         aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d, aten.cudnn_convolution}
+SDPA_OPS = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_cudnn_attention}
+_SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_backward,
+                  aten._scaled_dot_product_efficient_attention_backward,
+                  aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                  aten._scaled_dot_product_cudnn_attention_backward}
+# Ops that allocate or check but launch no kernel.
+_NO_KERNEL = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.empty, aten.empty_like,
+              aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._assert_async,
+              aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size,
+              aten._assert_tensor_metadata, aten.lift_fresh, aten.alias, aten.detach, aten._local_scalar_dense,
+              aten.sym_is_contiguous}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    launches: bool
+    op_class: str = OP_CLASS_MEMORY
+    sdpa_backend: Optional[str] = None
+
+
+NO_KERNEL = KernelChoice(False, "none")
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    by_node: Mapping[str, KernelChoice]
+
+    def choice(self, node: torch.fx.Node) -> KernelChoice:
+        return self.by_node.get(node.name, NO_KERNEL)
+
+
+def op_class(op: torch._ops.OpOverload) -> str:
+    packet = op.overloadpacket
+    if packet in _MATMUL:
+        return OP_CLASS_MATMUL
+    if packet in _CONV:
+        return OP_CLASS_CONV
+    if packet in SDPA_OPS or packet in _SDPA_BACKWARD:
+        return OP_CLASS_ATTENTION
+    return OP_CLASS_MEMORY
+
+
+def sdpa_backend_for(node: torch.fx.Node, device: DeviceSpec) -> str:
+    """The backend PyTorch would pick on ``device`` for this attention call (sdp_utils priority order)."""
+    q = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float32
+    head_dim = q.shape[-1] if isinstance(q, torch.Tensor) else 64
+    has_mask = len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("attn_mask") is not None
+    if device.kind == "cpu":
+        # CPU: the fused flash kernel handles fp32/bf16/fp16 without an arbitrary mask requirement
+        return "flash" if dtype in (torch.float32, torch.bfloat16, torch.float16) else "math"
+    low_precision = dtype in (torch.float16, torch.bfloat16)
+    try:
+        small_head = int(head_dim) <= 256
+    except TypeError:
+        small_head = True
+    if device.supports_flash_attention and low_precision and small_head and not has_mask:
+        return "flash"
+    if device.supports_mem_efficient_attention:
+        return "efficient"
+    return "math"
+
+
+def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
+    by_node: dict[str, KernelChoice] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket in _NO_KERNEL:
+            by_node[node.name] = NO_KERNEL
+            continue
+        if target.namespace not in ("aten", "prims", "quantized", "torchvision"):
+            by_node[node.name] = KernelChoice(True, OP_CLASS_MEMORY)
+            continue
+        if is_view_node(node):
+            by_node[node.name] = NO_KERNEL
+            continue
+        cls = op_class(target)
+        backend = None
+        if target.overloadpacket in SDPA_OPS or target.overloadpacket in _SDPA_BACKWARD:
+            backend = sdpa_backend_for(node, am.device)
+        by_node[node.name] = KernelChoice(True, cls, backend)
+    return KernelInfo(by_node)
+
+
+def is_bookkeeping(node: torch.fx.Node) -> bool:
+    """Non-aten call_function nodes (getitem, SymInt arithmetic) that never touch the device."""
+    return node.op == "call_function" and (node.target is operator.getitem
+                                           or not isinstance(node.target, torch._ops.OpOverload))

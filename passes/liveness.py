@@ -1,0 +1,234 @@
+"""Liveness pass: every tensor storage's allocation step, last use, size and memory category.
+
+Keyed by storage, not by fx value: views and in-place results share their base's storage (see
+``aliasing``), so aliases are counted once. A storage is allocated at the step of the node that
+creates it and freed after the last step that uses any alias of it, exactly as the code fx generates
+for a GraphModule drops references (``x = None`` after last use). Inputs of the graph (parameters,
+optimizer state, user inputs) are resident for the whole step; graph outputs live to its end.
+
+Known limitations:
+- Temporaries that a single aten op allocates internally (e.g. ``layer_norm``'s mean/rstd when only
+  the output is used, kernel workspaces) are not storages of the graph; the kernel database measures them.
+- Memory policy (rounding, caching, fragmentation) belongs to the allocator model, not here.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional
+
+import sympy
+import torch
+import torch.fx
+
+from boomfx.passes.aliasing import output_aliases
+from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.manager import AnalysisManager
+from boomfx.passes.specs import dtype_itemsize, to_sympy
+from boomfx.program import (
+    PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
+    ROLE_OPT_STATE, ROLE_PARAM, Program,
+)
+
+
+class Category(str, enum.Enum):
+    PARAM = "parameter"
+    BUFFER = "buffer"
+    GRAD = "gradient"
+    OPT = "optimizer_state"
+    ACT = "activation"
+    TEMP = "temporary"
+    INPUT = "input"
+    OTHER = "other"
+
+
+_ROLE_CATEGORY = {
+    ROLE_PARAM: Category.PARAM, ROLE_BUFFER: Category.BUFFER, ROLE_OPT_STATE: Category.OPT,
+    ROLE_INPUT: Category.INPUT, ROLE_LABEL: Category.INPUT, ROLE_CONSTANT: Category.OTHER, ROLE_GRAD: Category.GRAD,
+}
+
+
+@dataclass(frozen=True)
+class StorageInterval:
+    storage_id: int
+    node: str                 # the node that created the storage (or the placeholder)
+    start_step: int           # -1: resident before the step begins
+    end_step: int             # last step at which it is alive
+    nbytes: sympy.Expr
+    category: Category
+
+    @property
+    def resident(self) -> bool:
+        return self.start_step < 0
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    step: int
+    live_bytes: int
+    by_category: Mapping[Category, int]
+
+
+@dataclass(frozen=True)
+class LivenessInfo:
+    intervals: tuple[StorageInterval, ...]
+    order: tuple[str, ...]          # node name at each step
+
+    def timeline(self, ev: Evaluator) -> list[int]:
+        """Live bytes at each step: a difference array over the intervals, prefix-summed."""
+        n = len(self.order)
+        diff = [0] * (n + 1)
+        base = 0
+        for iv in self.intervals:
+            size = ev(iv.nbytes)
+            if iv.resident:
+                base += size
+                continue
+            diff[iv.start_step] += size
+            diff[iv.end_step + 1] -= size
+        live, out = base, []
+        for i in range(n):
+            live += diff[i]
+            out.append(live)
+        return out
+
+    def peak(self, ev: Evaluator) -> MemoryPoint:
+        timeline = self.timeline(ev)
+        step = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
+        by_cat: dict[Category, int] = {}
+        for iv in self.intervals:
+            if iv.start_step <= step <= iv.end_step:
+                by_cat[iv.category] = by_cat.get(iv.category, 0) + ev(iv.nbytes)
+        return MemoryPoint(step, timeline[step] if timeline else 0, by_cat)
+
+    def resident_bytes(self, ev: Evaluator) -> int:
+        return sum(ev(iv.nbytes) for iv in self.intervals if iv.resident)
+
+    def events(self) -> Iterator[tuple[int, str, StorageInterval]]:
+        """(step, "alloc"|"free", interval) in execution order: a node's outputs are allocated before
+        the storages whose last use it was are freed. Resident storages are not included."""
+        by_start: dict[int, list[StorageInterval]] = {}
+        by_end: dict[int, list[StorageInterval]] = {}
+        for iv in self.intervals:
+            if iv.resident:
+                continue
+            by_start.setdefault(iv.start_step, []).append(iv)
+            by_end.setdefault(iv.end_step, []).append(iv)
+        for step in range(len(self.order)):
+            for iv in by_start.get(step, ()):
+                yield step, "alloc", iv
+            for iv in by_end.get(step, ()):
+                yield step, "free", iv
+
+
+def _fresh_nbytes(val: torch.Tensor) -> sympy.Expr:
+    numel = sympy.Integer(1)
+    for size in val.shape:
+        numel = numel * to_sympy(size)
+    return numel * dtype_itemsize(val.dtype)
+
+
+def _node_users_flat(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> LivenessInfo:
+    graph = program.graph
+    nodes = list(graph.nodes)
+    order = tuple(n.name for n in nodes)
+    step_of = {n: i for i, n in enumerate(nodes)}
+    last_step = len(nodes) - 1
+
+    storage_nodes: list[torch.fx.Node] = []           # creator of each storage id
+    storage_bytes: list[sympy.Expr] = []
+    storage_start: list[int] = []
+    storage_end: list[int] = []
+    storage_cat: list[Optional[Category]] = []
+    out_sids: dict[torch.fx.Node, list[Optional[int]]] = {}   # per output index
+
+    def new_storage(node: torch.fx.Node, nbytes: sympy.Expr, start: int, cat: Optional[Category]) -> int:
+        storage_nodes.append(node)
+        storage_bytes.append(nbytes)
+        storage_start.append(start)
+        storage_end.append(start if start >= 0 else last_step)
+        storage_cat.append(cat)
+        return len(storage_nodes) - 1
+
+    for node in nodes:
+        step = step_of[node]
+        if node.op in ("placeholder", "get_attr"):
+            val = node.meta.get("val")
+            if node.op == "get_attr" and not isinstance(val, torch.Tensor):
+                val = getattr(program.gm, str(node.target), None)
+            role = program.input_roles.get(node.name, ROLE_PARAM if node.op == "get_attr" else ROLE_INPUT)
+            if isinstance(val, torch.Tensor):
+                sid = new_storage(node, _fresh_nbytes(val), -1, _ROLE_CATEGORY.get(role, Category.OTHER))
+                out_sids[node] = [sid]
+            else:
+                out_sids[node] = [None]
+            continue
+        if node.op == "output":
+            for inp in node.all_input_nodes:     # graph outputs live to the end of the step
+                for sid in _sids(out_sids, inp):
+                    storage_end[sid] = last_step
+            continue
+        val = node.meta.get("val")
+        vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        aliases = output_aliases(node) if node.op == "call_function" else [None] * len(vals)
+        sids: list[Optional[int]] = []
+        for k, v in enumerate(vals):
+            alias = aliases[k] if k < len(aliases) else None
+            if alias is not None:
+                src, _ = alias
+                if node.target.__name__ == "getitem" if callable(node.target) else False:
+                    idx = node.args[1]
+                    src_sids = out_sids.get(src, [])
+                    sids.append(src_sids[idx] if isinstance(idx, int) and idx < len(src_sids) else None)
+                else:
+                    src_list = out_sids.get(src, [])
+                    sids.append(src_list[0] if src_list else None)
+            elif isinstance(v, torch.Tensor):
+                sids.append(new_storage(node, _fresh_nbytes(v), step, None))
+            else:
+                sids.append(None)
+        out_sids[node] = sids
+        for inp in node.all_input_nodes:
+            for sid in _sids(out_sids, inp):
+                if storage_start[sid] >= 0 and storage_end[sid] < step:
+                    storage_end[sid] = step
+
+    _assign_categories(program, nodes, out_sids, storage_nodes, storage_cat, step_of)
+    intervals = tuple(
+        StorageInterval(i, storage_nodes[i].name, storage_start[i], storage_end[i], storage_bytes[i],
+                        storage_cat[i] or Category.TEMP)
+        for i in range(len(storage_nodes))
+    )
+    return LivenessInfo(intervals, order)
+
+
+def _sids(out_sids: Mapping[torch.fx.Node, list[Optional[int]]], node: torch.fx.Node) -> list[int]:
+    return [s for s in out_sids.get(node, []) if s is not None]
+
+
+def _assign_categories(program: Program, nodes: list[torch.fx.Node],
+                       out_sids: Mapping[torch.fx.Node, list[Optional[int]]], storage_nodes: list[torch.fx.Node],
+                       storage_cat: list[Optional[Category]], step_of: Mapping[torch.fx.Node, int]) -> None:
+    """Gradients by the grad-producing nodes; activations are forward storages a backward node reads."""
+    for name, _fqn in program.grad_nodes.items():
+        for node in nodes:
+            if node.name == name:
+                for sid in _sids(out_sids, node):
+                    if storage_cat[sid] is None:
+                        storage_cat[sid] = Category.GRAD
+                break
+    if not program.options.train:
+        return
+    for node in nodes:
+        if node.op != "call_function" or program.phase_of(node) != PHASE_BACKWARD:
+            continue
+        for inp in node.all_input_nodes:
+            if inp.op != "call_function" or program.phase_of(inp) not in (PHASE_FORWARD, PHASE_RECOMPUTE):
+                continue
+            for sid in _sids(out_sids, inp):
+                if storage_cat[sid] is None and program.phase_of(storage_nodes[sid]) == PHASE_FORWARD:
+                    storage_cat[sid] = Category.ACT

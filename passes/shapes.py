@@ -1,0 +1,58 @@
+"""Shapes/costs pass: per node, its OpCall (symbolic shapes) and its Cost from the formula registry.
+
+Nodes that launch no kernel (views, bookkeeping) cost nothing by construction; every kernel gets a
+cost, from its formula or — flagged unmodelled — from the bytes it moves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch.fx
+
+from boomfx.passes.costs.registry import OpCall, PricedCall, price_call
+from boomfx.passes.errors import node_error
+from boomfx.passes.kernels import kernel_pass
+from boomfx.passes.manager import AnalysisManager
+from boomfx.passes.opcall import opcall_from_node
+from boomfx.program import Program
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    call: OpCall
+    priced: PricedCall
+
+
+@dataclass(frozen=True)
+class CostInfo:
+    by_node: Mapping[str, NodeCost]
+
+    def get(self, node: torch.fx.Node) -> Optional[NodeCost]:
+        return self.by_node.get(node.name)
+
+    def unmodelled_ops(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for nc in self.by_node.values():
+            if not nc.priced.modelled:
+                key = str(nc.call.op)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+
+def cost_pass(program: Program, am: AnalysisManager) -> CostInfo:
+    kernels = am.get(kernel_pass)
+    by_node: dict[str, NodeCost] = {}
+    for node in program.graph.nodes:
+        choice = kernels.by_node.get(node.name)
+        if choice is None or not choice.launches:
+            continue
+        try:
+            context = {"sdpa_backend": choice.sdpa_backend} if choice.sdpa_backend else {}
+            call = opcall_from_node(node, context)
+            if call is None:
+                continue
+            by_node[node.name] = NodeCost(call, price_call(call, am.registry))
+        except Exception as exc:  # a formula bug must name the node it failed on
+            raise node_error("cost pass", node, exc) from exc
+    return CostInfo(by_node)
