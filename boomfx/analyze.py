@@ -123,12 +123,15 @@ class Analysis:
                 price, (flops, moved) = self._price_node(node.name, ev)
                 nc = self.costs.by_node[node.name]
                 sync = node.target.overloadpacket in _HOST_SYNC_OPS
-                scheduled.append(ScheduledKernel(node.name, price.host_ns, price.time_ns, 0, sync))
+                device_ns = price.time_ns
+                if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
+                    device_ns += price.host_ns      # the CPU issues and runs each op on one thread
+                scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
                 workspace_at[step] = int(price.workspace_bytes or 0)
                 kernels.append(KernelReport(
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
-                    host_ns=price.host_ns, start_ns=0.0, source=price.source, modelled=nc.priced.modelled,
+                    host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0)))
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         for k, span in zip(kernels, timeline.spans):
@@ -225,6 +228,10 @@ class Analysis:
             by_phase=_group(kernels, lambda k: k.phase, busy),
             by_source=_group(kernels, lambda k: k.source, busy),
             blocks=[], unmodelled_ops=self.costs.unmodelled_ops(), kernels=kernels)
+
+
+def _source_name(source: Any) -> str:
+    return str(getattr(source, "value", source))
 
 
 def _group(kernels: list[KernelReport], key: Callable[[KernelReport], str], busy: float) -> list[GroupTime]:

@@ -23,6 +23,8 @@ _MAYBE_COPY = {
     aten.to.other, aten.type_as.default, aten.flatten.using_ints, aten.view_as.default, aten.reshape_as.default,
 }
 
+MAYBE_COPY_OPS = frozenset(_MAYBE_COPY)
+
 # Views that do not carry an alias annotation we can rely on across versions.
 _ALWAYS_VIEW_CALLABLES = {operator.getitem}
 

@@ -10,12 +10,17 @@ from typing import Mapping, Optional
 
 import torch.fx
 
+import torch
+
+from boomfx.passes.aliasing import MAYBE_COPY_OPS
 from boomfx.passes.costs.registry import OpCall, PricedCall, price_call
 from boomfx.passes.errors import node_error
 from boomfx.passes.kernels import kernel_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import opcall_from_node
 from boomfx.program import Program
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,9 @@ def cost_pass(program: Program, am: AnalysisManager) -> CostInfo:
             call = opcall_from_node(node, context)
             if call is None:
                 continue
+            if node.target in MAYBE_COPY_OPS:
+                # reshape/contiguous/to that materialise a copy here run the clone kernel
+                call = OpCall.build(aten.clone.default, (call.tensor_args()[0],), {}, call.outputs, context)
             by_node[node.name] = NodeCost(call, price_call(call, am.registry))
         except Exception as exc:  # a formula bug must name the node it failed on
             raise node_error("cost pass", node, exc) from exc

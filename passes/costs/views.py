@@ -54,7 +54,11 @@ METADATA_OPS: frozenset = frozenset({
     aten._assert_tensor_metadata, aten.sym_constrain_range, aten.sym_constrain_range_for_size,
     aten._local_scalar_dense, aten.item, aten.is_same_size, aten.is_nonzero,
     aten._functional_assert_async, aten._functional_sym_constrain_range,
-}) | _existing("_functional_assert_scalar", "_print")
+}) | _existing("_functional_assert_scalar", "_print") | frozenset({
+    # profiler markers that ``optimizer.step()`` leaves in make_fx graphs: host-side only
+    torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit,
+    torch.ops.profiler._record_function_enter,
+})
 
 
 def is_view_op(op: Any) -> bool:

@@ -1,0 +1,301 @@
+"""A calibrated GPU kernel-time model: tile/wave GEMMs and bandwidth curves, better than a roofline.
+
+``GpuKernelModel.load()`` reads fitted parameters (``kernels_db/data/gpu_calibration.json``, written by
+``fit_gpu_model.py`` from public measurements); ``predict_ns(call, device)`` prices one ``OpCall`` on one
+``DeviceSpec``; ``transfer_ns`` carries a measurement from one GPU to another kernel by kernel. The
+formulas and their derivation live in ``gpu_model_core.py``.
+
+Example::
+
+    model = GpuKernelModel.load()
+    t_ns = model.predict_ns(call, get_device("a100-pcie-40gb"))            # None if no model for the op
+    t_h100_ns = model.transfer_ns(measured_ns, call, get_device("a100-pcie-40gb"), get_device("h100-sxm"))
+
+Devices with measurements use their own fitted parameters; any other GPU uses the generic
+(device-independent) parameters scaled by its datasheet peak, bandwidth and SM count.
+
+Known limitations:
+
+* fp32 without TF32 only (the calibration data). Other dtypes get ``None``: the tensor-core kernels
+  behave differently and no measurements here say how.
+* ``floor_ns`` includes torch 2.1 eager host dispatch (the source timed isolated ops with CUDA events);
+  in a busy stream part of it would overlap. NB: small-tensor memory ops (< 50 MB) are extrapolated.
+* No L2 residency: on the L4 (48 MB L2) some layer norm / softmax rows ran faster than DRAM allows;
+  the model stays at the DRAM roofline there by design.
+* The GEMM model takes the best candidate tile; cuBLAS's heuristic sometimes picks worse ones.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import sympy
+import torch
+
+from boomfx.devices import DeviceSpec
+from boomfx.kernels_db import gpu_model_core as core
+from boomfx.kernels_db.gpu_model_core import GemmParams, MemoryParams
+from boomfx.passes.costs.registry import OpCall
+from boomfx.passes.specs import TensorSpec
+
+aten = torch.ops.aten
+CALIBRATION_PATH = Path(__file__).parent / "data" / "gpu_calibration.json"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What an OpCall is, for this model: op object -> family (rules as data, keyed by op objects)
+# ---------------------------------------------------------------------------------------------------
+
+GEMM_FAMILY: Mapping[Any, str] = {
+    aten.mm.default: "linear", aten.addmm.default: "linear", aten.linear.default: "linear",
+    aten.bmm.default: "bmm", aten.baddbmm.default: "bmm",
+}
+# Elementwise packets -> calibration class when the second operand is a tensor / a Python scalar.
+ELEMENTWISE_CLASS: Mapping[Any, tuple[str, str]] = {
+    aten.add: ("add", "add_scalar"), aten.sub: ("add", "add_scalar"), aten.rsub: ("add", "add_scalar"),
+    aten.mul: ("mul", "mul_scalar"), aten.div: ("div", "div_scalar"), aten.pow: ("pow", "pow_scalar"),
+    aten.relu: ("relu", "relu"), aten.gelu: ("gelu", "gelu"), aten.tanh: ("tanh", "tanh"),
+}
+# Other pointwise ops priced by the pooled ``elementwise`` curve (same streaming kernel template).
+POOLED_ELEMENTWISE: frozenset = frozenset({
+    aten.sigmoid, aten.silu, aten.exp, aten.log, aten.neg, aten.abs, aten.sqrt, aten.rsqrt, aten.clone,
+    aten.where, aten.maximum, aten.minimum, aten.clamp, aten.clamp_min, aten.threshold_backward,
+    aten.gelu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.reciprocal, aten.copy,
+})
+NORM_CLASS: Mapping[Any, str] = {
+    aten.native_layer_norm.default: "layer_norm", aten.layer_norm.default: "layer_norm",
+    aten._softmax.default: "softmax", aten.softmax.int: "softmax",
+}
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    family: str
+    b: int
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class MemoryProblem:
+    op_class: str
+    nbytes: int
+    row: int
+
+
+def _int(value: Any) -> int:
+    expr = sympy.sympify(value)
+    if expr.free_symbols:
+        raise ValueError(f"unbound symbols {sorted(map(str, expr.free_symbols))}: bind sizes first")
+    return int(expr)
+
+
+def _shape(spec: TensorSpec) -> tuple[int, ...]:
+    return tuple(_int(s) for s in spec.shape)
+
+
+def _fp32_only(call: OpCall) -> bool:
+    tensors = call.tensor_args() + call.tensor_outputs()
+    return bool(tensors) and all(t.dtype == torch.float32 for t in tensors)
+
+
+def gemm_problem(call: OpCall) -> Optional[GemmProblem]:
+    """(b, m, n, k) of a matmul-family call: output [b, m, n], contraction k."""
+    family = GEMM_FAMILY.get(call.op)
+    if family is None:
+        return None
+    if call.op is aten.linear.default:
+        x, w = _shape(call.arg("input")), _shape(call.arg("weight"))
+        m = int(np.prod(x[:-1])) if len(x) > 1 else 1
+        return GemmProblem(family, 1, m, w[0], x[-1])
+    if family == "linear":
+        a, bm = _shape(call.arg("mat1" if call.op is aten.addmm.default else "self")), _shape(call.arg("mat2"))
+        return GemmProblem(family, 1, a[0], bm[1], a[1])
+    a = _shape(call.arg("batch1" if call.op is aten.baddbmm.default else "self"))
+    bm = _shape(call.arg("batch2" if call.op is aten.baddbmm.default else "mat2"))
+    return GemmProblem(family, a[0], a[1], bm[2], a[2])
+
+
+def memory_problem(call: OpCall) -> Optional[MemoryProblem]:
+    """Class, bytes moved (tensor inputs read once, outputs written once) and row length."""
+    packet = call.op.overloadpacket
+    if call.op in NORM_CLASS:
+        op_class = NORM_CLASS[call.op]
+    elif packet in ELEMENTWISE_CLASS:
+        tensor_operands = [v for v in call.args.values() if isinstance(v, TensorSpec)]
+        op_class = ELEMENTWISE_CLASS[packet][0 if len(tensor_operands) > 1 else 1]
+    elif packet in POOLED_ELEMENTWISE:
+        op_class = "elementwise"
+    else:
+        return None
+    nbytes = sum(_int(t.nbytes) for t in call.tensor_args()) + sum(_int(t.nbytes) for t in call.tensor_outputs())
+    outs = call.tensor_outputs()
+    row = _shape(outs[0])[-1] if outs and outs[0].ndim else 1
+    return MemoryProblem(op_class, nbytes, row)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calibration data
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceCalibration:
+    gemm: Mapping[str, GemmParams] = field(default_factory=dict)
+    memory: Mapping[str, MemoryParams] = field(default_factory=dict)
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "DeviceCalibration":
+        gemm = {k: GemmParams(**v) for k, v in d.get("gemm", {}).items()}
+        memory = {k: MemoryParams(v["floor_ns"], tuple(v["log2_row_knots"]), tuple(v["inv_efficiency"]))
+                  for k, v in d.get("memory", {}).items()}
+        return DeviceCalibration(gemm, memory)
+
+
+class GpuKernelModel:
+    """Predicts fp32 kernel times from fitted per-device parameters, or generic ones scaled by datasheet."""
+
+    def __init__(self, devices: Mapping[str, DeviceCalibration], generic: DeviceCalibration,
+                 e_max_vs_balance: Optional[Mapping[str, Mapping[str, float]]] = None) -> None:
+        self.devices = dict(devices)
+        self.generic = generic
+        self.e_max_vs_balance = dict(e_max_vs_balance or {})
+
+    @staticmethod
+    def load(path: Optional[Path | str] = None) -> "GpuKernelModel":
+        with open(path or CALIBRATION_PATH) as fh:
+            return GpuKernelModel.from_json(json.load(fh))
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any]) -> "GpuKernelModel":
+        devices = {name: DeviceCalibration.from_json(d) for name, d in doc["devices"].items()}
+        return GpuKernelModel(devices, DeviceCalibration.from_json(doc["generic"]),
+                              doc["generic"].get("gemm_e_max_vs_balance"))
+
+    def without_device(self, name: str) -> "GpuKernelModel":
+        """The same model with one device's own parameters dropped (it falls back to the generic set)."""
+        return GpuKernelModel({k: v for k, v in self.devices.items() if k != name}, self.generic,
+                              self.e_max_vs_balance)
+
+    # -- parameter lookup: the device's own, else generic; a family falls back to its sibling --------
+    def gemm_params(self, family: str, device: DeviceSpec) -> Optional[GemmParams]:
+        for cal in (self.devices.get(device.name), self.generic):
+            if cal is None:
+                continue
+            for fam in (family, "linear", "bmm"):
+                if fam in cal.gemm:
+                    if cal is self.generic:
+                        return self._generic_for(fam, cal.gemm[fam], device)
+                    return cal.gemm[fam]
+        return None
+
+    def _generic_for(self, family: str, params: GemmParams, device: DeviceSpec) -> GemmParams:
+        """Generic parameters with e_max from the fitted trend in datasheet bytes per FLOP, if any."""
+        fit = self.e_max_vs_balance.get(family)
+        if not fit:
+            return params
+        balance = device.memory_bandwidth_bytes_per_s / device.peak_flops_per_s[torch.float32]
+        e_max = float(np.exp(fit["intercept"] + fit["slope"] * np.log(balance)))
+        e_max = min(max(e_max, fit["e_max_min"]), fit["e_max_max"])
+        return replace(params, e_max=e_max)
+
+    def memory_params(self, op_class: str, device: DeviceSpec) -> Optional[MemoryParams]:
+        for cal in (self.devices.get(device.name), self.generic):
+            if cal is None:
+                continue
+            for cls in (op_class, "elementwise"):
+                if cls in cal.memory:
+                    return cal.memory[cls]
+        return None
+
+    # -- predictions -----------------------------------------------------------------------------
+    def predict_gemm_ns(self, problem: GemmProblem, device: DeviceSpec, launch_floor: bool = False) -> Optional[float]:
+        params = self.gemm_params(problem.family, device)
+        if params is None:
+            return None
+        if launch_floor:
+            params = replace(params, floor_ns=device.kernel_launch_ns)
+        t = core.gemm_time_ns(problem.b, problem.m, problem.n, problem.k,
+                              peak_flops_per_s=device.peak_flops_per_s[torch.float32],
+                              bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+                              sm_count=device.sm_count, params=params)
+        return float(t)
+
+    def predict_memory_ns(self, problem: MemoryProblem, device: DeviceSpec, launch_floor: bool = False) -> Optional[float]:
+        params = self.memory_params(problem.op_class, device)
+        if params is None:
+            return None
+        if launch_floor:
+            params = replace(params, floor_ns=device.kernel_launch_ns)
+        t = core.memory_time_ns(problem.nbytes, problem.row,
+                                bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s, params=params)
+        return float(t)
+
+    def predict_ns(self, call: OpCall, device: DeviceSpec, launch_floor: bool = False) -> Optional[float]:
+        """Predicted GPU time of one call (ns), or None when no model covers the op, dtype or device.
+
+        Sizes must be concrete (bind symbols first). Never faster than ``max(flops/peak, bytes/bw)``.
+        ``launch_floor=True`` replaces the fitted floor (which includes torch 2.1's host dispatch, as
+        the public data timed isolated eager ops) by the device's kernel launch latency: the scheduler
+        models host issue separately, so the floor must not be counted twice.
+        """
+        if device.kind != "cuda" or device.sm_count <= 0 or not _fp32_only(call):
+            return None
+        gemm = gemm_problem(call)
+        if gemm is not None:
+            return self.predict_gemm_ns(gemm, device, launch_floor)
+        mem = memory_problem(call)
+        if mem is not None:
+            return self.predict_memory_ns(mem, device, launch_floor)
+        return None
+
+    def transfer_ns(self, measured_ns: float, call: OpCall, source: DeviceSpec, target: DeviceSpec) -> float:
+        """Carry a measurement on ``source`` to ``target``: ``measured * model(target) / model(source)``.
+
+        Shape effects the model misses on the source (a cuBLAS kernel choice, an odd size) carry over
+        as the ratio. Same device: the measurement, exactly. When the model has no rule for the op, the
+        ratio of datasheet bandwidths is used (NB: assumes the op is memory-bound).
+        """
+        if source.name == target.name:
+            return float(measured_ns)
+        src = self.predict_ns(call, source)
+        dst = self.predict_ns(call, target)
+        if src is None or dst is None or src <= 0:
+            return float(measured_ns) * source.memory_bandwidth_bytes_per_s / target.memory_bandwidth_bytes_per_s
+        return float(measured_ns) * dst / src
+
+
+# ---------------------------------------------------------------------------------------------------
+# Baselines the benchmark compares against
+# ---------------------------------------------------------------------------------------------------
+
+def call_flops_and_bytes(call: OpCall) -> tuple[float, float]:
+    """FLOPs (2*b*m*n*k for GEMMs, 0 otherwise) and bytes of tensor inputs + outputs."""
+    nbytes = float(sum(_int(t.nbytes) for t in call.tensor_args()) + sum(_int(t.nbytes) for t in call.tensor_outputs()))
+    gemm = gemm_problem(call)
+    flops = 2.0 * gemm.b * gemm.m * gemm.n * gemm.k if gemm else 0.0
+    return flops, nbytes
+
+
+def roofline_ns(call: OpCall, device: DeviceSpec) -> float:
+    """Plain datasheet roofline: ``max(flops / fp32 peak, bytes / bandwidth)``, no efficiency, no floor."""
+    flops, nbytes = call_flops_and_bytes(call)
+    return max(flops / device.peak_flops_per_s[torch.float32], nbytes / device.memory_bandwidth_bytes_per_s) * 1e9
+
+
+# PyTorch's torch.utils._runtime_estimation.flops_to_ns: MACs (= FLOPs / 2) at 75% of peak.
+PYTORCH_PEAK_FRACTION = 0.75
+PYTORCH_FLOPS_PER_MAC = 2.0
+
+
+def pytorch_estimator_ns(call: OpCall, device: DeviceSpec) -> float:
+    """PyTorch's RuntimeEstimator roofline rule ``max(compute, transfer)`` with its own conventions.
+
+    compute = (flops / 2) / (0.75 * peak) (it converts FLOPs to MACs), transfer = bytes / bandwidth.
+    """
+    flops, nbytes = call_flops_and_bytes(call)
+    compute_ns = flops / PYTORCH_FLOPS_PER_MAC / (PYTORCH_PEAK_FRACTION * device.peak_flops_per_s[torch.float32]) * 1e9
+    return max(compute_ns, nbytes / device.memory_bandwidth_bytes_per_s * 1e9)

@@ -1,0 +1,376 @@
+"""The shared measurer: time, host overhead and workspace of one keyed kernel, in isolation.
+
+Every collector hands keys to ``Measurer.measure``; nothing else in boomfx runs real kernels.
+
+CPU (``torch.device("cpu")``):
+  1. Build inputs (``keys.make_inputs``), warm up until ``warmup_s`` has passed (at least 2 calls).
+  2. Time with ``time.perf_counter_ns`` (monotonic). Ops faster than ``min_sample_ns`` are called
+     ``inner`` times per sample and the sample is divided by ``inner`` (adaptive repeat for tiny ops).
+     The number of samples adapts to ``target_s`` within ``[min_runs, max_runs]``; median, p10, p90.
+     ``torch.set_flush_denormal(True)`` while timing: in-place ops called repeatedly must not drift
+     into (100x slower) denormal arithmetic.
+  3. Host overhead: on CPU issue and execution share one thread, so ``median_ns`` *includes* dispatch.
+     We estimate the dispatch part as the time of the same call on one-element tensors
+     (``keys.shrunk_key``), cached per structure; when that call is invalid (e.g. a ``view`` whose
+     size argument no longer fits) we use the time of ``aten.add`` on one-element tensors, measured
+     once per measurer. It is capped at ``median_ns``.
+  4. Workspace: one extra call under ``torch.profiler`` with ``profile_memory=True`` (previous outputs
+     freed first); the running sum of ``[memory]`` event bytes peaks at inputs' scratch + outputs and
+     ends at outputs, so ``workspace = peak - end`` (facts.md).
+
+CUDA:
+  1. Same inputs on the GPU; warm-up; the number of runs adapts to ``target_s``.
+  2. Device time between CUDA events around the op alone. Before each run an L2-sized buffer is
+     zeroed when the op's inputs would otherwise stay L2-resident (inputs < 2 x L2): without it
+     small kernels read from a warm cache a real step would not give them. The flush is queued before
+     the start event, so it also hides the host launch latency of the timed kernel.
+  3. Host overhead: ``perf_counter_ns`` around the Python call, without synchronize (launch cost).
+  4. Workspace: ``max_memory_allocated - memory_allocated`` after one call with its outputs alive,
+     peak stats reset just before the call (caching-allocator bytes, rounded as the allocator does).
+
+Example::
+
+    m = Measurer(torch.device("cpu"), target_s=0.01).measure(key)
+    m.median_ns, m.host_ns, m.workspace_bytes
+
+Known limitations:
+- CUDA event timing adds ~1-2 us to kernels shorter than that; library workspaces that are allocated
+  once per handle (cuBLAS) appear in the first (warm-up) call only, so they are not per-kernel here.
+- The CPU workspace includes scratch of intra-op worker threads as the profiler sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from boomfx.kernels_db.keys import make_inputs, shrunk_key
+from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord
+
+NS_PER_S = 1_000_000_000
+NS_PER_MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What ``Measurer.measure`` found for one key; ``n_runs`` is the number of timed samples."""
+
+    median_ns: float
+    p10_ns: float
+    p90_ns: float
+    n_runs: int
+    host_ns: float
+    workspace_bytes: int
+    source: str  # "measured:cpu" / "measured:cuda"
+
+    def record(self, fingerprint: DeviceFingerprint, key: KernelKey) -> KernelRecord:
+        return KernelRecord(
+            fingerprint,
+            key,
+            self.median_ns,
+            self.p10_ns,
+            self.p90_ns,
+            self.n_runs,
+            self.host_ns,
+            self.workspace_bytes,
+            self.source,
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def current_fingerprint(device: torch.device) -> DeviceFingerprint:
+    """The fingerprint of measurements taken now, in this process, on ``device``."""
+    host = platform.node()
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        get_driver = getattr(torch._C, "_cuda_getDriverVersion", None)
+        driver = str(get_driver()) if get_driver is not None else ""
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        detail = json.dumps(
+            {
+                "cc": f"{props.major}.{props.minor}",
+                "cudnn": cudnn,
+                "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+                "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            },
+            sort_keys=True,
+        )
+        return DeviceFingerprint(
+            torch.cuda.get_device_name(idx),
+            "cuda",
+            torch.__version__,
+            torch.version.cuda or "",
+            driver,
+            host,
+            torch.get_num_threads(),
+            detail,
+        )
+    if device.type == "cpu":
+        return DeviceFingerprint(
+            "cpu", "cpu", torch.__version__, "", "", host, torch.get_num_threads(), _cpu_model()
+        )
+    return DeviceFingerprint(
+        device.type, "other", torch.__version__, "", "", host, torch.get_num_threads(), ""
+    )
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list (numpy's default method)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples_ns: list[float]) -> tuple[float, float, float]:
+    """(median, p10, p90) of timing samples."""
+    ordered = sorted(samples_ns)
+    return statistics.median(ordered), _quantile(ordered, 0.10), _quantile(ordered, 0.90)
+
+
+class Measurer:
+    """Measures keyed kernels one at a time on one device. Settings are plain arguments (no env reads)."""
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        warmup_s: float = 0.002,
+        target_s: float = 0.02,
+        min_runs: int = 5,
+        max_runs: int = 200,
+        min_sample_ns: float = 100_000,
+        measure_workspace: bool = True,
+        flush_l2: bool = True,
+        seed: int = 0,
+        num_threads: Optional[int] = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("Measurer(cuda): torch.cuda.is_available() is False on this machine")
+        self.warmup_ns = warmup_s * NS_PER_S
+        self.target_ns = target_s * NS_PER_S
+        self.min_runs, self.max_runs = min_runs, max_runs
+        self.min_sample_ns = min_sample_ns
+        self.measure_workspace = measure_workspace
+        self.flush_l2 = flush_l2
+        self.seed = seed
+        self.num_threads = num_threads  # CPU intra-op threads while measuring; None = leave torch's setting
+        self._host_cache: dict[str, float] = {}
+        self._fallback_host_ns: Optional[float] = None
+        self._l2_buffer: Optional[torch.Tensor] = None
+
+    @property
+    def source(self) -> str:
+        return f"measured:{self.device.type}"
+
+    def fingerprint(self) -> DeviceFingerprint:
+        with self._threads():
+            return current_fingerprint(self.device)
+
+    def _threads(self) -> "_NumThreads":
+        return _NumThreads(self.num_threads)
+
+    def measure(self, key: KernelKey) -> Measurement:
+        """Time, host overhead and workspace of ``key``; raises whatever the op raises on bad inputs."""
+        with self._threads():
+            if self.device.type != "cuda":
+                return self._measure_cpu(key)
+            try:
+                with torch.cuda.device(self.device):  # events and launches on the measured device
+                    return self._measure_cuda(key)
+            except Exception:
+                self._recover_cuda()
+                raise
+
+    def _recover_cuda(self) -> None:
+        """After a failed CUDA measurement: drain the queue and release cached blocks (an OOM must not
+        starve the keys after it). A sticky device error cannot be recovered; the next key reports it."""
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        except RuntimeError:
+            pass
+
+    # -- CPU -----------------------------------------------------------------------------------------------
+    def _time_cpu(self, fn: Callable[[], object]) -> list[float]:
+        """Samples (ns per call) of ``fn`` after warm-up; tiny ops are batched ``inner`` calls per sample."""
+        clock = time.perf_counter_ns
+        start = clock()
+        calls = 0
+        while calls < 2 or clock() - start < self.warmup_ns:
+            fn()
+            calls += 1
+        t0 = clock()
+        fn()
+        single_ns = max(clock() - t0, 1)
+        inner = max(1, math.ceil(self.min_sample_ns / single_ns))
+        runs = int(min(self.max_runs, max(self.min_runs, self.target_ns // (single_ns * inner))))
+        samples: list[float] = []
+        for _ in range(runs):
+            t0 = clock()
+            for _ in range(inner):
+                fn()
+            samples.append((clock() - t0) / inner)
+        return samples
+
+    def _measure_cpu(self, key: KernelKey) -> Measurement:
+        op, args, kwargs = make_inputs(key, self.device, self.seed)
+        previous_denormal = torch.set_flush_denormal(True)
+        try:
+            samples = self._time_cpu(lambda: op(*args, **kwargs))
+            median, p10, p90 = summarize(samples)
+            host = min(self._cpu_host_ns(key), median)
+            workspace = self._cpu_workspace_bytes(op, args, kwargs) if self.measure_workspace else 0
+        finally:
+            torch.set_flush_denormal(previous_denormal)
+        return Measurement(median, p10, p90, len(samples), host, workspace, self.source)
+
+    def _cpu_host_ns(self, key: KernelKey) -> float:
+        tiny = shrunk_key(key)
+        if tiny.key_hash not in self._host_cache:
+            try:
+                op, args, kwargs = make_inputs(tiny, self.device, self.seed)
+                self._host_cache[tiny.key_hash] = summarize(self._time_cpu(lambda: op(*args, **kwargs)))[0]
+            except Exception:  # noqa: BLE001 - the op rejects one-element inputs: use the calibrated dispatch
+                self._host_cache[tiny.key_hash] = self._calibrated_host_ns()
+        return self._host_cache[tiny.key_hash]
+
+    def _calibrated_host_ns(self) -> float:
+        if self._fallback_host_ns is None:
+            a = torch.ones(1, device=self.device)
+            b = torch.ones(1, device=self.device)
+            add = torch.ops.aten.add.Tensor
+            self._fallback_host_ns = summarize(self._time_cpu(lambda: add(a, b)))[0]
+        return self._fallback_host_ns
+
+    @staticmethod
+    def _cpu_workspace_bytes(op: torch._ops.OpOverload, args: list, kwargs: dict) -> int:
+        from torch.profiler import ProfilerActivity, profile
+
+        with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = op(*args, **kwargs)
+        del out
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+        running = peak = 0
+        for e in events:
+            running += e.nbytes()
+            peak = max(peak, running)
+        # The output was still alive at profile exit, so `running` ends at the outputs' bytes.
+        return int(max(peak - max(running, 0), 0))
+
+    # -- CUDA (cannot run on the CPU-only development machine; guarded by torch.cuda.is_available) -------
+    def _l2_flush_buffer(self) -> torch.Tensor:
+        if self._l2_buffer is None:
+            l2_bytes = (
+                int(getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0)) or 64 * 2**20
+            )
+            self._l2_buffer = torch.empty(2 * l2_bytes, dtype=torch.int8, device=self.device)
+        return self._l2_buffer
+
+    def _measure_cuda(self, key: KernelKey) -> Measurement:
+        op, args, kwargs = make_inputs(key, self.device, self.seed)
+        flush = self._l2_flush_buffer()
+        input_bytes = sum(_entry_bytes(t) for t in key.data["tensors"])
+        do_flush = self.flush_l2 and input_bytes < flush.numel()  # flush buffer is 2 x L2
+        sync = torch.cuda.synchronize
+        # Warm-up (also triggers cuBLAS/cuDNN handle and workspace creation, lazily loaded modules).
+        start_ns = time.perf_counter_ns()
+        calls = 0
+        while calls < 3 or time.perf_counter_ns() - start_ns < self.warmup_ns:
+            op(*args, **kwargs)
+            calls += 1
+        sync()
+        probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        probe_start.record()
+        op(*args, **kwargs)
+        probe_end.record()
+        sync()
+        single_ns = max(probe_start.elapsed_time(probe_end) * NS_PER_MS, 1.0)
+        runs = int(min(self.max_runs, max(self.min_runs, self.target_ns // single_ns)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+        host: list[float] = []
+        for i in range(runs):
+            if do_flush:
+                flush.zero_()
+            starts[i].record()
+            h0 = time.perf_counter_ns()
+            op(*args, **kwargs)
+            host.append(time.perf_counter_ns() - h0)
+            ends[i].record()
+            if i % 32 == 31:
+                sync()  # keep the launch queue short so host times never include a full-queue stall
+        sync()
+        median, p10, p90 = summarize([s.elapsed_time(e) * NS_PER_MS for s, e in zip(starts, ends)])
+        workspace = self._cuda_workspace_bytes(op, args, kwargs) if self.measure_workspace else 0
+        return Measurement(median, p10, p90, runs, summarize(host)[0], workspace, self.source)
+
+    def _cuda_workspace_bytes(self, op: torch._ops.OpOverload, args: list, kwargs: dict) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = op(*args, **kwargs)
+        torch.cuda.synchronize(self.device)
+        workspace = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        del out
+        return int(max(workspace, 0))
+
+
+@contextlib.contextmanager
+def _stderr_fd_silenced() -> Iterator[None]:
+    """Kineto writes a 'profiler_start/stop' line to fd 2 per profile, which would bury the progress bar
+    (no setting turns it off in torch 2.13); point fd 2 at /dev/null for the profile, then restore it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w", encoding="utf-8") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _NumThreads:
+    """Sets ``torch.set_num_threads`` for a block and restores it (the thread count is in the fingerprint)."""
+
+    def __init__(self, num_threads: Optional[int]) -> None:
+        self.num_threads = num_threads
+        self.previous = 0
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.previous)
+
+
+def _entry_bytes(entry: dict) -> int:
+    numel = 1
+    for s in entry["shape"]:
+        numel *= s
+    return numel * torch.empty((), dtype=getattr(torch, entry["dtype"]), device="meta").element_size()
