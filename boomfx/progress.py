@@ -7,9 +7,9 @@ from typing import Optional, TextIO
 
 
 class StageProgress:
-    def __init__(self, enabled: Optional[bool] = None, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.enabled = stream.isatty() if enabled is None else enabled
+    def __init__(self, enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr   # looked up now: tests swap sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
         self.started = time.perf_counter()
         self._stage: Optional[str] = None
         self._stage_started = self.started

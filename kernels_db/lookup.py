@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from boomfx.devices import DeviceSpec
-from boomfx.kernels_db.keys import UnkeyableCallError, kernel_key, op_from_name
+from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
@@ -293,7 +293,7 @@ class KernelPricer:
         """Price one call; ``cost`` (bound, no free symbols) is used only by the model-free fallback."""
         try:
             key = kernel_key(call)
-        except UnkeyableCallError as exc:
+        except (UnkeyableCallError, SymbolicKeyError) as exc:
             return self._fallback(call, cost, f"not keyable: {exc}")
         memo = self._memo.get(key.key_hash)
         if memo is None:

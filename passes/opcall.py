@@ -56,7 +56,11 @@ def bind_value(value: Any, ev: "Evaluator") -> Any:  # noqa: F821
         return tuple(bind_value(v, ev) for v in value)
     if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom):
         if value.free_symbols:
-            return sympy.Integer(ev(value)) if value.is_integer is not False else sympy.Float(ev.number(value))
+            from boomfx.passes.evaluate import UnboundSymbolError
+            try:
+                return sympy.Integer(ev(value)) if value.is_integer is not False else sympy.Float(ev.number(value))
+            except (UnboundSymbolError, TypeError):
+                return value   # a data-dependent scalar (e.g. Adam's step count), not a size
         return value
     return value
 
