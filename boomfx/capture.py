@@ -147,10 +147,16 @@ def capture(source: Any, *example_inputs: Any, options: ProgramOptions = Program
                                                  checkpoint=options.checkpoint)
     else:
         traced = training.build_inference_program(ep, amp=options.amp)
+    return program_from_traced(traced, symbols, options, label)
+
+
+def program_from_traced(traced: Any, symbols: Mapping[str, SymbolInfo], options: ProgramOptions,
+                        source: str = "<memory>") -> Program:
+    """Wrap a ``training.TracedProgram`` (a re-traced step) as a Program with the export's symbols."""
     gm = _rename_symbols(traced.gm, traced.symbol_map)
     return Program(gm, symbols, dict(traced.input_roles), options, phases=dict(traced.phases),
                    grad_nodes=dict(getattr(traced, "grad_nodes", {}) or {}), param_names=dict(traced.param_names),
-                   source=label)
+                   source=source)
 
 
 def _rename_symbols(gm: torch.fx.GraphModule, symbol_map: Mapping[sympy.Symbol, sympy.Symbol]) -> torch.fx.GraphModule:

@@ -25,6 +25,10 @@ _MAYBE_COPY = {
 
 MAYBE_COPY_OPS = frozenset(_MAYBE_COPY)
 
+# Views whose schema carries no alias annotation (``_unsafe_view`` exists precisely to hide that its
+# result aliases its input from autograd); they never copy.
+_UNANNOTATED_VIEWS = {aten._unsafe_view.default}
+
 # Views that do not carry an alias annotation we can rely on across versions.
 _ALWAYS_VIEW_CALLABLES = {operator.getitem}
 
@@ -69,6 +73,9 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
         return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
     if not isinstance(target, torch._ops.OpOverload):
         return [None]
+    if target in _UNANNOTATED_VIEWS:
+        src = node.args[0]
+        return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
     schema = target._schema
     val = node.meta.get("val")
     n_out = len(val) if isinstance(val, (list, tuple)) else 1
