@@ -13,6 +13,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
+from torch.utils._sympy.numbers import int_oo
 
 from boomfx.errors import BoomfxError, DimError, OptionError
 from boomfx.program import (
@@ -56,8 +57,8 @@ def _symbol_ranges(ep: ExportedProgram) -> dict[sympy.Symbol, tuple[int, Optiona
     for sym, vr in ep.range_constraints.items():
         if not isinstance(sym, sympy.Symbol):
             continue
-        lo = int(vr.lower) if vr.lower.is_finite else 0
-        hi = int(vr.upper) if vr.upper.is_finite else None
+        lo = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else 0
+        hi = None if vr.upper in (int_oo, sympy.oo) else int(vr.upper)   # int_oo claims to be finite
         ranges[sym] = (lo, hi)
     return ranges
 

@@ -56,6 +56,7 @@ import torch
 
 from boomfx.kernels_db.keys import make_inputs, shrunk_key
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord
+from boomfx.kernels_db.store import device_slug
 
 NS_PER_S = 1_000_000_000
 NS_PER_MS = 1_000_000
@@ -98,6 +99,27 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+_VENDOR_WORDS = ("nvidia", "tesla", "geforce", "quadro")
+
+
+def registry_device_name(raw_name: str) -> Optional[str]:
+    """The ``boomfx.devices`` name for a CUDA device name, or None: 'NVIDIA H100 80GB HBM3' -> 'h100-sxm'.
+
+    Vendor words are dropped, then the longest dash-prefix the registry knows wins
+    ('h100-80gb-hbm3' -> 'h100-80gb', an alias of 'h100-sxm'). Using the registry name in the
+    fingerprint makes ``default_db_path`` and ``get_device`` agree with the DeviceSpec a user picks.
+    """
+    from boomfx.devices import UnknownDeviceError, get_device
+
+    parts = [p for p in device_slug(raw_name).split("-") if p not in _VENDOR_WORDS]
+    for end in range(len(parts), 0, -1):
+        try:
+            return get_device("-".join(parts[:end])).name
+        except UnknownDeviceError:
+            continue
+    return None
+
+
 def current_fingerprint(device: torch.device) -> DeviceFingerprint:
     """The fingerprint of measurements taken now, in this process, on ``device``."""
     host = platform.node()
@@ -107,25 +129,13 @@ def current_fingerprint(device: torch.device) -> DeviceFingerprint:
         get_driver = getattr(torch._C, "_cuda_getDriverVersion", None)
         driver = str(get_driver()) if get_driver is not None else ""
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        detail = json.dumps(
-            {
-                "cc": f"{props.major}.{props.minor}",
-                "cudnn": cudnn,
-                "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-                "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            },
-            sort_keys=True,
-        )
-        return DeviceFingerprint(
-            torch.cuda.get_device_name(idx),
-            "cuda",
-            torch.__version__,
-            torch.version.cuda or "",
-            driver,
-            host,
-            torch.get_num_threads(),
-            detail,
-        )
+        raw_name = torch.cuda.get_device_name(idx)
+        settings = {"name": raw_name, "cc": f"{props.major}.{props.minor}", "cudnn": cudnn,
+                    "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+                    "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+        name = registry_device_name(raw_name) or raw_name
+        return DeviceFingerprint(name, "cuda", torch.__version__, torch.version.cuda or "", driver, host,
+                                 torch.get_num_threads(), json.dumps(settings, sort_keys=True))
     if device.type == "cpu":
         return DeviceFingerprint(
             "cpu", "cpu", torch.__version__, "", "", host, torch.get_num_threads(), _cpu_model()

@@ -25,6 +25,17 @@ _MAYBE_COPY = {
 
 MAYBE_COPY_OPS = frozenset(_MAYBE_COPY)
 
+# Dropout in eval mode (train=False) or with p=0 returns its input tensor itself (ATen's dropout).
+_IDENTITY_WHEN_INACTIVE = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+                           aten.feature_alpha_dropout.default}
+
+
+def _inactive_dropout(node: torch.fx.Node) -> bool:
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return train is False or p == 0
+
+
 # Views whose schema carries no alias annotation (``_unsafe_view`` exists precisely to hide that its
 # result aliases its input from autograd); they never copy.
 _UNANNOTATED_VIEWS = {aten._unsafe_view.default}
@@ -81,6 +92,9 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
     n_out = len(val) if isinstance(val, (list, tuple)) else 1
     if target in _MAYBE_COPY and _copies_anyway(node):
         return [None] * n_out
+    if target in _IDENTITY_WHEN_INACTIVE and _inactive_dropout(node):
+        src = node.args[0]
+        return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
     # alias set of each tensor input -> the fx node passed for it
     by_set: dict[str, torch.fx.Node] = {}
     for i, arg in enumerate(schema.arguments):

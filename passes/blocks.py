@@ -70,6 +70,9 @@ METHOD_NONE = "none"
 MIN_INSTANCES = 2          # a class of one instance repeats nothing
 MIN_PERIOD_NODES = 4       # structural blocks shorter than this are op runs, not layers
 
+Nodes = list[torch.fx.Node]
+Candidate = tuple[str, Nodes]              # (instance name, its nodes in graph or canonical order)
+
 
 @dataclass(frozen=True)
 class BlockClass:
@@ -239,14 +242,14 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
     return None
 
 
-def _group(desc: _Describer, candidates: Sequence[tuple[str, list[torch.fx.Node]]]
-           ) -> list[tuple[tuple, list[tuple[str, list[torch.fx.Node]]]]]:
+def _group(desc: _Describer, candidates: Sequence[Candidate]
+           ) -> list[tuple[tuple, list[Candidate]]]:
     """Candidates (name, nodes in graph order) -> [(key, [(name, canonical nodes)])], exact."""
-    groups: dict[tuple, list[tuple[str, list[torch.fx.Node]]]] = {}
+    groups: dict[tuple, list[Candidate]] = {}
     for name, nodes in candidates:
         groups.setdefault(desc.key(nodes), []).append((name, nodes))
     ordered = list(groups.items())
-    merged: list[tuple[tuple, list[tuple[str, list[torch.fx.Node]]]]] = []
+    merged: list[tuple[tuple, list[Candidate]]] = []
     for key, members in ordered:
         for mkey, mmembers in merged:
             ref_nodes = mmembers[0][1]
@@ -265,7 +268,7 @@ def _group(desc: _Describer, candidates: Sequence[tuple[str, list[torch.fx.Node]
 # ---------------------------------------------------------------------------------------------------
 # Candidate instances from module metadata
 # ---------------------------------------------------------------------------------------------------
-def _module_candidates(values: Sequence[torch.fx.Node]) -> tuple[dict[str, list[torch.fx.Node]], dict[str, str]]:
+def _module_candidates(values: Sequence[torch.fx.Node]) -> tuple[dict[str, Nodes], dict[str, str]]:
     """Layer (list entry) -> its value nodes in graph order, and layer -> module class name."""
     members: dict[str, list[torch.fx.Node]] = {}
     types: dict[str, str] = {}
@@ -282,8 +285,8 @@ def _module_candidates(values: Sequence[torch.fx.Node]) -> tuple[dict[str, list[
     return members, types
 
 
-def _absorb(desc: _Describer, values: Sequence[torch.fx.Node], classes: list[list[tuple[str, list[torch.fx.Node]]]],
-            ) -> list[list[tuple[str, list[torch.fx.Node]]]]:
+def _absorb(desc: _Describer, values: Sequence[torch.fx.Node], classes: list[list[Candidate]],
+            ) -> list[list[Candidate]]:
     """Add unassigned value nodes lying between two nodes of the same instance to that instance, per
     class, when every instance of the class then still has one canonical key."""
     owner: dict[torch.fx.Node, tuple[int, int]] = {}
@@ -361,7 +364,7 @@ def _best_repeat(labels: np.ndarray, lo: int, hi: int) -> Optional[tuple[int, in
     return best
 
 
-def _structural_candidates(desc: _Describer, values: Sequence[torch.fx.Node]) -> list[tuple[str, list[torch.fx.Node]]]:
+def _structural_candidates(desc: _Describer, values: Sequence[torch.fx.Node]) -> list[Candidate]:
     ids: dict[Any, int] = {}
     labels = np.array([ids.setdefault(desc.label(n), len(ids)) for n in values], dtype=np.int64)
     cut = _cut_counts(values)
@@ -376,7 +379,10 @@ def _structural_candidates(desc: _Describer, values: Sequence[torch.fx.Node]) ->
         count = length // p
         spare = length - count * p
         # the rotation whose boundaries are crossed by the fewest live values (ties: the earliest)
-        rot = min(range(spare + 1), key=lambda r: (sum(int(cut[start + r + k * p]) for k in range(count + 1)), r))
+        def crossing(r: int) -> tuple[int, int]:
+            return sum(int(cut[start + r + k * p]) for k in range(count + 1)), r
+
+        rot = min(range(spare + 1), key=crossing)
         first = start + rot
         found.append((first, p, count))
         todo += [(lo, first), (first + count * p, hi)]
@@ -413,7 +419,7 @@ def block_pass(program: Program, am: Any = None) -> BlockInfo:
     method = METHOD_MODULES
     classes: tuple[BlockClass, ...] = ()
     if members:
-        by_pattern: dict[str, list[tuple[str, list[torch.fx.Node]]]] = {}
+        by_pattern: dict[str, list[Candidate]] = {}
         for layer, nodes in members.items():
             by_pattern.setdefault(str(layer_pattern(layer)), []).append((layer, nodes))
         groups = [g for cands in by_pattern.values() for g in _group(desc, cands)]
@@ -434,9 +440,10 @@ def block_pass(program: Program, am: Any = None) -> BlockInfo:
     return BlockInfo(classes, node_to_block, method)
 
 
-def _classes(groups: list[tuple[tuple, list[tuple[str, list[torch.fx.Node]]]]], types: Mapping[str, str],
+def _classes(groups: list[tuple[tuple, list[Candidate]]], types: Mapping[str, str],
              pattern_of: Any, order: Mapping[torch.fx.Node, int]) -> tuple[BlockClass, ...]:
-    """BlockClasses in graph order of their first node, named by pattern (plus kind when a list has several)."""
+    """BlockClasses in graph order of their first node, named by pattern (plus the module kind when one
+    list holds several kinds)."""
     kept = [(key, members) for key, members in groups if len(members) >= MIN_INSTANCES]
     kept.sort(key=lambda km: min(order[nodes[0]] for _, nodes in km[1]))
     per_pattern: dict[str, list[int]] = {}
@@ -476,7 +483,8 @@ def representatives(info: BlockInfo) -> dict[str, str]:
     return reps
 
 
-def block_reports(info: BlockInfo, kernels: Sequence[KernelReport], liveness: Any, evaluator: Any) -> list[BlockReport]:
+def block_reports(info: BlockInfo, kernels: Sequence[KernelReport], liveness: Any,
+                  evaluator: Any) -> list[BlockReport]:
     """One BlockReport per class: time per instance (mean over instances of the summed kernel time of
     its nodes) and activation bytes per instance (mean over instances of the ACT storages its nodes
     create; zero for inference graphs, which keep no activations for a backward pass)."""

@@ -128,8 +128,12 @@ def _fresh_nbytes(val: torch.Tensor) -> sympy.Expr:
     return numel * dtype_itemsize(val.dtype)
 
 
-def _node_users_flat(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return list(node.all_input_nodes)
+def _storage_key(val: torch.Tensor) -> Optional[int]:
+    """Identity of the (fake) storage behind an input, so tied parameters are counted once."""
+    try:
+        return val.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
 
 
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> LivenessInfo:
@@ -145,6 +149,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> Liv
     storage_end: list[int] = []
     storage_cat: list[Optional[Category]] = []
     out_sids: dict[torch.fx.Node, list[Optional[int]]] = {}   # per output index
+    resident_by_storage: dict[int, int] = {}                     # fake storage -> storage id (ties)
 
     def new_storage(node: torch.fx.Node, nbytes: sympy.Expr, start: int, cat: Optional[Category]) -> int:
         storage_nodes.append(node)
@@ -162,7 +167,13 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> Liv
                 val = getattr(program.gm, str(node.target), None)
             role = program.input_roles.get(node.name, ROLE_PARAM if node.op == "get_attr" else ROLE_INPUT)
             if isinstance(val, torch.Tensor):
+                key = _storage_key(val)
+                if key is not None and key in resident_by_storage:     # tied weights: one storage
+                    out_sids[node] = [resident_by_storage[key]]
+                    continue
                 sid = new_storage(node, _fresh_nbytes(val), -1, _ROLE_CATEGORY.get(role, Category.OTHER))
+                if key is not None:
+                    resident_by_storage[key] = sid
                 out_sids[node] = [sid]
             else:
                 out_sids[node] = [None]

@@ -30,7 +30,25 @@ def make_model(name: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple, 
         if name == "llama":
             return Llama(vocab=128, d=32, layers=2, heads=4, kv_heads=2, hidden=64), \
                 (torch.randint(0, 128, (2, 8)),), TOKEN_DIMS
+        if name in ("hf_gpt2", "hf_bert"):
+            return _transformers_model(name)
     raise KeyError(name)
+
+
+def _transformers_model(name: str) -> tuple[torch.nn.Module, tuple, dict]:
+    """A `transformers` model built from a small config (random weights, no hub download)."""
+    transformers = pytest.importorskip("transformers")
+    if name == "hf_gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=256,
+                                      bos_token_id=0, eos_token_id=0)
+        cfg.use_cache = False
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      intermediate_size=64, vocab_size=128, max_position_embeddings=256)
+        model = transformers.BertModel(cfg, add_pooling_layer=False)
+    model.eval()
+    return model, (torch.randint(0, 128, (2, 8)),), {"input_ids": TOKEN_DIMS["idx"]}
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +63,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory):
             model, inputs, dynamic = make_model(name, device)
             if name == "cnn":
                 model.eval()
-            ep = torch.export.export(model, inputs, dynamic_shapes=dynamic)
+            if name.startswith("hf_"):
+                ep = torch.export.export(model, (), {"input_ids": inputs[0]}, dynamic_shapes=dynamic, strict=False)
+            else:
+                ep = torch.export.export(model, inputs, dynamic_shapes=dynamic)
             path = root / f"{name}-{device}.pt2"
             torch.export.save(ep, str(path))
             cache[key] = (ep, str(path))

@@ -63,7 +63,8 @@ class GPT(nn.Module):
                  alternate: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
-        self.h = nn.ModuleList([MLPBlock(d) if alternate and i % 2 else GPTBlock(d, heads) for i in range(n_layer)])
+        kinds = [MLPBlock(d) if alternate and i % 2 else GPTBlock(d, heads) for i in range(n_layer)]
+        self.h = nn.ModuleList(kinds)
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -184,11 +185,13 @@ def llama() -> Program:
 @pytest.fixture(scope="module")
 def hf_gpt2() -> Program:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                     use_cache=False)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    ep = torch.export.export(model, (), {"input_ids": ids}, dynamic_shapes={"input_ids": DYNAMIC}, strict=False)
+    ep = torch.export.export(model, (), {"input_ids": ids}, dynamic_shapes={"input_ids": DYNAMIC},
+                             strict=False)
     return _program(ep)
 
 
@@ -201,7 +204,8 @@ def hf_llama() -> Program:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    ep = torch.export.export(model, (), {"input_ids": ids}, dynamic_shapes={"input_ids": DYNAMIC}, strict=False)
+    ep = torch.export.export(model, (), {"input_ids": ids}, dynamic_shapes={"input_ids": DYNAMIC},
+                             strict=False)
     return _program(ep)
 
 
@@ -292,7 +296,8 @@ def test_training_graph_instances_hold_forward_and_backward(gpt_train: Program) 
 # Structural path: no nn_module_stack at all
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fixture, count", [("gpt", 3), ("llama", 4)])
-def test_structural_detection_without_metadata(request: pytest.FixtureRequest, fixture: str, count: int) -> None:
+def test_structural_detection_without_metadata(request: pytest.FixtureRequest, fixture: str,
+                                               count: int) -> None:
     program = request.getfixturevalue(fixture)
     with_meta = block_pass(program)
     stripped = _strip_module_stacks(program)
@@ -378,8 +383,8 @@ def test_block_reports_time_and_activations(gpt_train: Program) -> None:
     info = block_pass(gpt_train)
     # a made-up kernel time per node: 1 ns per kernel of a block, 1000 ns per kernel elsewhere
     kernels = [KernelReport(node=n.name, op=str(n.target), module="", phase="", flops=0.0, bytes_moved=0,
-                            time_ns=1.0 if n.name in info.node_to_block else 1000.0, host_ns=0.0, start_ns=0.0,
-                            source="roofline", modelled=True)
+                            time_ns=1.0 if n.name in info.node_to_block else 1000.0, host_ns=0.0,
+                            start_ns=0.0, source="roofline", modelled=True)
                for n in gpt_train.graph.nodes if is_value_node(n)]
     liveness = liveness_pass(gpt_train)
     ev = Evaluator({})

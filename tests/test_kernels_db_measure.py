@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from boomfx.kernels_db.collectors import build_call, spec
@@ -71,3 +72,31 @@ def test_view_like_op_falls_back_to_calibrated_host_time() -> None:
     m = measurer.measure(key)
     assert measurer._fallback_host_ns is not None
     assert 0 < m.host_ns <= m.median_ns
+
+
+def test_registry_device_name_matches_cuda_names() -> None:
+    from boomfx.kernels_db.measure import registry_device_name
+
+    assert registry_device_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert registry_device_name("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    assert registry_device_name("Tesla T4") == "t4"
+    assert registry_device_name("Some Future GPU") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_mm_cannot_beat_the_datasheet_peak() -> None:
+    from boomfx.devices import get_device
+
+    m, k, n = 4096, 4096, 4096
+    key = kernel_key(build_call(aten.mm.default, (spec((m, k), torch.float16), spec((k, n), torch.float16))))
+    measurer = Measurer("cuda", target_s=0.05)
+    result = measurer.measure(key)
+    fp = measurer.fingerprint()
+    assert result.source == "measured:cuda" and result.workspace_bytes >= 0
+    assert 0 < result.host_ns < 1e6  # issuing one GEMM takes microseconds, not a millisecond
+    try:
+        peak = get_device(fp.device_name).peak_flops_per_s[torch.float16]
+    except KeyError:
+        pytest.skip(f"{fp.device_name} is not in the device registry")
+    # 2*M*N*K FLOPs at no more than the dense datasheet peak: a lower bound on the time.
+    assert result.median_ns >= 2 * m * n * k / peak * 1e9
