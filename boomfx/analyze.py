@@ -19,6 +19,7 @@ from boomfx.errors import OptionError
 from boomfx.memory_outside import OutsideMemory
 from boomfx.memory_replay import AllocEvent, ReplayResult, replay
 from boomfx.modules import layer_of, module_path
+from boomfx.passes.blocks import block_pass, block_reports, representatives
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.kernels import kernel_pass
 from boomfx.passes.liveness import LivenessInfo, liveness_pass
@@ -33,6 +34,7 @@ from boomfx.report import (
 from boomfx.simulate import ScheduledKernel, Timeline, simulate
 
 aten = torch.ops.aten
+_UNBOUNDED_BYTES = 1 << 62
 _HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
 
 
@@ -67,7 +69,7 @@ class Analysis:
     """Symbolic analysis of one program for one device; evaluate it at any binding of its symbols."""
 
     def __init__(self, program: Program, device: DeviceSpec, options: AnalyzeOptions = AnalyzeOptions(),
-                 log: Optional[Callable[[str], None]] = None) -> None:
+                 log: Optional[Callable[[str], None]] = None, reuse_blocks: bool = True) -> None:
         self.program = program
         self.device = device
         self.options = options
@@ -80,10 +82,14 @@ class Analysis:
             self.outside = OutsideMemory.parse(options.outside_memory, base) if options.outside_memory else base
         except ValueError as exc:
             raise OptionError(f"--outside-memory: {exc}") from None
-        self.am = AnalysisManager(program, device)
+        self.am = AnalysisManager(program, device, reuse_blocks=reuse_blocks)
         self.kernels = self.am.get(kernel_pass)
         self.costs = self.am.get(cost_pass)
         self.liveness: LivenessInfo = self.am.get(liveness_pass)
+        self.blocks = self.am.get(block_pass)
+        # depth-free pricing: each node of a repeated block's instance k is priced as its counterpart
+        # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
+        self._reps = representatives(self.blocks) if reuse_blocks else {}
         self.pricer = make_pricer(device, options.db, options.from_db)
         self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
         self._nodes = list(program.graph.nodes)
@@ -109,6 +115,18 @@ class Analysis:
     def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
         return Evaluator(bindings, self.symbol_map)
 
+    def kernel_calls(self, bindings: Mapping[sympy.Symbol, int]) -> list[Any]:
+        """The bound OpCall of every kernel the step launches, each unique block priced once: exactly
+        what model-guided collection must measure."""
+        ev = self.evaluator(bindings)
+        names = []
+        for node in self._nodes:
+            if node.name in self.costs.by_node:
+                rep = self._reps.get(node.name, node.name)
+                if rep not in names:
+                    names.append(rep)
+        return [bind_call(self.costs.by_node[name].call, ev) for name in names]
+
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
                  memory_only: bool = False) -> PointResult:
@@ -116,11 +134,16 @@ class Analysis:
         kernels: list[KernelReport] = []
         scheduled: list[ScheduledKernel] = []
         workspace_at: dict[int, int] = {}
+        point_prices: dict[str, Any] = {}
         if not memory_only:
             for step, node in enumerate(self._nodes):
                 if node.name not in self.costs.by_node:
                     continue
-                price, (flops, moved) = self._price_node(node.name, ev)
+                rep = self._reps.get(node.name, node.name)
+                hit = point_prices.get(rep)
+                if hit is None:
+                    hit = point_prices[rep] = self._price_node(rep, ev)
+                price, (flops, moved) = hit
                 nc = self.costs.by_node[node.name]
                 sync = node.target.overloadpacket in _HOST_SYNC_OPS
                 device_ns = price.time_ns
@@ -132,12 +155,13 @@ class Analysis:
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
-                    workspace_bytes=int(price.workspace_bytes or 0)))
+                    workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         for k, span in zip(kernels, timeline.spans):
             k.start_ns = span.start_ns
-        memory, rep, events = self._memory(ev, workspace_at, record_trace)
+        memory, rep, events = self._memory(ev, workspace_at, record_trace, exact_total=not memory_only)
         report = self._report(bindings, kernels, timeline, memory)
+        report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 
     # -- memory --------------------------------------------------------------------------------
@@ -167,8 +191,8 @@ class Analysis:
                 events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), 0, iv.node, frames))
         return events
 
-    def _memory(self, ev: Evaluator, workspace_at: Mapping[int, int],
-                record_trace: bool) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
+    def _memory(self, ev: Evaluator, workspace_at: Mapping[int, int], record_trace: bool,
+                exact_total: bool = True) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
         timeline = self.liveness.timeline(ev)
         combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
         peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
@@ -191,8 +215,10 @@ class Analysis:
                 label = rep.oom.label.split(":")[0]
                 oom_node, oom_module = label, self._node_module.get(label, "")
             total = rep.peak_reserved_bytes + self.outside.total_bytes
-            if rep.oom is not None:
-                total = max(total, capacity - rep.oom.margin_bytes)
+            if rep.oom is not None and exact_total:
+                # what the step would need: the same replay on a device too large to run out
+                unbounded = replay(events, self.alloc_config, _UNBOUNDED_BYTES)
+                total = unbounded.peak_reserved_bytes + self.outside.total_bytes
         else:
             total = combined[peak_step] if combined else 0
         fits = rep.oom is None if rep is not None else total <= capacity

@@ -29,6 +29,8 @@ def validate_options(options: ProgramOptions) -> None:
         raise OptionError(f"unknown optimizer '{options.optimizer}' (choose from {', '.join(OPTIMIZERS)})")
     if options.amp is not None and options.amp not in AMP_DTYPES:
         raise OptionError(f"unknown --amp value '{options.amp}' (choose from {', '.join(AMP_DTYPES)})")
+    if options.cudagraphs and not options.compile:  # compiled execution (passes/compiled.py)
+        raise OptionError("--cudagraphs needs --compile (CUDA graphs are torch.compile's reduce-overhead mode)")
     if options.checkpoint and not options.train:
         raise OptionError("--checkpoint needs --train (activation checkpointing only changes training)")
 
@@ -131,6 +133,15 @@ def capture(source: Any, *example_inputs: Any, options: ProgramOptions = Program
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None) -> Program:
     """Build a Program from a .pt2 path, an ExportedProgram, an nn.Module (+ inputs) or a GraphModule."""
     validate_options(options)
+    program = _capture(source, *example_inputs, options=options, dynamic_shapes=dynamic_shapes, log=log)
+    if options.compile:  # compiled execution: rewrite into the kernels Inductor runs (passes/compiled.py)
+        from boomfx.passes.compiled import compile_program
+        program = compile_program(program)
+    return program
+
+
+def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = ProgramOptions(),
+             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None) -> Program:
     if isinstance(source, torch.fx.GraphModule):
         if options.train or options.amp:
             raise OptionError("--train/--amp need an ExportedProgram, a .pt2 file or a module; got a GraphModule")

@@ -49,7 +49,12 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw", help="sgd | adam | adamw (with --train)")
     p.add_argument("--amp", default=None, help="bf16 | fp16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
-    p.add_argument("--db", default=None, help="kernel database to price kernels with")
+    # compiled execution (passes/compiled.py)
+    p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
+    p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")
+    p.add_argument("--db", default="auto",
+                   help="kernel database: a path, 'default' (the user-cache one of --device), 'auto' (that one "
+                        "if it exists; the default) or 'none'")
     p.add_argument("--from-db", default=None, help="a source GPU's database, transferred to --device")
     p.add_argument("--verbose", "-v", action="store_true", help="say what each stage does")
 

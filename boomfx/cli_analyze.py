@@ -23,12 +23,13 @@ def run_analyze(args: argparse.Namespace) -> int:
     sweeps = [_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:
         raise OptionError("--max-batch/--max-seq and --sweep cannot be combined")
-    options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint)
+    options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
+                             compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs)  # --compile
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=options, log=progress.log if args.verbose else None)
     progress.stage("running the analysis passes")
     analysis = Analysis(program, device, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,
-                                                        args.db, args.from_db))
+                                                        args.db, args.from_db), reuse_blocks=not args.no_reuse)
     if sweeps:
         return _run_sweep(args, analysis, dims, sweeps, progress)
     if args.max_batch or args.max_seq:

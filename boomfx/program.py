@@ -49,6 +49,8 @@ class ProgramOptions:
     optimizer: str = "adamw"
     amp: Optional[str] = None
     checkpoint: bool = False
+    compile: bool = False        # predict torch.compile (Inductor): see passes/compiled.py
+    cudagraphs: bool = False     # with compile: mode="reduce-overhead" (CUDA graph replay)
 
 
 @dataclass(frozen=True)

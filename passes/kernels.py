@@ -100,6 +100,9 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
         if node.op != "call_function":
             continue
         target = node.target
+        if getattr(target, "boomfx_fused", False):  # compiled execution: one Inductor kernel (passes/compiled.py)
+            by_node[node.name] = KernelChoice(True, OP_CLASS_MEMORY)
+            continue
         if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket in _NO_KERNEL:
             by_node[node.name] = NO_KERNEL
             continue

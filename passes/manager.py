@@ -15,9 +15,11 @@ R = TypeVar("R")
 
 
 class AnalysisManager:
-    def __init__(self, program: Program, device: DeviceSpec, registry: Optional[CostRegistry] = None) -> None:
+    def __init__(self, program: Program, device: DeviceSpec, registry: Optional[CostRegistry] = None,
+                 reuse_blocks: bool = True) -> None:
         self.program = program
         self.device = device
+        self.reuse_blocks = reuse_blocks     # depth-free: compute per unique block, reuse for instances
         self.registry = registry or default_registry()
         self._results: dict[Callable[..., Any], Any] = {}
 

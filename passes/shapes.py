@@ -47,20 +47,37 @@ class CostInfo:
 
 def cost_pass(program: Program, am: AnalysisManager) -> CostInfo:
     kernels = am.get(kernel_pass)
+    reps: dict[str, str] = {}
+    if am.reuse_blocks:
+        from boomfx.passes.blocks import block_pass, representatives
+        reps = representatives(am.get(block_pass))
     by_node: dict[str, NodeCost] = {}
-    for node in program.graph.nodes:
-        choice = kernels.by_node.get(node.name)
-        if choice is None or not choice.launches:
-            continue
+    nodes = {node.name: node for node in program.graph.nodes}
+
+    def compute(node: torch.fx.Node, choice: object) -> NodeCost:
+        if getattr(node.target, "boomfx_fused", False):  # compiled execution: the FusedKernel's own Cost
+            return NodeCost(node.target.opcall(), PricedCall(node.target.cost, True))
         try:
             context = {"sdpa_backend": choice.sdpa_backend} if choice.sdpa_backend else {}
             call = opcall_from_node(node, context)
             if call is None:
-                continue
+                return None
             if node.target in MAYBE_COPY_OPS:
                 # reshape/contiguous/to that materialise a copy here run the clone kernel
                 call = OpCall.build(aten.clone.default, (call.tensor_args()[0],), {}, call.outputs, context)
-            by_node[node.name] = NodeCost(call, price_call(call, am.registry))
+            return NodeCost(call, price_call(call, am.registry))
         except Exception as exc:  # a formula bug must name the node it failed on
             raise node_error("cost pass", node, exc) from exc
-    return CostInfo(by_node)
+
+    for node in program.graph.nodes:
+        choice = kernels.by_node.get(node.name)
+        if choice is None or not choice.launches:
+            continue
+        rep = reps.get(node.name)
+        if rep is not None:     # same op and symbolic shapes as its counterpart in instance 0
+            if rep not in by_node:
+                by_node[rep] = compute(nodes[rep], kernels.by_node[rep])
+            by_node[node.name] = by_node[rep]
+        else:
+            by_node[node.name] = compute(node, choice)
+    return CostInfo({k: v for k, v in by_node.items() if v is not None})

@@ -1,0 +1,153 @@
+"""What ``boomfx kernels collect|import|export|info`` do (the parser is in ``cli_kernels``)."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from boomfx.errors import OptionError
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_budget(text: Optional[str]) -> Optional[float]:
+    """'90s', '10m', '1h', '300' -> seconds."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not m:
+        raise OptionError(f"--budget expects a duration like 90s, 10m or 1h, got '{text}'")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _local_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise OptionError("--device cuda: no CUDA device is available on this machine")
+        return torch.device(name)
+    raise OptionError(f"unknown collection device '{name}' (cpu or cuda)")
+
+
+def _target_spec(device: torch.device):
+    """The registry spec of the local device (decides e.g. the SDPA backend the graph's kernels use)."""
+    from boomfx.devices import cpu_spec, get_device
+    if device.type == "cpu":
+        return cpu_spec()
+    from boomfx.kernels_db.measure import registry_device_name
+    name = registry_device_name(torch.cuda.get_device_name(device))
+    if name is None:
+        raise OptionError(f"the local GPU '{torch.cuda.get_device_name(device)}' is not in the device registry")
+    return get_device(name)
+
+
+def _db_path(db: Optional[str], spec_name: str) -> Path:
+    from boomfx.kernels_db.store import default_db_path
+    return Path(db) if db and db != "default" else default_db_path(spec_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.kernels_command
+    if command == "collect":
+        return _collect(args)
+    if command == "import":
+        return _import(args)
+    if command == "export":
+        return _export(args)
+    if command == "info":
+        return _info(args)
+    raise OptionError("boomfx kernels: choose collect, import, export or info")
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.collect import collect_calls, collect_sweep
+    from boomfx.kernels_db.store import Store
+    device = _local_device(args.device)
+    spec = _target_spec(device)
+    budget = parse_budget(args.budget)
+    path = _db_path(args.db, spec.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    progress = False if args.quiet else None
+    if args.for_file:
+        from boomfx.analyze import Analysis, AnalyzeOptions
+        from boomfx.capture import capture, resolve_bindings
+        from boomfx.cli import _dim
+        from boomfx.program import ProgramOptions
+        program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint))
+        bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
+        analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
+        calls = analysis.kernel_calls(bindings)
+        result = collect_calls(Store(path), calls, device, budget, progress)
+        what = f"{len(calls)} kernels of {args.for_file}"
+    else:
+        dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+        families = [f.strip() for f in args.families.split(",")] if args.families else None
+        result = collect_sweep(Store(path), device, families=families, dtypes=dtypes, budget_s=budget,
+                               progress=progress)
+        what = "the sweep grid"
+    print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "
+          f"failed {len(result.failed)}, left for later {result.pending} ({result.elapsed_s:.1f} s)")
+    for key, why in result.failed[:10]:
+        print(f"  could not measure {key.op}: {why}", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.store import Store
+    source = Path(args.path)
+    if not source.exists():
+        raise OptionError(f"nothing to import at {source}")
+    if source.is_file():
+        if not args.db:
+            raise OptionError("importing a boomfx CSV needs --db PATH (the database to add it to)")
+        with Store(args.db) as store:
+            res = store.import_csv(source)
+        print(f"imported {source} into {args.db}: {res}")
+        return 0
+    from boomfx.kernels_db.public_data import iter_public_rows, public_record, to_opcall
+    by_device: dict[str, list] = {}
+    for row in iter_public_rows(source):
+        if args.device and row.device != args.device:
+            continue
+        by_device.setdefault(row.device, []).append(public_record(row, to_opcall(row)))
+    if not by_device:
+        raise OptionError(f"no public measurements found under {source}" +
+                          (f" for device {args.device}" if args.device else ""))
+    for device, records in sorted(by_device.items()):
+        path = _db_path(args.db, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with Store(path) as store:
+            n = store.put_many(records, replace=False)   # re-import adds nothing
+        print(f"{device}: {n} new rows of {len(records)} in {path}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.store import Store
+    if not Path(args.db).exists():
+        raise OptionError(f"no kernel database at {args.db}")
+    with Store(args.db) as store:
+        n = store.export_csv(args.path)
+    print(f"exported {n} rows of {args.db} to {args.path}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.store import Store
+    if not Path(args.db).exists():
+        raise OptionError(f"no kernel database at {args.db}")
+    with Store(args.db) as store:
+        for fp in store.fingerprints():
+            ops = Counter(rec.key.op for rec in store.records(fp))
+            sources = Counter(rec.source for rec in store.records(fp))
+            print(f"{fp.device_name} ({fp.device_kind}, torch {fp.torch_version}, {fp.host}): "
+                  f"{sum(ops.values())} kernels; sources: {dict(sources)}")
+            for op, n in ops.most_common(12):
+                print(f"  {op}: {n}")
+    return 0

@@ -1,0 +1,397 @@
+"""Compiled execution: rewrite a Program so each Inductor kernel is ONE fx node.
+
+``compile_program(program) -> Program`` takes the groups of ``fusion.fusion_pass`` and replaces each
+generated ("fused") group by one ``call_function`` node whose target is a ``FusedKernel``. The
+unchanged passes then see what Inductor runs: ``kernels`` one launch per group, ``liveness`` and the
+allocator replay only the buffers Inductor materialises (a group's intermediates take no memory),
+``shapes`` a Cost of the members' FLOPs plus external inputs read once and outputs written once.
+Extern groups (matmul/conv/attention, fallbacks) and separate kernels (scatters, in-place ops)
+stay the original aten nodes.
+
+Each fused kernel also has an ``OpCall`` of the custom op ``boomfx::fused(Tensor[] inputs,
+SymInt[] scalars, str desc) -> Tensor[]``, where ``desc`` is a canonical JSON description of the
+member ops and their wiring. The kernel database keys it like any aten call, so a compiled group
+measured on a device (``kernels_db/collect_fused.py``) prices it exactly ("measured"); without a
+measurement it falls back to the roofline of its Cost. Running the op for real compiles the group
+with Inductor (``run_fused``), which is what the collector times.
+
+Example::
+
+    program = capture(ep, options=ProgramOptions(compile=True))   # applies compile_program
+    fused = [n for n in program.graph.nodes if isinstance(n.target, FusedKernel)]
+
+Known limitations:
+- In-place members are never fused (optimizer ``_foreach_*_`` ops stay one kernel each, as in an
+  eager optimizer step); ``torch.compile`` of the optimizer step is not modelled.
+- An output that is a view of a member is materialised as a fresh contiguous tensor.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import operator
+from functools import lru_cache
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from boomfx.passes.costs.registry import Cost, OpCall, price_call
+from boomfx.passes.fusion import CLASS_NONE, fusion_groups, node_class
+from boomfx.passes.opcall import opcall_from_node
+from boomfx.passes.specs import TensorSpec, to_sympy
+from boomfx.program import Program
+
+META_FUSED_MEMBERS = "boomfx.fused_members"
+
+# ---------------------------------------------------------------------------------------------------------
+# The custom op a fused kernel is keyed and run as
+# ---------------------------------------------------------------------------------------------------------
+
+_LIB: Optional[torch.library.Library] = None
+
+
+def fused_op() -> torch._ops.OpOverload:
+    """``torch.ops.boomfx.fused.default``, defined on first use."""
+    global _LIB
+    if _LIB is None:
+        if not hasattr(torch.ops.boomfx, "fused"):
+            _LIB = torch.library.Library("boomfx", "DEF")
+            _LIB.define("fused(Tensor[] inputs, SymInt[] scalars, str desc) -> Tensor[]")
+            _LIB.impl("fused", _fused_impl, "CompositeExplicitAutograd")
+        else:  # defined by an earlier import of this module under another name
+            _LIB = torch.library.Library("boomfx", "FRAGMENT")
+    return torch.ops.boomfx.fused.default
+
+
+def _fused_impl(inputs: Sequence[torch.Tensor], scalars: Sequence[int], desc: str) -> list[torch.Tensor]:
+    return list(run_fused(desc, tuple(int(s) for s in scalars), inputs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Descriptions: member ops with references to inputs ($in), member results ($v) and size scalars ($s)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _op_name(op: torch._ops.OpOverload) -> str:
+    return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
+
+
+def _op_from_name(name: str) -> Any:
+    if name == "getitem":
+        return operator.getitem
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+def _encode(value: Any, ref: Any, scalars: list) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return ref(value)
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, ref, scalars) for v in value]
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        value = to_sympy(value)
+    if isinstance(value, sympy.Basic) and not value.free_symbols:
+        value = int(value) if value.is_Integer else float(value)
+    if isinstance(value, sympy.Basic):
+        scalars.append(value)
+        return {"$s": len(scalars) - 1}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"$device": None}
+    if isinstance(value, torch.layout):
+        return {"$layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"$memory_format": str(value).removeprefix("torch.")}
+    raise TypeError(f"cannot describe an argument of type {type(value).__name__} in a fused kernel")
+
+
+def _decode(value: Any, env: dict, device: torch.device) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, env, device) for v in value]
+    if isinstance(value, dict):
+        if "$in" in value:
+            return env["in"][value["$in"]]
+        if "$v" in value:
+            return env["v"][value["$v"]]
+        if "$s" in value:
+            return env["s"][value["$s"]]
+        if "$dtype" in value:
+            return getattr(torch, value["$dtype"])
+        if "$device" in value:
+            return device
+        if "$layout" in value:
+            return getattr(torch, value["$layout"])
+        if "$memory_format" in value:
+            return getattr(torch, value["$memory_format"])
+        if "$float" in value:
+            return float(value["$float"])
+    return value
+
+
+def _interpret(desc: dict, inputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> list[torch.Tensor]:
+    device = inputs[0].device if inputs else torch.device("cpu")
+    env: dict = {"in": list(inputs), "v": [], "s": list(scalars)}
+    for name, args, kwargs in desc["ops"]:
+        fn = _op_from_name(name)
+        kw = {k: _decode(v, env, device) for k, v in kwargs.items()}
+        env["v"].append(fn(*_decode(args, env, device), **kw))
+    return [env["v"][i] for i in desc["outputs"]]
+
+
+@lru_cache(maxsize=None)
+def _compiled(desc: str, scalars: tuple[int, ...], signature: tuple) -> Any:
+    """The group compiled by Inductor for one set of input shapes (no dynamo guards on the call)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = json.loads(desc)
+    example = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in signature]
+
+    def fn(*inputs: torch.Tensor) -> list[torch.Tensor]:
+        return _interpret(spec, inputs, scalars)
+
+    gm = make_fx(fn)(*example)
+    return compile_fx(gm, example)
+
+
+def run_fused(desc: str, scalars: tuple[int, ...], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a fused kernel for real, compiled by Inductor (cached per shapes)."""
+    signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+    out = _compiled(desc, scalars, signature)(*inputs)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fx target
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FusedKernel:
+    """The target of one fused node: the members' description, its inputs/outputs and its Cost.
+
+    ``cost.flops`` is the sum of the members' FLOPs (symbolic); bytes are the external tensor inputs
+    read once and the outputs written once: intermediates stay in registers.
+    """
+
+    overloadpacket = None         # not an aten op: never in an op set of the other passes
+    boomfx_fused = True           # what the hooks in kernels.py / shapes.py test for
+    __name__ = "fused"
+
+    def __init__(self, name: str, members: tuple[str, ...], ops: tuple[str, ...], desc: str,
+                 n_tensor_inputs: int, scalars: tuple[Any, ...], input_specs: tuple[TensorSpec, ...],
+                 output_specs: tuple[TensorSpec, ...], cost: Cost, phase: str) -> None:
+        self.name = name
+        self.members = members
+        self.ops = ops
+        self.desc = desc
+        self.n_tensor_inputs = n_tensor_inputs
+        self.scalars = scalars
+        self.input_specs = input_specs
+        self.output_specs = output_specs
+        self.cost = cost
+        self.phase = phase
+
+    def __repr__(self) -> str:
+        return f"FusedKernel({self.name}: {' + '.join(self.ops)})"
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = args[:self.n_tensor_inputs]
+        scalars = [int(a) for a in args[self.n_tensor_inputs:]]
+        spec = json.loads(self.desc)
+        out = _interpret(spec, tensors, scalars)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def opcall(self) -> OpCall:
+        """The OpCall of ``boomfx::fused`` the pricer keys and the roofline prices."""
+        return OpCall(fused_op(), {"inputs": list(self.input_specs), "scalars": list(self.scalars),
+                                   "desc": self.desc}, tuple(self.output_specs), {})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rewrite
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _nbytes(spec: TensorSpec) -> sympy.Expr:
+    return spec.nbytes
+
+
+def _absorbed_views(members: list[torch.fx.Node], program: Program) -> list[torch.fx.Node]:
+    """Views/getitems hanging off the group in its phase: Inductor folds them into the kernel."""
+    inside = set(members)
+    phase = program.phase_of(members[0])
+    order = {n: i for i, n in enumerate(program.graph.nodes)}
+    first = min(order[m] for m in members)
+    added: list[torch.fx.Node] = []
+    frontier = list(members)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in inside or user.op != "call_function" or node_class(user) != CLASS_NONE:
+                continue
+            if not _is_tensor(user) or program.phase_of(user) != phase:
+                continue
+            if any(inp not in inside for inp in user.all_input_nodes if _is_tensor(inp)):
+                continue
+            if any(inp not in inside and order[inp] > first for inp in user.all_input_nodes):
+                continue  # a size computed after the group starts: absorbing it would form a cycle
+            inside.add(user)
+            added.append(user)
+            frontier.append(user)
+    return added
+
+
+def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], list[torch.fx.Node], list]:
+    """(desc without outputs, external tensor inputs, external scalar nodes, scalar exprs)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    tensor_inputs: list[torch.fx.Node] = []
+    scalar_nodes: list[torch.fx.Node] = []
+    scalars: list = []
+
+    def ref(node: torch.fx.Node) -> Any:
+        if node in index:
+            return {"$v": index[node]}
+        if _is_tensor(node):
+            if node not in tensor_inputs:
+                tensor_inputs.append(node)
+            return {"$in": tensor_inputs.index(node)}
+        val = node.meta.get("val")
+        if node not in scalar_nodes:
+            scalar_nodes.append(node)
+            scalars.append(to_sympy(val))
+        return {"$s": scalar_nodes.index(node)}
+
+    ops = []
+    for node in nodes:
+        name = "getitem" if node.target is operator.getitem else _op_name(node.target)
+        ops.append([name, _encode(list(node.args), ref, scalars), {k: _encode(v, ref, scalars) for k, v in node.kwargs.items()}])
+    return {"ops": ops}, tensor_inputs, scalar_nodes, scalars
+
+
+def _member_flops(node: torch.fx.Node) -> sympy.Expr:
+    call = opcall_from_node(node)
+    if call is None:
+        return sympy.Integer(0)
+    return price_call(call).cost.flops
+
+
+def compile_program(program: Program) -> Program:
+    """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
+    fused_op()
+    fusion = fusion_groups(program)
+    graph = program.graph
+    nodes = list(graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    order = {n: i for i, n in enumerate(nodes)}
+    unit_of: dict[torch.fx.Node, int] = {}
+    units: list[list[torch.fx.Node]] = []
+    rewritten: set[int] = set()
+    for group in fusion.groups:
+        if group.kind != "fused":
+            continue
+        members = [by_name[m] for m in group.members]
+        body = sorted(members + _absorbed_views(members, program), key=order.__getitem__)
+        for n in body:
+            unit_of[n] = len(units)
+        rewritten.add(len(units))
+        units.append(body)
+    for n in nodes:
+        if n not in unit_of:
+            unit_of[n] = len(units)
+            units.append([n])
+    # topological order of units, stable by first original position
+    deps: list[set[int]] = [set() for _ in units]
+    for u, body in enumerate(units):
+        for n in body:
+            for inp in n.all_input_nodes:
+                if unit_of[inp] != u:
+                    deps[u].add(unit_of[inp])
+    users: list[list[int]] = [[] for _ in units]
+    for u, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(u)
+    missing = [len(ds) for ds in deps]
+    heap = [(order[units[u][0]], u) for u in range(len(units)) if missing[u] == 0]
+    heapq.heapify(heap)
+    emitted: list[int] = []
+    while heap:
+        _, u = heapq.heappop(heap)
+        emitted.append(u)
+        for v in users[u]:
+            missing[v] -= 1
+            if missing[v] == 0:
+                heapq.heappush(heap, (order[units[v][0]], v))
+    if len(emitted) != len(units):
+        raise RuntimeError("compile_program: fusion groups form a cycle (a fusion-rule bug)")
+
+    new_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    phases = dict(program.phases)
+    renamed: dict[str, str] = {}
+    k = 0
+    for u in emitted:
+        body = units[u]
+        if u not in rewritten:
+            node = body[0]
+            env[node] = new_graph.node_copy(node, lambda n: env[n])
+            continue
+        inside = set(body)
+        outputs = [n for n in body if any(user not in inside for user in n.users) and _is_tensor(n)]
+        desc, tensor_inputs, scalar_nodes, scalars = _describe(body)
+        desc["outputs"] = [body.index(n) for n in outputs]
+        desc_text = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+        in_specs = tuple(TensorSpec.from_tensor(n.meta["val"]) for n in tensor_inputs)
+        out_specs = tuple(TensorSpec.from_tensor(n.meta["val"]) for n in outputs)
+        flops = sum((_member_flops(n) for n in body if node_class(n) != CLASS_NONE), sympy.Integer(0))
+        cost = Cost(flops, sum((_nbytes(s) for s in in_specs), sympy.Integer(0)),
+                    sum((_nbytes(s) for s in out_specs), sympy.Integer(0)))
+        phase = program.phase_of(body[0])
+        name = f"fused_{k}"
+        k += 1
+        ops = tuple(str(n.target).split(".")[-2] if n.target is not operator.getitem else "getitem"
+                    for n in body if node_class(n) != CLASS_NONE)
+        kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
+                             tuple(scalars), in_specs, out_specs, cost, phase)
+        first = body[0]
+        fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
+        fused.name = name
+        vals = [n.meta["val"] for n in outputs]
+        fused.meta["val"] = vals[0] if len(vals) == 1 else tuple(vals)
+        for key in ("nn_module_stack", "stack_trace", "seq_nr"):
+            if key in first.meta:
+                fused.meta[key] = first.meta[key]
+        fused.meta[META_FUSED_MEMBERS] = kernel.members
+        phases[fused.name] = phase
+        if len(outputs) == 1:
+            env[outputs[0]] = fused
+            renamed[outputs[0].name] = fused.name
+        else:
+            for i, out in enumerate(outputs):
+                item = new_graph.call_function(operator.getitem, (fused, i))
+                item.meta = dict(fused.meta, val=out.meta["val"])
+                item.meta.pop(META_FUSED_MEMBERS, None)
+                phases[item.name] = phase
+                env[out] = item
+                renamed[out.name] = item.name
+    new_graph.lint()
+    gm = torch.fx.GraphModule(program.gm, new_graph)
+    gm.meta.update(program.gm.meta)
+    grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
+    from dataclasses import replace
+    return replace(program, gm=gm, phases=phases, grad_nodes=grad_nodes)
+
+
+def fused_nodes(program: Program) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if isinstance(n.target, FusedKernel)]
