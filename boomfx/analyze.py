@@ -32,6 +32,7 @@ from boomfx.report import (
     AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
 )
 from boomfx.simulate import ScheduledKernel, Timeline, simulate
+from boomfx.passes.compiled import CUDAGRAPH_POOL_STREAM, CUDAGRAPH_REPLAY_HOST_NS  # --cudagraphs
 
 aten = torch.ops.aten
 _UNBOUNDED_BYTES = 1 << 62
@@ -95,6 +96,8 @@ class Analysis:
         self._nodes = list(program.graph.nodes)
         self._price_cache: dict[Any, Any] = {}
         self._node_module = {n.name: module_path(n) for n in self._nodes}
+        # --cudagraphs (passes/compiled.py): host replay cost, and the graph's private memory pool
+        self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
 
     # -- pricing -------------------------------------------------------------------------------
     def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
@@ -149,7 +152,10 @@ class Analysis:
                 device_ns = price.time_ns
                 if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
                     device_ns += price.host_ns      # the CPU issues and runs each op on one thread
-                scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
+                host_ns = price.host_ns
+                if self._cudagraphs:  # --cudagraphs: one graph replay issues every kernel (passes/compiled.py)
+                    host_ns = 0.0 if scheduled else CUDAGRAPH_REPLAY_HOST_NS
+                scheduled.append(ScheduledKernel(node.name, host_ns, device_ns, 0, sync))
                 workspace_at[step] = int(price.workspace_bytes or 0)
                 kernels.append(KernelReport(
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
@@ -180,15 +186,16 @@ class Analysis:
             if step != last_step:
                 last_step = step
             frames = ((self._node_module.get(iv.node, ""), 0, iv.node),)
+            pool = CUDAGRAPH_POOL_STREAM if self._cudagraphs else 0   # --cudagraphs: private pool
             if kind == "alloc":
-                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node, frames))
+                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
                 ws = workspace_at.get(step, 0)
                 if ws and iv.node == self.liveness.order[step]:
                     events.append(AllocEvent("alloc", next_id, ws, 0, iv.node + ":workspace", frames))
                     events.append(AllocEvent("free", next_id, ws, 0, iv.node + ":workspace", frames))
                     next_id += 1
             else:
-                events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), 0, iv.node, frames))
+                events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
         return events
 
     def _memory(self, ev: Evaluator, workspace_at: Mapping[int, int], record_trace: bool,
@@ -274,8 +281,12 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
             dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
-            dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None) -> Report:
+            dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
+            cudagraphs: bool = False) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
+
+    ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
+    ``cudagraphs=True`` its mode="reduce-overhead" (implies ``compile``).
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -287,7 +298,9 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     """
     started = time.perf_counter()
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
-    program = capture(source, *example_inputs, options=ProgramOptions(train, optimizer, amp, checkpoint),
+    program = capture(source, *example_inputs,
+                      options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
+                                                     compile=compile or cudagraphs, cudagraphs=cudagraphs),
                       dynamic_shapes=dynamic_shapes, log=log)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
     bindings = resolve_bindings(program, dims or {}, batch, seq)

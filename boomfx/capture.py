@@ -156,9 +156,11 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     from boomfx import training
     if options.train:
         traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
-                                                 checkpoint=options.checkpoint)
+                                                 checkpoint=options.checkpoint,
+                                                 fused_attention=options.target_kind == "cuda")
     else:
-        traced = training.build_inference_program(ep, amp=options.amp)
+        traced = training.build_inference_program(ep, amp=options.amp,
+                                                  fused_attention=options.target_kind == "cuda")
     return program_from_traced(traced, symbols, options, label)
 
 

@@ -23,7 +23,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     sweeps = [_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:
         raise OptionError("--max-batch/--max-seq and --sweep cannot be combined")
-    options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
+    options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs)  # --compile
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=options, log=progress.log if args.verbose else None)

@@ -79,7 +79,8 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.capture import capture, resolve_bindings
         from boomfx.cli import _dim
         from boomfx.program import ProgramOptions
-        program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint))
+        program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
+                                                                target_kind=spec.kind))
         bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         calls = analysis.kernel_calls(bindings)

@@ -49,6 +49,7 @@ class ProgramOptions:
     optimizer: str = "adamw"
     amp: Optional[str] = None
     checkpoint: bool = False
+    target_kind: str = "cuda"      # "cuda": GPU kernels (fused attention); "cpu": the host's own kernels
     compile: bool = False        # predict torch.compile (Inductor): see passes/compiled.py
     cudagraphs: bool = False     # with compile: mode="reduce-overhead" (CUDA graph replay)
 
