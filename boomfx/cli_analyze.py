@@ -52,7 +52,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         from boomfx.render_text import render_text
-        print(render_text(report, top=args.top))
+        print(render_text(report, top=args.top, kernels=args.kernels))
         if args.json:
             with open(args.json, "w") as f:
                 f.write(report.to_json())

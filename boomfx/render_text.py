@@ -1,6 +1,8 @@
 """Text summary of a Report (the CLI's default output). Reads the Report and nothing else."""
 from __future__ import annotations
 
+from typing import Optional
+
 from boomfx.report import GroupTime, Report
 from boomfx.units import fmt_bytes, fmt_flops, fmt_time
 
@@ -22,9 +24,20 @@ def _groups(title: str, groups: list[GroupTime], top: int) -> list[str]:
     return ["", title] + _table(rows, ["name", "time", "share", "kernels"])
 
 
-def render_text(report: Report, top: int = 8) -> str:
+def render_kernels(report: Report, limit: int) -> list[str]:
+    """The ``limit`` slowest kernels (0: all, in program order) with the source of each price."""
+    kernels = list(report.kernels) if limit <= 0 else sorted(report.kernels, key=lambda k: -k.time_ns)[:limit]
+    rows = [[k.node, k.op.replace("aten.", ""), k.module or "-", k.phase, fmt_time(k.time_ns), k.source
+             + ("" if k.modelled else " (unmodelled op)")] for k in kernels]
+    title = "Kernels (program order)" if limit <= 0 else f"Slowest {len(rows)} kernels"
+    return ["", title] + _table(rows, ["node", "op", "module", "phase", "time", "priced by"])
+
+
+def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> str:
     t, m = report.time, report.memory
-    dims = ", ".join(f"{s.name}{'(' + s.role + ')' if s.role else ''}={s.value}" for s in report.symbols) or "static"
+    dims = ", ".join(f"{s.name}{'(' + s.role + ')' if s.role else ''}={s.value} "
+                     f"[{s.min_value}..{'inf' if s.max_value is None else s.max_value}]"
+                     for s in report.symbols) or "static"
     opts = [report.mode]
     if report.options.get("optimizer"):
         opts.append(report.options["optimizer"])
@@ -47,6 +60,8 @@ def render_text(report: Report, top: int = 8) -> str:
     out += _groups("Time by op", report.by_op, top)
     if len(report.by_phase) > 1:
         out += _groups("Time by phase", report.by_phase, top)
+    if kernels is not None:
+        out += render_kernels(report, kernels)
     if report.blocks:
         out += ["", "Repeated blocks"]
         out += _table([[b.name, str(b.instances), fmt_time(b.time_ns_per_instance),
