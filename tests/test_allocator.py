@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -265,8 +264,9 @@ def test_replay_expandable_counts_mapped_ranges():
     assert r.peak_reserved_bytes == 100 * MiB and r.num_segments_at_peak == 1
 
 
-def test_replay_100k_events_is_fast():
-    """replay of 100k events stays well under a couple of seconds (bisect-ordered free lists)."""
+def test_replay_100k_random_events_accounts_every_byte():
+    """A long random alloc/free sequence replays without OOM and ends with allocated == live bytes.
+    (Its speed is measured by benchmarks/micro_speed.py, not asserted here.)"""
     rng = random.Random(0)
     events, live, next_id = [], [], 0
     while len(events) < 100_000:
@@ -278,8 +278,11 @@ def test_replay_100k_events_is_fast():
             events.append(AllocEvent("alloc", next_id, size))
             live.append(next_id)
             next_id += 1
-    t0 = time.perf_counter()
     r = replay(events, AllocatorConfig(), capacity_bytes=80 * GiB)
-    elapsed_s = time.perf_counter() - t0
     assert r.oom is None
-    assert elapsed_s < 3.0, f"replay took {elapsed_s:.2f} s"
+    requested = {e.tensor_id: e.nbytes for e in events if e.kind == "alloc"}
+    rounded = {t: AllocatorConfig().round_size(n) for t, n in requested.items()}
+    # requested bytes are exact; allocated counts whole blocks (an unsplit remainder stays with its block)
+    assert r.stats["requested_bytes.all.current"] == sum(requested[t] for t in live)
+    assert r.allocator.memory_allocated() >= sum(rounded[t] for t in live)
+    assert r.peak_reserved_bytes >= r.peak_allocated_bytes
