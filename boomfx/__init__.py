@@ -29,7 +29,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "SCHEMA_VERSION": ("boomfx.report", "SCHEMA_VERSION"),
     "devices": ("boomfx.devices", None),
     "get_device": ("boomfx.devices", "get_device"),
-    "capture": ("boomfx.capture", "capture"),
 }
 # Submodules that share their name with the function they define.
 _CALLABLE_SUBMODULES = frozenset({"analyze"})

@@ -33,6 +33,7 @@ Known limitations:
 from __future__ import annotations
 
 import threading
+import weakref
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
@@ -82,7 +83,7 @@ def clear_reports() -> None:
             backend.records.clear()
 
 
-_BACKENDS: list["BoomfxBackend"] = []
+_BACKENDS: "weakref.WeakSet[BoomfxBackend]" = weakref.WeakSet()
 
 
 class BoomfxBackend:
@@ -105,7 +106,7 @@ class BoomfxBackend:
         self.analysis_options = {"device": device, "alloc_conf": alloc_conf, "outside_memory": outside_memory,
                                  "db": db, "from_db": from_db}
         self.records: list[GraphRecord] = []
-        _BACKENDS.append(self)
+        _BACKENDS.add(self)
 
     def reports(self) -> list[Any]:
         return [r.report for r in self.records if r.report is not None]

@@ -51,6 +51,7 @@ from boomfx.analyze import Analysis, AnalyzeOptions, PointResult
 from boomfx.capture import capture, resolve_bindings
 from boomfx.devices import DeviceSpec, get_device
 from boomfx.errors import DimError
+from boomfx.modules import module_path
 from boomfx.program import Program, ProgramOptions
 from boomfx.report import Report
 
@@ -175,7 +176,6 @@ def annotate_nodes(analysis: Analysis, bindings: Mapping[sympy.Symbol, int],
 
 
 def _node_entry(analysis: Analysis, node: torch.fx.Node, ev: Any, kernel: Any) -> dict[str, Any]:
-    from boomfx.modules import module_path
     entry: dict[str, Any] = {
         "is_kernel": kernel is not None, "op": str(node.target) if node.op == "call_function" else None,
         "phase": analysis.program.phase_of(node) if node.op == "call_function" else None,

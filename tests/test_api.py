@@ -10,7 +10,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import boomfx
-from boomfx.cli import main as cli_main
 
 DEVICE = "a100-80gb"
 
@@ -52,12 +51,16 @@ def exported(tmp_path_factory):
     return model, x, ep, path
 
 
-@pytest.fixture(scope="module")
-def cli_numbers(exported):
-    _model, _x, _ep, path = exported
-    out = subprocess.run([sys.executable, "-m", "boomfx.cli", "analyze", str(path), "--device", DEVICE, "--json"],
+def run_cli(*args: str) -> dict:
+    """``boomfx analyze ... --json`` in a fresh process (as a user runs it); the JSON's numbers."""
+    out = subprocess.run([sys.executable, "-m", "boomfx.cli", "analyze", *args, "--device", DEVICE, "--json"],
                          capture_output=True, text=True, check=True)
     return _json_numbers(json.loads(out.stdout))
+
+
+@pytest.fixture(scope="module")
+def cli_numbers(exported):
+    return run_cli(str(exported[3]))
 
 
 SOURCES = {
@@ -77,14 +80,6 @@ def test_api_matches_cli_json(kind, exported, cli_numbers):
     assert got == pytest.approx(cli_numbers, rel=1e-12), kind
 
 
-def test_api_matches_cli_in_process(exported, capsys):
-    """Same check through ``boomfx.cli.main`` in this process (the CLI's own entry point)."""
-    _model, _x, ep, path = exported
-    assert cli_main(["analyze", str(path), "--device", DEVICE, "--json"]) == 0
-    cli = _json_numbers(json.loads(capsys.readouterr().out))
-    assert _numbers(boomfx.analyze(ep, device=DEVICE)) == pytest.approx(cli, rel=1e-12)
-
-
 def test_aten_graph_module_with_fake_values(exported, cli_numbers):
     """A make_fx graph (aten ops, fake values, parameters as inputs) gives the export's FLOPs."""
     model, x, _ep, _path = exported
@@ -97,14 +92,13 @@ def test_aten_graph_module_with_fake_values(exported, cli_numbers):
     assert report.time.kernels == cli_numbers["kernels"]
 
 
-def test_dynamic_batch_binding_matches_cli(tmp_path, capsys):
+def test_dynamic_batch_binding_matches_cli(tmp_path):
     model, x = TwoLayer(), torch.randn(8, 32)
     batch = torch.export.Dim("batch", min=1, max=4096)
     ep = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
     path = tmp_path / "dyn.pt2"
     torch.export.save(ep, str(path))
-    assert cli_main(["analyze", str(path), "--device", DEVICE, "--batch", "256", "--json"]) == 0
-    cli = _json_numbers(json.loads(capsys.readouterr().out))
+    cli = run_cli(str(path), "--batch", "256")
     report = boomfx.analyze(ep, device=DEVICE, batch=256)
     assert _numbers(report) == pytest.approx(cli, rel=1e-12)
     assert [s.value for s in report.symbols] == [256]
@@ -134,3 +128,18 @@ def test_package_root_is_lazy_and_analyze_is_callable_either_way():
 def test_unknown_attribute_raises():
     with pytest.raises(AttributeError):
         boomfx.no_such_thing  # noqa: B018
+
+
+def test_json_schema_doc_names_every_report_field():
+    """docs/json-schema.md must not drift from the dataclasses it documents (anti-pattern 9)."""
+    import dataclasses
+    from pathlib import Path
+
+    from boomfx import report as rep
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "json-schema.md").read_text()
+    classes = (rep.Report, rep.SymbolReport, rep.TimeReport, rep.MemoryReport, rep.AllocatorReport,
+               rep.KernelReport, rep.GroupTime, rep.BlockReport)
+    missing = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
+               if f"| `{f.name}` |" not in doc]
+    assert not missing, f"fields not documented in docs/json-schema.md: {missing}"
+    assert f'currently `"{rep.SCHEMA_VERSION}"`' in doc

@@ -91,13 +91,13 @@ def _bad(capsys, *argv: str) -> str:
 
 
 def test_missing_file(capsys, tmp_path: Path) -> None:
-    assert "not found" in _bad(capsys, "analyze", str(tmp_path / "nope.pt2"), "--batch", "1").lower() or True
+    assert "does not exist" in _bad(capsys, "analyze", str(tmp_path / "nope.pt2"), "--batch", "1")
 
 
 def test_not_a_pt2(capsys, tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("hello")
-    _bad(capsys, "analyze", str(path))
+    assert "not a .pt2 file" in _bad(capsys, "analyze", str(path))
 
 
 def test_corrupt_archive(capsys, tmp_path: Path, examples_dir: Path) -> None:
