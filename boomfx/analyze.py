@@ -5,6 +5,7 @@ point, so sweeps and max-batch searches never re-trace.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -16,6 +17,7 @@ from boomfx.alloc_config import AllocatorConfig
 from boomfx.capture import capture, resolve_bindings
 from boomfx.devices import DeviceSpec, get_device
 from boomfx.errors import OptionError
+from boomfx.kernels_db.blocks_db import apply_block_measurements  # block mode
 from boomfx.memory_outside import OutsideMemory
 from boomfx.memory_replay import AllocEvent, ReplayResult, replay
 from boomfx.modules import layer_of, module_path
@@ -27,7 +29,7 @@ from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.pricing import make_pricer
-from boomfx.program import Program, ProgramOptions
+from boomfx.program import PHASE_BACKWARD, PHASE_OPTIMIZER, Program, ProgramOptions
 from boomfx.report import (
     AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
 )
@@ -86,7 +88,8 @@ class Analysis:
         self.am = AnalysisManager(program, device, reuse_blocks=reuse_blocks)
         self.kernels = self.am.get(kernel_pass)
         self.costs = self.am.get(cost_pass)
-        self.liveness: LivenessInfo = self.am.get(liveness_pass)
+        base_liveness = _eager_autograd_liveness(program) if program.options.train else self.am.get(liveness_pass)
+        self.liveness: LivenessInfo = _grads_held_to_step_end(base_liveness, program)
         self.blocks = self.am.get(block_pass)
         # depth-free pricing: each node of a repeated block's instance k is priced as its counterpart
         # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
@@ -95,14 +98,14 @@ class Analysis:
         self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
         self._nodes = list(program.graph.nodes)
         self._price_cache: dict[Any, Any] = {}
-        self._node_module = {n.name: module_path(n) for n in self._nodes}
+        self._node_module = _module_paths(self._nodes)  # scale: one lookup per module-stack object
         # --cudagraphs (passes/compiled.py): host replay cost, and the graph's private memory pool
         self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
 
     # -- pricing -------------------------------------------------------------------------------
     def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
         nc = self.costs.by_node[name]
-        call = bind_call(nc.call, ev)
+        call = self._bind(name, ev)
         key = (str(call.op), _freeze(dict(call.args)), _freeze(call.outputs), _freeze(dict(call.context)))
         hit = self._price_cache.get(key)
         if hit is None:
@@ -114,6 +117,14 @@ class Analysis:
             hit = (price, (flops, moved))
             self._price_cache[key] = hit
         return hit
+
+    def _bind(self, name: str, ev: Evaluator) -> Any:
+        """``bind_call`` plus data-dependent scalars (cpu-accuracy fix, benchmarks/cpu_accuracy.py): a
+        training step's AdamW bias corrections are functions of the unbacked step count (``zuf0``
+        from ``step.item()``); their values do not change a kernel's time or memory, but a symbolic
+        scalar cannot be keyed, so the kernel fell back to the roofline and could not be collected.
+        They are evaluated at ``DATA_DEPENDENT_SCALAR_VALUE`` (any steady-state step)."""
+        return _bind_data_dependent(bind_call(self.costs.by_node[name].call, ev))
 
     def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
         return Evaluator(bindings, self.symbol_map)
@@ -128,7 +139,7 @@ class Analysis:
                 rep = self._reps.get(node.name, node.name)
                 if rep not in names:
                     names.append(rep)
-        return [bind_call(self.costs.by_node[name].call, ev) for name in names]
+        return [self._bind(name, ev) for name in names]
 
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
@@ -162,6 +173,8 @@ class Analysis:
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
+        # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
+        kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         for k, span in zip(kernels, timeline.spans):
             k.start_ns = span.start_ns
@@ -256,11 +269,122 @@ class Analysis:
                      "checkpoint": opts.checkpoint, "alloc_conf": self.options.alloc_conf,
                      "db": self.options.db, "from_db": self.options.from_db},
             symbols=symbols, time=time_report, memory=memory,
-            by_module=_group(kernels, lambda k: layer_of(k.module), busy),
+            by_module=_group(kernels, _module_group, busy),
             by_op=_group(kernels, lambda k: k.op, busy),
             by_phase=_group(kernels, lambda k: k.phase, busy),
             by_source=_group(kernels, lambda k: k.source, busy),
             blocks=[], unmodelled_ops=self.costs.unmodelled_ops(), kernels=kernels)
+
+
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+
+
+def _eager_autograd_liveness(program: Program) -> LivenessInfo:
+    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): the liveness of a training step as eager autograd
+    frees memory, from the liveness pass run on a copy of the graph with two changes:
+
+    1. size queries (``sym_size``/``sym_numel``/...) are not uses: eager reads a size off a live tensor's
+       metadata and never keeps a tensor alive for it, while in the traced graph a backward
+       ``sym_size`` of a forward value extended its life into the backward (Llama: the K/V
+       projections, +1 MiB at the training peak);
+    2. a backward autograd node (the run of backward graph nodes sharing a ``seq_nr``) releases its
+       saved tensors and incoming gradients when it finishes, not at their last use inside it
+       (MmBackward0 keeps its input until both of its mm's are done: the real step's peak).
+    Measured against the profiler peak of real CPU steps (tests/test_cpu_memory_accuracy.py)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(program.graph, env)
+    graph.output(out)
+    group: list[torch.fx.Node] = []
+
+    def close(nodes: list[torch.fx.Node]) -> None:
+        if len(nodes) > 1:
+            used: dict[torch.fx.Node, None] = {}
+            for n in nodes:
+                if n.target not in _SIZE_QUERIES:
+                    used.update(dict.fromkeys(n.all_input_nodes))
+            last = nodes[-1]
+            extra = tuple(u for u in used if u is not last and u not in last.all_input_nodes)
+            if extra:
+                last.args = tuple(last.args) + extra
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _SIZE_QUERIES:
+            node.args = (None,) + tuple(node.args[1:])
+        seq = node.meta.get("seq_nr") if program.phases.get(node.name) == PHASE_BACKWARD else None
+        if group and (seq is None or group[-1].meta.get("seq_nr") != seq):
+            close(group)
+            group = []
+        if seq is not None:
+            group.append(node)
+    close(group)
+    assert [n.name for n in graph.nodes] == [n.name for n in program.graph.nodes]
+    copy = dataclasses.replace(program, gm=torch.fx.GraphModule(program.gm, graph))
+    return liveness_pass(copy)
+
+
+def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInfo:
+    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): in an eager step (``loss.backward();
+    opt.step(); opt.zero_grad(set_to_none=True)``) every gradient is held by its parameter's
+    ``.grad`` until ``zero_grad``, i.e. to the end of the optimizer phase, not to its last use inside
+    the traced optimizer (AdamW's foreach ``sqrt`` temporaries coexist with all gradients: the
+    profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op."""
+    if not program.options.train or not program.grad_nodes:
+        return info
+    from boomfx.passes.liveness import Category
+    opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
+    if not opt_steps:
+        return info
+    end = opt_steps[-1]
+    intervals = tuple(dataclasses.replace(iv, end_step=max(iv.end_step, end))
+                      if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
+    return dataclasses.replace(info, intervals=intervals)
+
+
+DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
+
+
+def _bind_data_dependent(call: Any) -> Any:
+    """``call`` with scalar arguments that still hold free (data-dependent) symbols evaluated at
+    ``DATA_DEPENDENT_SCALAR_VALUE``; tensor specs are untouched (their sizes are already bound)."""
+    def fix(value: Any) -> Any:
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(fix(v) for v in value)
+        if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom) \
+                and value.free_symbols:
+            out = value.xreplace({s: sympy.Integer(DATA_DEPENDENT_SCALAR_VALUE) for s in value.free_symbols})
+            return sympy.Integer(int(out)) if out.is_integer else sympy.Float(float(out))
+        return value
+    if not any(isinstance(v, (list, tuple, sympy.Basic)) for v in call.args.values()):
+        return call
+    return type(call)(call.op, {k: fix(v) for k, v in call.args.items()}, call.outputs, call.context)
+
+
+def _module_group(k: KernelReport) -> str:
+    """The layer a kernel belongs to; the optimizer step and loss have no module of their own."""
+    if not k.module and k.phase == "optimizer":
+        return "(optimizer step)"
+    return layer_of(k.module)
+
+
+def _module_paths(nodes: list) -> dict[str, str]:
+    """``module_path`` of every node, computed once per ``nn_module_stack`` object (synthesised deep
+    training graphs share one stack per module and layer: boomfx/training_expand.py)."""
+    by_stack: dict[int, str] = {}
+    out = {}
+    for n in nodes:
+        stack = n.meta.get("nn_module_stack")
+        if stack is None:
+            out[n.name] = module_path(n)
+            continue
+        path = by_stack.get(id(stack))
+        if path is None:
+            path = by_stack[id(stack)] = module_path(n)
+        out[n.name] = path
+    return out
 
 
 def _source_name(source: Any) -> str:

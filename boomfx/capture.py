@@ -155,9 +155,15 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label)
     from boomfx import training
     if options.train:
-        traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
-                                                 checkpoint=options.checkpoint,
-                                                 fused_attention=options.target_kind == "cuda")
+        # depth-free: trace 4 layers and replicate (boomfx/fast_training.py); None -> full trace
+        from boomfx.fast_training import build_training_program_fast
+        traced = build_training_program_fast(ep, optimizer=options.optimizer, amp=options.amp,
+                                             checkpoint=options.checkpoint,
+                                             fused_attention=options.target_kind == "cuda")
+        if traced is None:
+            traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
+                                                     checkpoint=options.checkpoint,
+                                                     fused_attention=options.target_kind == "cuda")
     else:
         traced = training.build_inference_program(ep, amp=options.amp,
                                                   fused_attention=options.target_kind == "cuda")

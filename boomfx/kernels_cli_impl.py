@@ -74,6 +74,8 @@ def _collect(args: argparse.Namespace) -> int:
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     progress = False if args.quiet else None
+    if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
+        raise OptionError("--blocks needs --for FILE.pt2")
     if args.for_file:
         from boomfx.analyze import Analysis, AnalyzeOptions
         from boomfx.capture import capture, resolve_bindings
@@ -83,6 +85,11 @@ def _collect(args: argparse.Namespace) -> int:
                                                                 target_kind=spec.kind))
         bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
+        if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
+            from boomfx.kernels_db.blocks_db import collect_blocks
+            blocks = collect_blocks(Store(path), analysis, bindings, device, budget, progress)
+            print(blocks.summary(args.for_file, path))
+            return 0
         calls = analysis.kernel_calls(bindings)
         result = collect_calls(Store(path), calls, device, budget, progress)
         what = f"{len(calls)} kernels of {args.for_file}"

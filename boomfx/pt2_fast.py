@@ -11,6 +11,13 @@ fake values are built exactly as torch builds them) and removes the repeated wor
    installed on one deserializer instance (the class is ``Final``, so no subclass), so every
    tensor with size ``s77`` gets the same symbol under one ``ShapeEnv``.
 
+3. ``_MemoTensorMeta``: one fake tensor per distinct tensor *description* (sizes, strides, dtype,
+   device) for the values of call nodes. Creating a fake tensor costs ~2 ms (FakeTensorMode
+   dispatch, symbolic stride checks) and was ~60% of the remaining load time; an 80-layer Llama has
+   ~6k values but only a few dozen distinct descriptions, so sharing makes the load nearly
+   depth-free in this step. Graph inputs (parameters, buffers, user inputs) keep their own fake
+   tensor each: their storage identity is what tells tied weights apart (``passes/liveness.py``).
+
 Anything unexpected raises; ``boomfx.loader`` then falls back to torch's unpatched deserializer.
 
 Known limitations: relies on private torch APIs (``torch._export.serde.serialize``), checked
@@ -175,6 +182,38 @@ class _MemoSymbols:
         return out
 
 
+def _sym_key(s: Any) -> Any:
+    if s.type == "as_expr":
+        v = s.value
+        return ("e", v.expr_str, None if v.hint is None else (v.hint.type, v.hint.value))
+    return (s.type, s.value)
+
+
+class _MemoTensorMeta:
+    """Share one fake tensor between call-node values with the same description (see module doc).
+
+    A fake tensor here is metadata only: no pass mutates it or compares call-node values by
+    identity; only graph inputs' storages are compared (tied weights), and those are not shared.
+    """
+
+    def __init__(self, deser: Any, graph: schema.Graph) -> None:
+        self.original = deser.deserialize_tensor_meta
+        self.inputs = {id(graph.tensor_values[i.value.name]) for i in graph.inputs
+                       if i.type == "as_tensor" and i.value.name in graph.tensor_values}
+        self.cache: dict[Any, Any] = {}
+        deser.deserialize_tensor_meta = self.deserialize_tensor_meta
+
+    def deserialize_tensor_meta(self, tm: Any) -> Any:
+        if id(tm) in self.inputs:
+            return self.original(tm)
+        key = (tuple(_sym_key(s) for s in tm.sizes), tuple(_sym_key(s) for s in tm.strides), tm.dtype,
+               tm.device.type, tm.device.index, tm.requires_grad, _sym_key(tm.storage_offset), tm.layout)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = self.original(tm)
+        return hit
+
+
 def _range_map(program: schema.ExportedProgram) -> dict[str, Any]:
     return {
         k: symbolic_shapes.ValueRanges(
@@ -204,6 +243,7 @@ def deserialize_fast(
     symbol_name_to_range = _range_map(program)
     deser = serde.GraphModuleDeserializer()
     _MemoSymbols(deser)
+    _MemoTensorMeta(deser, program.graph_module.graph)
     res = deser.deserialize(program.graph_module, state_dict, constants, None, symbol_name_to_range)
     range_constraints = {
         res.names_to_symbols[k]: v for k, v in symbol_name_to_range.items() if k in res.names_to_symbols

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from boomfx.devices import DeviceSpec
+from boomfx.kernels_db.blocks_db import BLOCK_OP  # block mode
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json
@@ -277,6 +278,8 @@ class KernelPricer:
         if store is not None:
             with store:
                 for rec in store.records(fingerprint):  # oldest first: newer rows overwrite
+                    if rec.key.op == BLOCK_OP:  # whole-block rows price blocks, not kernels (blocks_db.py)
+                        continue
                     self._exact[rec.key.key_hash] = rec
         by_sig: dict[str, tuple[list[_Point], list[KernelRecord]]] = {}
         for rec in self._exact.values():

@@ -82,6 +82,8 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
     if target in _ALWAYS_VIEW_CALLABLES:
         src = node.args[0]
         return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
+    if getattr(target, "boomfx_fused", False):  # compiled execution: in-place buffer reuse (passes/compiled.py)
+        return target.output_aliases(node)
     if not isinstance(target, torch._ops.OpOverload):
         return [None]
     if target in _UNANNOTATED_VIEWS:

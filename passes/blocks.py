@@ -152,11 +152,19 @@ class _Describer:
         self.program = program
         self._val: dict[torch.fx.Node, Any] = {}
         self._label: dict[torch.fx.Node, Any] = {}
+        self._by_obj: dict[int, Any] = {}       # id(meta["val"]) -> description (values outlive this)
 
     def val(self, node: torch.fx.Node) -> Any:
         hit = self._val.get(node)
         if hit is None:
-            hit = _constant(spec_of(node.meta.get("val")))
+            # many nodes share one fake value (the loader's and training_expand's copies): describe
+            # each value object once; printing symbolic sizes is the slow part of a key
+            obj = node.meta.get("val")
+            hit = self._by_obj.get(id(obj)) if obj is not None else None
+            if hit is None:
+                hit = _constant(spec_of(obj))
+                if obj is not None:
+                    self._by_obj[id(obj)] = hit
             self._val[node] = hit
         return hit
 
@@ -272,8 +280,14 @@ def _module_candidates(values: Sequence[torch.fx.Node]) -> tuple[dict[str, Nodes
     """Layer (list entry) -> its value nodes in graph order, and layer -> module class name."""
     members: dict[str, list[torch.fx.Node]] = {}
     types: dict[str, str] = {}
+    by_stack: dict[int, Any] = {}          # deep synthesised graphs share stack objects per module
     for node in values:
-        stack = module_stack(node)
+        raw = node.meta.get("nn_module_stack")
+        stack = by_stack.get(id(raw)) if raw is not None else None
+        if stack is None:
+            stack = module_stack(node)
+            if raw is not None:
+                by_stack[id(raw)] = stack
         if not stack:
             continue
         layer = layer_of(stack[-1][0])

@@ -46,6 +46,16 @@ from boomfx.program import Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
 
+# --cudagraphs (torch.compile mode="reduce-overhead"). Host side: the step's kernels are issued by one
+# graph replay, so per-kernel issue cost is ~0 and the replay costs once: cudaGraphLaunch plus the
+# cudagraph-trees bookkeeping of torch (input checks, pool state), a few to tens of us; we use
+# 20 us (NB: an estimate, not measured on a device). Memory: the graph's tensors live in a *private*
+# memory pool (cudagraph trees): its blocks are never returned to the general pool and stay reserved
+# between replays. The step's (non-resident) allocations go to a separate allocator pool, modelled as
+# its own stream id, so the general pool can never reuse them.
+CUDAGRAPH_REPLAY_HOST_NS = 20_000.0
+CUDAGRAPH_POOL_STREAM = 1
+
 # ---------------------------------------------------------------------------------------------------------
 # The custom op a fused kernel is keyed and run as
 # ---------------------------------------------------------------------------------------------------------
@@ -158,7 +168,7 @@ def _compiled(desc: str, scalars: tuple[int, ...], signature: tuple) -> Any:
     def fn(*inputs: torch.Tensor) -> list[torch.Tensor]:
         return _interpret(spec, inputs, scalars)
 
-    gm = make_fx(fn)(*example)
+    gm = make_fx(fn, tracing_mode="fake")(*example)   # fake: the empty inputs hold no valid indices
     return compile_fx(gm, example)
 
 
@@ -198,6 +208,7 @@ class FusedKernel:
         self.output_specs = output_specs
         self.cost = cost
         self.phase = phase
+        self.inplace: tuple = (None,) * len(output_specs)
 
     def __repr__(self) -> str:
         return f"FusedKernel({self.name}: {' + '.join(self.ops)})"
@@ -208,6 +219,10 @@ class FusedKernel:
         spec = json.loads(self.desc)
         out = _interpret(spec, tensors, scalars)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def output_aliases(self, node: torch.fx.Node) -> list:
+        """Per output: ``(input node, True)`` when it is written in place into a dead input, else None."""
+        return [(node.args[i], True) if i is not None else None for i in self.inplace]
 
     def opcall(self) -> OpCall:
         """The OpCall of ``boomfx::fused`` the pricer keys and the roofline prices."""
@@ -278,6 +293,30 @@ def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], li
         name = "getitem" if node.target is operator.getitem else _op_name(node.target)
         ops.append([name, _encode(list(node.args), ref, scalars), {k: _encode(v, ref, scalars) for k, v in node.kwargs.items()}])
     return {"ops": ops}, tensor_inputs, scalar_nodes, scalars
+
+
+def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], inside: set) -> tuple:
+    """Inductor writes a pointwise kernel's output into an input buffer that dies there (``buf1 = buf0;
+    del buf0  # reuse`` in its output code) when size and dtype match. An input qualifies when it is a
+    fresh kernel output (not a graph input, view or getitem) read only by this group."""
+    taken: set[int] = set()
+    result = []
+    for out in outputs:
+        val = out.meta["val"]
+        pick = None
+        for i, inp in enumerate(inputs):
+            v = inp.meta.get("val")
+            if i in taken or inp.op != "call_function" or node_class(inp) == CLASS_NONE:
+                continue
+            if not isinstance(v, torch.Tensor) or any(u not in inside for u in inp.users):
+                continue
+            if v.dtype == val.dtype and v.shape == val.shape and v.is_contiguous() and val.is_contiguous():
+                pick = i
+                break
+        if pick is not None:
+            taken.add(pick)
+        result.append(pick)
+    return tuple(result)
 
 
 def _member_flops(node: torch.fx.Node) -> sympy.Expr:
@@ -364,6 +403,7 @@ def compile_program(program: Program) -> Program:
                     for n in body if node_class(n) != CLASS_NONE)
         kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
                              tuple(scalars), in_specs, out_specs, cost, phase)
+        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside)
         first = body[0]
         fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
         fused.name = name

@@ -121,7 +121,22 @@ class LivenessInfo:
                 yield step, "free", iv
 
 
+_NBYTES: dict[int, tuple[torch.Tensor, sympy.Expr]] = {}
+
+
 def _fresh_nbytes(val: torch.Tensor) -> sympy.Expr:
+    """Bytes of a fresh storage for ``val``; memoized per value object (deep graphs share values)."""
+    hit = _NBYTES.get(id(val))
+    if hit is not None and hit[0] is val:
+        return hit[1]
+    nbytes = _compute_nbytes(val)
+    if len(_NBYTES) > 200_000:
+        _NBYTES.clear()
+    _NBYTES[id(val)] = (val, nbytes)
+    return nbytes
+
+
+def _compute_nbytes(val: torch.Tensor) -> sympy.Expr:
     numel = sympy.Integer(1)
     for size in val.shape:
         numel = numel * to_sympy(size)
@@ -167,7 +182,8 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> Liv
                 val = getattr(program.gm, str(node.target), None)
             role = program.input_roles.get(node.name, ROLE_PARAM if node.op == "get_attr" else ROLE_INPUT)
             if isinstance(val, torch.Tensor):
-                key = _storage_key(val)
+                # synthesised layers (boomfx/training_expand.py) share fake values but not storages
+                key = node.meta.get("boomfx.storage_key") or _storage_key(val)
                 if key is not None and key in resident_by_storage:     # tied weights: one storage
                     out_sids[node] = [resident_by_storage[key]]
                     continue
@@ -225,13 +241,13 @@ def _assign_categories(program: Program, nodes: list[torch.fx.Node],
                        out_sids: Mapping[torch.fx.Node, list[Optional[int]]], storage_nodes: list[torch.fx.Node],
                        storage_cat: list[Optional[Category]], step_of: Mapping[torch.fx.Node, int]) -> None:
     """Gradients by the grad-producing nodes; activations are forward storages a backward node reads."""
+    by_name = {node.name: node for node in nodes} if program.grad_nodes else {}
     for name, _fqn in program.grad_nodes.items():
-        for node in nodes:
-            if node.name == name:
-                for sid in _sids(out_sids, node):
-                    if storage_cat[sid] is None:
-                        storage_cat[sid] = Category.GRAD
-                break
+        node = by_name.get(name)
+        if node is not None:
+            for sid in _sids(out_sids, node):
+                if storage_cat[sid] is None:
+                    storage_cat[sid] = Category.GRAD
     if not program.options.train:
         return
     for node in nodes:

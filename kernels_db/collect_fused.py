@@ -1,0 +1,94 @@
+"""Measure compiled (Inductor) fused kernels on the local device and store them like eager kernels.
+
+A compiled program (``ProgramOptions(compile=True)``) prices each fused group through the OpCall of
+``boomfx::fused(inputs, scalars, desc)`` (``passes/compiled.py``). Its kernel key is the canonical
+description of the group (member ops and wiring, ``desc``) plus the bound input shapes/strides/dtypes,
+so it is stored and looked up exactly like an eager aten kernel. Running the op compiles the group with
+Inductor once per shape (``compile_fx`` on the group's aten graph, no dynamo guards in the timed call)
+and the shared ``Measurer`` times it.
+
+Example::
+
+    analysis = Analysis(capture(ep, options=ProgramOptions(compile=True, target_kind="cpu")), get_device("cpu"))
+    with Store(default_db_path("cpu")) as store:
+        result = collect_fused(store, analysis, bindings)
+
+Known limitations:
+- Host overhead on CPU is the calibrated one-element ``aten.add`` dispatch (a one-element call of a
+  compiled group would recompile it); on CPU it is part of the measured time anyway.
+- Each unique group costs one Inductor compilation (seconds on a small CPU).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+import sympy
+import torch
+
+from boomfx.kernels_db.collect import CollectResult, collect_keys, unique_keys
+from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError
+from boomfx.kernels_db.measure import Measurer
+from boomfx.kernels_db.progress import Progress
+from boomfx.kernels_db.schema import KernelKey
+from boomfx.kernels_db.store import Store
+from boomfx.passes.costs.registry import OpCall
+from boomfx.passes.opcall import bind_call
+
+
+class FusedMeasurer(Measurer):
+    """A Measurer whose CPU host estimate never re-runs a compiled group on one-element inputs."""
+
+    def _cpu_host_ns(self, key: KernelKey) -> float:
+        return self._calibrated_host_ns()
+
+    @staticmethod
+    def _cpu_workspace_bytes(op: Any, args: list, kwargs: dict) -> int:
+        return 0   # Inductor's scratch is inside its kernels; temporaries are graph buffers already
+
+
+def fused_calls(analysis: Any, bindings: Mapping[sympy.Symbol, int]) -> list[OpCall]:
+    """The bound ``boomfx::fused`` OpCalls of a compiled analysis at ``bindings``."""
+    ev = analysis.evaluator(bindings)
+    calls = []
+    for node in analysis.program.graph.nodes:
+        if not getattr(node.target, "boomfx_fused", False):
+            continue
+        nc = analysis.costs.by_node.get(node.name)
+        if nc is not None:
+            calls.append(bind_call(nc.call, ev))
+    return calls
+
+
+def collect_fused(
+    store: Store,
+    analysis: Any,
+    bindings: Mapping[sympy.Symbol, int],
+    device: Union[str, torch.device] = "cpu",
+    budget_s: Optional[float] = None,
+    progress: Union[bool, Progress, None] = None,
+    measurer: Optional[Measurer] = None,
+) -> CollectResult:
+    """Compile, time and store every unique fused group of ``analysis`` the store lacks.
+
+    Args:
+        store: the device's kernel database.
+        analysis: an ``Analysis`` of a compiled program (``ProgramOptions(compile=True)``).
+        bindings: the symbol values to measure at (``resolve_bindings``).
+        device: where to measure; ignored when ``measurer`` is given.
+        budget_s, progress: as in ``collect.collect_keys``.
+    """
+    measurer = measurer if measurer is not None else FusedMeasurer(device)
+    keys = []
+    for call in fused_calls(analysis, bindings):
+        try:
+            keys.extend(unique_keys([call]))
+        except (SymbolicKeyError, UnkeyableCallError):
+            continue   # a data-dependent scalar (no fixed kernel to measure): priced by its roofline
+    return collect_keys(store, unique_keys_of(keys), measurer, budget_s, progress)
+
+
+def unique_keys_of(keys: list[KernelKey]) -> list[KernelKey]:
+    seen: dict[str, KernelKey] = {}
+    for key in keys:
+        seen.setdefault(key.key_hash, key)
+    return list(seen.values())

@@ -1,0 +1,119 @@
+"""``--device cpu`` peak memory equals a real CPU run's allocator-level peak (profiler memory events).
+
+For small models (an MLP, a small CNN, a tiny GPT, `transformers` BERT and GPT-2), inference and an AdamW training step:
+a kernel database is collected on the fly for the exact kernels of the step (so kernel scratch, the
+measured ``workspace_bytes``, is part of the prediction), then the prediction's peak above the
+storages that exist before the step (``peak_live_bytes - resident_bytes``: parameters, buffers,
+inputs, optimizer state) is compared with the profiler's running-sum peak of one real step above its
+starting point. The real step runs the exported program eagerly (``ep.module()``, op by op on real
+CPU tensors): the program boomfx analyses. (The original nn.Module can peak higher in inference,
+because its Python keeps tensors bound to local variables until ``forward`` returns; see
+benchmarks/cpu_accuracy.py, which reports both.)
+
+Training is the eager step boomfx's ``--train`` traces: ``loss = first_output.mean()``,
+``loss.backward()``, foreach ``AdamW.step()``, ``zero_grad(set_to_none=True)``, measured after a
+warm-up step so the optimizer state already exists.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from boomfx.analyze import Analysis, AnalyzeOptions
+from boomfx.capture import capture, resolve_bindings
+from boomfx.devices import cpu_spec
+from boomfx.kernels_db.collect import collect_calls
+from boomfx.kernels_db.measure import Measurer, _stderr_fd_silenced
+from boomfx.kernels_db.store import Store
+from boomfx.program import ProgramOptions
+
+from conftest import make_model
+
+TOLERANCE = 0.01
+
+
+def _first_output(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def _profiler_peak(step: Callable[[], Any]) -> int:
+    """Running-sum peak of the profiler's [memory] events of one call, above its starting point."""
+    from torch.profiler import ProfilerActivity, profile
+    gc.collect()
+    with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> int:
+    gm = ep.module()
+    if not train:
+        def step() -> None:
+            with torch.no_grad():
+                gm(*inputs)
+    else:
+        opt = torch.optim.AdamW(list(gm.parameters()), foreach=True)
+
+        def step() -> None:
+            loss = _first_output(gm(*inputs)).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step()   # warm-up: AdamW's state is created on the first step
+    step()
+    return _profiler_peak(step)
+
+
+def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, db: str) -> tuple[int, int]:
+    spec = cpu_spec()
+    program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu"))
+    x = inputs[0]
+    seq = x.shape[1] if x.ndim == 2 and not x.is_floating_point() else None
+    bindings = resolve_bindings(program, {}, x.shape[0], seq)
+    calls = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
+    # memory only: short timing, but the workspace measurement of every kernel is the real one
+    measurer = Measurer("cpu", warmup_s=0.0, target_s=0.0, min_runs=1, max_runs=1, min_sample_ns=0)
+    result = collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+    assert not result.failed, [(k.op, why) for k, why in result.failed]
+    memory = Analysis(program, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings).report.memory
+    return memory.peak_live_bytes - memory.resident_bytes, memory.workspace_bytes
+
+
+# Known gap, kept visible: a model with tied weights (GPT-2's lm_head = wte) is exported with one
+# placeholder per name, and boomfx.training traces them as two parameters: two gradients and two
+# AdamW states where eager has one, so the training peak is over by one gradient plus one foreach
+# ``sqrt`` temporary of the tied matrix (+32 KiB = 2 x 128 x 32 x 4 B here). The fix belongs in
+# training._trace (one fake tensor per underlying storage, deduplicated for the optimizer).
+TIED = pytest.mark.xfail(strict=True, reason="tied weights traced as two parameters in --train (see above)")
+CASES = [(name, train) for name in ("mlp", "cnn", "gpt", "hf_bert") for train in (False, True)] + [
+    ("hf_gpt2", False), pytest.param("hf_gpt2", True, marks=TIED)]
+
+
+def _case_id(case: Any) -> str:
+    name, train = case.values if hasattr(case, "values") else case
+    return f"{name}-{'train' if train else 'infer'}"
+
+
+@pytest.mark.parametrize("name,train", CASES, ids=[_case_id(c) for c in CASES])
+def test_cpu_peak_matches_profiler(name: str, train: bool, tmp_path) -> None:
+    model, inputs, dynamic_shapes = make_model(name)
+    model.train(train)
+    ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    predicted, workspace = _predicted_peak(ep, inputs, train, str(tmp_path / "cpu.db"))
+    real = _real_peak(ep, inputs, train)
+    assert real > 0
+    assert abs(predicted - real) <= TOLERANCE * real, (
+        f"{name} {'train' if train else 'inference'}: predicted peak above start {predicted} B "
+        f"(workspace at peak {workspace} B) vs profiler {real} B ({predicted / real - 1:+.2%})")

@@ -1,0 +1,83 @@
+"""Depth-free training graphs (boomfx/fast_training.py, boomfx/training_expand.py): tracing four layers
+and replicating one must predict exactly what tracing the whole model predicts."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.export import Dim
+
+from boomfx import fast_training, training
+from boomfx.analyze import Analysis
+from boomfx.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
+from boomfx.devices import get_device
+from boomfx.program import ProgramOptions
+
+from models import GPT, Llama  # examples/ (conftest puts it on the path)
+
+DIMS = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
+
+
+def _export(name: str, layers: int) -> Any:
+    with torch.device("meta"):
+        if name == "llama":
+            model = Llama(vocab=128, d=32, layers=layers, heads=4, kv_heads=2, hidden=64)
+        else:
+            model = GPT(vocab=128, d=32, layers=layers, heads=4, max_seq=256)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    return torch.export.export(model, (ids,), dynamic_shapes=DIMS)
+
+
+def _numbers(traced: Any, ep: Any, options: ProgramOptions, device: str) -> tuple:
+    program = program_from_traced(traced, symbols_of(ep, export_roles(ep)), options)
+    report = Analysis(program, get_device(device)).evaluate(resolve_bindings(program, {}, 3, 40)).report
+    alloc = report.memory.allocator
+    return (report.time.total_ns, report.time.flops, report.time.bytes_moved, report.memory.peak_live_bytes,
+            report.memory.total_device_bytes, alloc.peak_reserved_bytes if alloc else None,
+            alloc.peak_allocated_bytes if alloc else None, len(report.kernels),
+            sorted((k.module, k.op, k.time_ns) for k in report.kernels),
+            [(b.name, b.instances, b.activation_bytes_per_instance) for b in report.blocks])
+
+
+@pytest.mark.parametrize("name,layers,checkpoint", [("llama", 8, False), ("gpt", 7, False), ("gpt", 7, True),
+                                                    ("llama", 9, True)])
+def test_synthesised_graph_predicts_exactly_what_the_full_trace_predicts(name: str, layers: int,
+                                                                         checkpoint: bool) -> None:
+    ep = _export(name, layers)
+    full = training.build_training_program(ep, checkpoint=checkpoint)
+    fast = fast_training.build_training_program_fast(ep, checkpoint=checkpoint)
+    assert fast is not None, "the fast path fell back to the full trace"
+    options = ProgramOptions(train=True, checkpoint=checkpoint)
+    for device in ("h100-sxm", "cpu"):
+        assert _numbers(fast, ep, options, device) == _numbers(full, ep, options, device)
+    # every layer's parameters, gradients and optimizer state are there, under their own names
+    assert sorted(fast.param_names.values()) == sorted(full.param_names.values())
+    assert sorted(fast.grad_nodes.values()) == sorted(full.grad_nodes.values())
+    assert sorted(fast.input_roles.items()) == sorted(full.input_roles.items())
+
+
+def test_shallow_models_use_the_full_trace() -> None:
+    assert fast_training.build_training_program_fast(_export("llama", 3)) is None
+
+
+def test_capture_uses_the_fast_path_for_deep_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = _export("gpt", 8)
+    calls = []
+    real = training.build_training_program
+    monkeypatch.setattr(training, "build_training_program",
+                        lambda e, **kw: calls.append(len(list(e.graph.nodes))) or real(e, **kw))
+    program = capture(ep, options=ProgramOptions(train=True, target_kind="cpu"))
+    assert len(calls) == 1 and calls[0] < len(list(ep.graph.nodes))    # only the truncated program
+    assert {p for p in program.param_names.values() if p.startswith("h.")} >= {f"h.{i}.fc.weight"
+                                                                               for i in range(8)}
+
+
+def test_unsupported_structure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = _export("gpt", 8)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise fast_training.Unsupported("test")
+
+    monkeypatch.setattr("boomfx.training_expand.expand", refuse)
+    assert fast_training.build_training_program_fast(ep) is None
