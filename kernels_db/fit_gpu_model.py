@@ -14,6 +14,10 @@ Fitting uses numpy only:
   ``(floor, c_j)``, solved by relative least squares; ``c_j`` (inverse efficiency) clipped to >= 1.
 * Generic (device-independent) parameters, for GPUs with no measurements: the median of the per-device
   values (geometric median for efficiencies), applied to the target's datasheet peak, bandwidth and SMs.
+  GEMM ``e_max`` instead comes from a log-linear trend in datasheet features (board power per fp32 TFLOP,
+  bytes per FLOP; ``BOARD_POWER_W`` holds the TDPs with sources), fitted on each device's e_max refitted
+  with the generic shape parameters, pooled over linear/bmm with a per-family offset; the feature set is
+  chosen by leave-one-device-out error (``_e_max_trend``).
 """
 from __future__ import annotations
 
@@ -81,14 +85,15 @@ def _relative_lstsq(columns: Sequence[np.ndarray], target: np.ndarray) -> np.nda
     return x
 
 
-def fit_gemm(rows: Sequence[PublicKernelRow], device: DeviceSpec, mem_efficiency: float) -> GemmParams:
+def fit_gemm(rows: Sequence[PublicKernelRow], device: DeviceSpec, mem_efficiency: float,
+             k_half_grid: Sequence[float] = K_HALF_GRID, tile_alpha_grid: Sequence[float] = TILE_ALPHA_GRID) -> GemmParams:
     """Fit one device's GEMM parameters on ``rows`` (all the same device and family)."""
     b, m, n, k, t = _gemm_arrays(rows)
     peak = device.peak_flops_per_s[torch.float32]
     bw = device.memory_bandwidth_bytes_per_s
     best: Optional[tuple[float, GemmParams]] = None
-    for k_half in K_HALF_GRID:
-        for alpha in TILE_ALPHA_GRID:
+    for k_half in k_half_grid:
+        for alpha in tile_alpha_grid:
             params = GemmParams(0.7, k_half, alpha, 0.0, mem_efficiency)
             for _ in range(3):
                 work = core.gemm_time_ns(b, m, n, k, peak_flops_per_s=peak, bandwidth_bytes_per_s=bw,
@@ -174,33 +179,103 @@ def fit_calibration(rows: Iterable[PublicKernelRow]) -> dict:
         devices[name]["gemm"] = gemm
     generic_gemm = _generic_gemm([d["gemm"] for d in devices.values()])
     generic = _params_to_json({"gemm": generic_gemm, "memory": generic_memory})
-    generic["gemm_e_max_vs_balance"] = _e_max_vs_balance({n: d["gemm"] for n, d in devices.items()})
+    # e_max of each device refitted with the generic shape parameters: comparable across devices.
+    shared: dict[str, dict[str, float]] = defaultdict(dict)
+    for name, ops in sorted(by_device.items()):
+        for op, params in devices[name]["gemm"].items():
+            g = generic_gemm[op]
+            shared[name][op] = fit_gemm(ops[op], get_device(name), params.mem_efficiency,
+                                        k_half_grid=(g.k_half,), tile_alpha_grid=(g.tile_alpha,)).e_max
+    power = {name: watts for name, (watts, _) in BOARD_POWER_W.items()}
+    features = {name: device_features(get_device(name), power) for name in shared}
+    generic["gemm_e_max_trend"] = _e_max_trend(shared, features)
+    generic["gemm_e_max_shared"] = {n: dict(v) for n, v in shared.items()}
+    generic["board_power_w"] = power
+    generic["board_power_source"] = {name: src for name, (_, src) in BOARD_POWER_W.items()}
     return {"devices": {name: _params_to_json(d) for name, d in devices.items()}, "generic": generic}
 
 
-def _e_max_vs_balance(per_device: Mapping[str, Mapping[str, GemmParams]]) -> dict:
-    """log(e_max) = intercept + slope * log(bandwidth / fp32 peak), per GEMM family, across devices.
+# Datasheet board power (TDP, W) of the GPUs in boomfx/devices.py: data with its source, written into the
+# calibration JSON so the model can place a GPU without measurements on the e_max trend.
+BOARD_POWER_W: Mapping[str, tuple[float, str]] = {
+    "v100-32gb": (300.0, "NVIDIA V100 datasheet: SXM2 300 W"),
+    "v100-pcie-32gb": (250.0, "NVIDIA V100 datasheet: PCIe 250 W"),
+    "p100": (250.0, "NVIDIA Tesla P100 datasheet: PCIe 250 W"),
+    "p4": (75.0, "NVIDIA Tesla P4 datasheet: 50 W / 75 W configurable (75 W default)"),
+    "t4": (70.0, "NVIDIA T4 datasheet: 70 W"),
+    "a10": (150.0, "NVIDIA A10 datasheet: 150 W"),
+    "l4": (72.0, "NVIDIA L4 datasheet: 72 W"),
+    "a100-40gb": (400.0, "NVIDIA A100 datasheet: SXM4 400 W"),
+    "a100-80gb": (400.0, "NVIDIA A100 datasheet: SXM4 400 W"),
+    "a100-pcie-40gb": (250.0, "NVIDIA A100 PCIe 40 GB product brief: 250 W"),
+    "a100-pcie-80gb": (300.0, "NVIDIA A100 datasheet: 80 GB PCIe 300 W"),
+    "h100-sxm": (700.0, "NVIDIA H100 datasheet: SXM up to 700 W"),
+    "h100-pcie": (350.0, "NVIDIA H100 datasheet: PCIe 300-350 W (350 W)"),
+    "h200": (700.0, "NVIDIA H200 datasheet: SXM up to 700 W"),
+    "rtx-3090": (350.0, "NVIDIA GeForce RTX 3090 specifications: 350 W total graphics power"),
+    "rtx-4090": (450.0, "NVIDIA GeForce RTX 4090 specifications: 450 W total graphics power"),
+}
 
-    Why: SIMT sgemm on GPUs with few bytes per FLOP (L4, T4: small power budget and bandwidth) reaches a
-    lower fraction of peak; the datasheet balance is the only spec that tracks this. Clipped at predict
-    time to the range of fitted e_max values. Needs >= 3 devices, else no entry (plain median used).
+
+def device_features(device: DeviceSpec, board_power_w: Mapping[str, float]) -> dict[str, float]:
+    return core.device_features(device.peak_flops_per_s[torch.float32], device.memory_bandwidth_bytes_per_s,
+                                board_power_w.get(device.name))
+
+
+def _loglinear_fit(names: Sequence[str], feats: Sequence[str], y: np.ndarray,
+                   features: Mapping[str, Mapping[str, float]]) -> dict:
+    """Least squares ``y = intercept + sum coef * log(feature)`` over devices ``names``; () = the median."""
+    if not feats:
+        return {"features": [], "coef": [], "intercept": float(np.median(y)), "e_max_max": float(np.exp(y.max()))}
+    x = np.array([[1.0] + [np.log(features[n][f]) for f in feats] for n in names])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return {"features": list(feats), "coef": [float(c) for c in coef[1:]], "intercept": float(coef[0]),
+            "e_max_max": float(np.exp(y.max()))}
+
+
+def _e_max_trend(shared: Mapping[str, Mapping[str, float]], features: Mapping[str, Mapping[str, float]]) -> dict:
+    """Per GEMM family: ``log(e_max)`` log-linear in datasheet features, the feature set chosen by leave-one-out.
+
+    ``shared[device][family]`` is e_max fitted with the generic shape parameters (so the values are
+    comparable across devices). Each candidate set in ``core.E_MAX_FEATURE_SETS`` is scored by the mean
+    |log error| of e_max when each device is predicted from the others (a mean, not a median, so that one
+    far-off device such as the 72 W L4 counts); the best is kept, its score and the others' with it.
+    Why: a GPU with no measurements gets e_max from its datasheet, and which datasheet figures track it
+    is a question for the data. A set needs more devices than parameters + 2, else it is not a candidate.
     """
     out: dict = {}
-    families = sorted({f for d in per_device.values() for f in d})
-    for fam in families:
-        pts = [(np.log(_balance(get_device(n))), np.log(d[fam].e_max)) for n, d in per_device.items() if fam in d]
-        if len(pts) < 3:
+    families = sorted({f for d in shared.values() for f in d})
+    # Pool the families: the device effect (clock under load, power) is common to linear and bmm, and bmm
+    # pins it better; each family keeps its own offset from the device mean.
+    names = [n for n in shared if all(f in shared[n] for f in families)]
+    if not names:
+        return out
+    device_mean = {n: float(np.mean([np.log(shared[n][f]) for f in families])) for n in names}
+    offsets = {f: float(np.median([np.log(shared[n][f]) - device_mean[n] for n in names])) for f in families}
+    scores: dict[str, float] = {}
+    fits: dict[str, dict] = {}
+    for feats in core.E_MAX_FEATURE_SETS:
+        usable = [n for n in names if all(f in features[n] for f in feats)]
+        if len(usable) < len(feats) + 3:
             continue
-        x, y = np.array(pts).T
-        slope, intercept = np.polyfit(x, y, 1)
-        out[fam] = {"intercept": float(intercept), "slope": float(slope),
-                    "e_max_min": float(np.exp(y.min())), "e_max_max": float(np.exp(y.max()))}
-    return out
-
-
-def _balance(device: DeviceSpec) -> float:
-    """Datasheet bytes per FLOP (fp32)."""
-    return device.memory_bandwidth_bytes_per_s / device.peak_flops_per_s[torch.float32]
+        errs = []
+        for held in usable:
+            rest = [n for n in usable if n != held]
+            for f in families:
+                y = np.array([device_mean[n] + offsets[f] for n in rest])
+                fit = _loglinear_fit(rest, feats, y, features)
+                fit["e_max_max"] = float(max(shared[n][f] for n in rest))
+                errs.append(abs(core.trend_log_e_max(fit, features[held]) - np.log(shared[held][f])))
+        key = "+".join(feats) or "median"
+        scores[key] = float(np.mean(errs))
+        fits[key] = {f: {**_loglinear_fit(usable, feats, np.array([device_mean[n] + offsets[f] for n in usable]),
+                                         features),
+                         "e_max_max": float(max(shared[n][f] for n in usable)), "devices": sorted(usable)}
+                     for f in families}
+    if not scores:
+        return out
+    best = min(scores, key=scores.get)
+    return {f: {**fits[best][f], "loo_mean_abs_log_error": scores} for f in families}
 
 
 def _geomean(values: Sequence[float]) -> float:

@@ -12,7 +12,9 @@ Example::
     t_h100_ns = model.transfer_ns(measured_ns, call, get_device("a100-pcie-40gb"), get_device("h100-sxm"))
 
 Devices with measurements use their own fitted parameters; any other GPU uses the generic
-(device-independent) parameters scaled by its datasheet peak, bandwidth and SM count.
+(device-independent) parameters scaled by its datasheet peak, bandwidth and SM count, with the GEMM
+``e_max`` from the fitted trend in board power per TFLOP and bytes per FLOP (``gemm_e_max_trend`` in the
+JSON; a GPU without a board power on record keeps the median e_max).
 
 Known limitations:
 
@@ -159,10 +161,12 @@ class GpuKernelModel:
     """Predicts fp32 kernel times from fitted per-device parameters, or generic ones scaled by datasheet."""
 
     def __init__(self, devices: Mapping[str, DeviceCalibration], generic: DeviceCalibration,
-                 e_max_vs_balance: Optional[Mapping[str, Mapping[str, float]]] = None) -> None:
+                 e_max_trend: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                 board_power_w: Optional[Mapping[str, float]] = None) -> None:
         self.devices = dict(devices)
         self.generic = generic
-        self.e_max_vs_balance = dict(e_max_vs_balance or {})
+        self.e_max_trend = dict(e_max_trend or {})
+        self.board_power_w = dict(board_power_w or {})
 
     @staticmethod
     def load(path: Optional[Path | str] = None) -> "GpuKernelModel":
@@ -173,12 +177,12 @@ class GpuKernelModel:
     def from_json(doc: Mapping[str, Any]) -> "GpuKernelModel":
         devices = {name: DeviceCalibration.from_json(d) for name, d in doc["devices"].items()}
         return GpuKernelModel(devices, DeviceCalibration.from_json(doc["generic"]),
-                              doc["generic"].get("gemm_e_max_vs_balance"))
+                              doc["generic"].get("gemm_e_max_trend"), doc["generic"].get("board_power_w"))
 
     def without_device(self, name: str) -> "GpuKernelModel":
         """The same model with one device's own parameters dropped (it falls back to the generic set)."""
         return GpuKernelModel({k: v for k, v in self.devices.items() if k != name}, self.generic,
-                              self.e_max_vs_balance)
+                              self.e_max_trend, self.board_power_w)
 
     # -- parameter lookup: the device's own, else generic; a family falls back to its sibling --------
     def gemm_params(self, family: str, device: DeviceSpec) -> Optional[GemmParams]:
@@ -193,14 +197,17 @@ class GpuKernelModel:
         return None
 
     def _generic_for(self, family: str, params: GemmParams, device: DeviceSpec) -> GemmParams:
-        """Generic parameters with e_max from the fitted trend in datasheet bytes per FLOP, if any."""
-        fit = self.e_max_vs_balance.get(family)
+        """Generic parameters with e_max from the fitted datasheet trend (``fit_gpu_model._e_max_trend``).
+
+        A device missing a datasheet figure the trend needs (no board power on record) keeps the median.
+        """
+        fit = self.e_max_trend.get(family)
         if not fit:
             return params
-        balance = device.memory_bandwidth_bytes_per_s / device.peak_flops_per_s[torch.float32]
-        e_max = float(np.exp(fit["intercept"] + fit["slope"] * np.log(balance)))
-        e_max = min(max(e_max, fit["e_max_min"]), fit["e_max_max"])
-        return replace(params, e_max=e_max)
+        features = core.device_features(device.peak_flops_per_s[torch.float32], device.memory_bandwidth_bytes_per_s,
+                                        self.board_power_w.get(device.name))
+        log_e_max = core.trend_log_e_max(fit, features)
+        return params if log_e_max is None else replace(params, e_max=float(np.exp(log_e_max)))
 
     def memory_params(self, op_class: str, device: DeviceSpec) -> Optional[MemoryParams]:
         for cal in (self.devices.get(device.name), self.generic):

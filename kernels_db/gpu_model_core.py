@@ -32,7 +32,7 @@ when the tile grid crosses a multiple of ``sm_count``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -116,6 +116,42 @@ def gemm_roofline_ns(b, m, n, k, *, peak_flops_per_s: float, bandwidth_bytes_per
     flops = 2.0 * b * m * n * k
     nbytes = FP32_BYTES * b * (m * k + k * n + m * n)
     return np.maximum(flops / peak_flops_per_s, nbytes / bandwidth_bytes_per_s) * 1e9
+
+
+# Candidate datasheet predictors of e_max (each a tuple of features, log-linear); the fit keeps the one with
+# the smallest leave-one-device-out error. () is the plain median.
+E_MAX_FEATURE_SETS: tuple[tuple[str, ...], ...] = (
+    (), ("watts_per_tflop",), ("bytes_per_flop",), ("watts_per_tflop", "bytes_per_flop"),
+)
+
+
+def device_features(peak_flops_per_s: float, bandwidth_bytes_per_s: float,
+                    board_power_w: Optional[float] = None) -> dict[str, float]:
+    """Datasheet features that may predict a GPU's achieved SIMT sgemm efficiency (``e_max``).
+
+    ``watts_per_tflop``: board power / fp32 peak. Low-power cards (L4 72 W, T4 70 W) cannot hold their boost
+    clock under a sustained FFMA load, so they reach a smaller fraction of the datasheet peak.
+    ``bytes_per_flop``: datasheet bandwidth / fp32 peak (machine balance).
+    A feature is absent when its datasheet figure is unknown.
+    """
+    out = {"bytes_per_flop": bandwidth_bytes_per_s / peak_flops_per_s}
+    if board_power_w:
+        out["watts_per_tflop"] = board_power_w / (peak_flops_per_s / 1e12)
+    return out
+
+
+def trend_log_e_max(fit: Mapping, features: Mapping[str, float]) -> Optional[float]:
+    """``log e_max = intercept + sum_i coef_i * log(feature_i)``, capped above at the largest fitted e_max.
+
+    None when a feature the trend needs is unknown for this device. Not clipped below: the fitted devices
+    span the power-limited regime only partly, and a card further into it is slower still
+    (``GemmParams.clipped`` keeps e_max > 0).
+    """
+    names = fit["features"]
+    if any(name not in features for name in names):
+        return None
+    value = fit["intercept"] + sum(c * float(np.log(features[name])) for c, name in zip(fit["coef"], names))
+    return min(value, float(np.log(fit["e_max_max"])))
 
 
 def inv_efficiency_at(log2_row: np.ndarray, params: MemoryParams) -> np.ndarray:
