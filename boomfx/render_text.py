@@ -43,7 +43,9 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
         opts.append(report.options["optimizer"])
     if report.options.get("amp"):
         opts.append(f"amp {report.options['amp']}")
-    if report.options.get("checkpoint"):
+    if report.options.get("checkpoint_layers"):
+        opts.append("activation checkpointing of " + ", ".join(report.options["checkpoint_layers"]))
+    elif report.options.get("checkpoint"):
         opts.append("activation checkpointing")
     out = [f"boomfx: {report.source} on {report.device_description} ({report.device})",
            f"  mode: {', '.join(opts)}; dims: {dims}", ""]
