@@ -266,7 +266,8 @@ class Analysis:
             source=self.program.source, device=self.device.name, device_description=self.device.description,
             mode="train" if opts.train else "inference",
             options={"optimizer": opts.optimizer if opts.train else None, "amp": opts.amp,
-                     "checkpoint": opts.checkpoint, "alloc_conf": self.options.alloc_conf,
+                     "checkpoint": opts.checkpoint,
+                     "checkpoint_layers": list(opts.checkpoint_layers), "alloc_conf": self.options.alloc_conf,
                      "db": self.options.db, "from_db": self.options.from_db},
             symbols=symbols, time=time_report, memory=memory,
             by_module=_group(kernels, _module_group, busy),
@@ -281,7 +282,7 @@ _SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
 
 def _eager_autograd_liveness(program: Program) -> LivenessInfo:
     """cpu-accuracy fix (benchmarks/cpu_accuracy.py): the liveness of a training step as eager autograd
-    frees memory, from the liveness pass run on a copy of the graph with two changes:
+    frees memory: the liveness pass with two changes to what a node keeps alive:
 
     1. size queries (``sym_size``/``sym_numel``/...) are not uses: eager reads a size off a live tensor's
        metadata and never keeps a tensor alive for it, while in the traced graph a backward
@@ -290,38 +291,44 @@ def _eager_autograd_liveness(program: Program) -> LivenessInfo:
     2. a backward autograd node (the run of backward graph nodes sharing a ``seq_nr``) releases its
        saved tensors and incoming gradients when it finishes, not at their last use inside it
        (MmBackward0 keeps its input until both of its mm's are done: the real step's peak).
-    Measured against the profiler peak of real CPU steps (tests/test_cpu_memory_accuracy.py)."""
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(program.graph, env)
-    graph.output(out)
-    group: list[torch.fx.Node] = []
+    Measured against the profiler peak of real CPU steps (tests/test_cpu_memory_accuracy.py).
+
+    Scale: the changed uses go to ``liveness_pass(uses=...)``; the graph is not copied (an 80-layer
+    training graph's copy and its GraphModule cost seconds)."""
+    uses: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
+
+    def inputs(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+        hit = uses.get(node)
+        return hit if hit is not None else tuple(node.all_input_nodes)
 
     def close(nodes: list[torch.fx.Node]) -> None:
         if len(nodes) > 1:
             used: dict[torch.fx.Node, None] = {}
             for n in nodes:
                 if n.target not in _SIZE_QUERIES:
-                    used.update(dict.fromkeys(n.all_input_nodes))
+                    used.update(dict.fromkeys(inputs(n)))
             last = nodes[-1]
-            extra = tuple(u for u in used if u is not last and u not in last.all_input_nodes)
+            own = inputs(last)
+            extra = tuple(u for u in used if u is not last and u not in own)
             if extra:
-                last.args = tuple(last.args) + extra
-    for node in list(graph.nodes):
+                uses[last] = tuple(dict.fromkeys(own + extra))
+    group: list[torch.fx.Node] = []
+    phases = program.phases
+    for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in _SIZE_QUERIES:
-            node.args = (None,) + tuple(node.args[1:])
-        seq = node.meta.get("seq_nr") if program.phases.get(node.name) == PHASE_BACKWARD else None
+        if node.target in _SIZE_QUERIES:     # a size query reads metadata: not a use of its tensor
+            rest: dict[torch.fx.Node, None] = {}
+            torch.fx.node.map_arg((tuple(node.args[1:]), node.kwargs), lambda a: rest.setdefault(a))
+            uses[node] = tuple(rest)
+        seq = node.meta.get("seq_nr") if phases.get(node.name) == PHASE_BACKWARD else None
         if group and (seq is None or group[-1].meta.get("seq_nr") != seq):
             close(group)
             group = []
         if seq is not None:
             group.append(node)
     close(group)
-    assert [n.name for n in graph.nodes] == [n.name for n in program.graph.nodes]
-    copy = dataclasses.replace(program, gm=torch.fx.GraphModule(program.gm, graph))
-    return liveness_pass(copy)
+    return liveness_pass(program, uses=uses)
 
 
 def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInfo:
@@ -343,6 +350,7 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
 
 
 DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
+_DATA_DEPENDENT_FIXED: dict[Any, Any] = {}   # expression -> its value at DATA_DEPENDENT_SCALAR_VALUE
 
 
 def _bind_data_dependent(call: Any) -> Any:
@@ -355,8 +363,14 @@ def _bind_data_dependent(call: Any) -> Any:
             return tuple(fix(v) for v in value)
         if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom) \
                 and value.free_symbols:
-            out = value.xreplace({s: sympy.Integer(DATA_DEPENDENT_SCALAR_VALUE) for s in value.free_symbols})
-            return sympy.Integer(int(out)) if out.is_integer else sympy.Float(float(out))
+            hit = _DATA_DEPENDENT_FIXED.get(value)   # scale: AdamW repeats a few expressions per parameter
+            if hit is None:
+                out = value.xreplace({s: sympy.Integer(DATA_DEPENDENT_SCALAR_VALUE) for s in value.free_symbols})
+                hit = sympy.Integer(int(out)) if out.is_integer else sympy.Float(float(out))
+                if len(_DATA_DEPENDENT_FIXED) > 100_000:
+                    _DATA_DEPENDENT_FIXED.clear()
+                _DATA_DEPENDENT_FIXED[value] = hit
+            return hit
         return value
     if not any(isinstance(v, (list, tuple, sympy.Basic)) for v in call.args.values()):
         return call
@@ -406,11 +420,12 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
-            cudagraphs: bool = False) -> Report:
+            cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = ()) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
     ``cudagraphs=True`` its mode="reduce-overhead" (implies ``compile``).
+    ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -424,7 +439,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     program = capture(source, *example_inputs,
                       options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
-                                                     compile=compile or cudagraphs, cudagraphs=cudagraphs),
+                                                     compile=compile or cudagraphs, cudagraphs=cudagraphs,
+                                                     checkpoint_layers=checkpoint_layers),
                       dynamic_shapes=dynamic_shapes, log=log)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
     bindings = resolve_bindings(program, dims or {}, batch, seq)

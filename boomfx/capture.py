@@ -1,7 +1,8 @@
 """Capture: turn whatever the user has (.pt2 path, ExportedProgram, module + inputs, GraphModule) into a Program.
 
 The graph is never run: sizes stay symbolic, parameters are meta tensors. ``--train`` / ``--amp`` /
-``--checkpoint`` re-trace the exported graph on fake tensors (see ``boomfx.training``).
+``--checkpoint`` / ``--checkpoint-layers`` re-trace the exported graph on fake tensors (see
+``boomfx.training``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def validate_options(options: ProgramOptions) -> None:
         raise OptionError("--cudagraphs needs --compile (CUDA graphs are torch.compile's reduce-overhead mode)")
     if options.checkpoint and not options.train:
         raise OptionError("--checkpoint needs --train (activation checkpointing only changes training)")
+    if options.checkpoint_layers and not options.train:
+        raise OptionError("--checkpoint-layers needs --train (activation checkpointing only changes training)")
 
 
 def load_exported(path: str | os.PathLike, log: Optional[Callable[[str], None]] = None) -> ExportedProgram:
@@ -159,11 +162,13 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         from boomfx.fast_training import build_training_program_fast
         traced = build_training_program_fast(ep, optimizer=options.optimizer, amp=options.amp,
                                              checkpoint=options.checkpoint,
-                                             fused_attention=options.target_kind == "cuda")
+                                             fused_attention=options.target_kind == "cuda",
+                                             checkpoint_layers=options.checkpoint_layers)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,
-                                                     fused_attention=options.target_kind == "cuda")
+                                                     fused_attention=options.target_kind == "cuda",
+                                                     checkpoint_layers=options.checkpoint_layers)
     else:
         traced = training.build_inference_program(ep, amp=options.amp,
                                                   fused_attention=options.target_kind == "cuda")

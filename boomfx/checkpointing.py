@@ -10,6 +10,7 @@ Example::
 
     prefix = find_layer_list(ep.graph)            # "h"
     segments = plan_segments(ep.graph, prefix)    # [Segment("h.0", ...), Segment("h.1", ...)]
+    some = checkpoint_segments(ep.graph, ["h.0", "h.2"])   # selective: only those instances
 
 :class:`GraphRunner` replays an export graph op by op (so each traced op inherits the export node's
 meta), applies boomfx.amp's GPU policies, and runs each segment under ``checkpoint``.
@@ -17,6 +18,8 @@ meta), applies boomfx.amp's GPU policies, and runs each segment under ``checkpoi
 Known limitations:
     - The layer list is the ``<prefix>.<int>`` family with the most instances; models with two
       stacks of equal depth (encoder/decoder) get the one with more nodes only.
+    - Selective checkpointing (``checkpoint_segments(graph, layers)``) picks instances of the main
+      layer list only (names as module paths: ``h.0``, ``model.layers.3``).
     - A layer whose nodes are interleaved with other modules' nodes is split into several segments,
       each checkpointed on its own (still correct, but more inputs are saved).
 """
@@ -33,6 +36,8 @@ import torch.utils.checkpoint
 from torch.fx import traceback as fx_traceback
 
 from boomfx import amp as amp_policy
+from boomfx.errors import OptionError
+from boomfx.modules import _clean
 
 aten = torch.ops.aten
 
@@ -126,6 +131,66 @@ def plan_segments(graph: fx.Graph, prefix: str) -> list[Segment]:
                 outputs[node] = None
         segments.append(Segment(key, tuple(nodes), tuple(inputs), tuple(outputs)))
     return segments
+
+
+def layer_names(graph: fx.Graph, prefix: str) -> list[str]:
+    """Instances of the layer list ``prefix`` in the graph, in index order (``["h.0", "h.1", ...]``)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        path = layer_of(node, prefix)
+        if path is not None:
+            found.add(_clean(path))
+    return sorted(found, key=lambda p: (int(p.rsplit(".", 1)[1]), p))
+
+
+def resolve_layers(graph: fx.Graph, layers: Sequence[str]) -> tuple[str, list[str]]:
+    """``(prefix, chosen)``: the main layer list and the requested instances of it, in index order.
+
+    Raises OptionError (one line, listing the available layers) for a name that is not an instance.
+    """
+    prefix = find_layer_list(graph)
+    if prefix is None:
+        raise OptionError("--checkpoint-layers: the model has no repeated layer list (no <name>.<index> "
+                          "modules in nn_module_stack)")
+    available = layer_names(graph, prefix)
+    wanted = {_clean(str(name).strip()) for name in layers}
+    unknown = sorted(wanted - set(available))
+    if unknown:
+        raise OptionError(f"unknown layer(s) {', '.join(unknown)} in --checkpoint-layers "
+                          f"(available layers: {', '.join(available)})")
+    return prefix, [name for name in available if name in wanted]
+
+
+def checkpoint_segments(graph: fx.Graph, layers: Sequence[str] | None = None) -> list[Segment]:
+    """Segments to run under ``checkpoint``: every instance of the main layer list (``layers`` None
+    or empty), or only the named instances (``["h.0", "h.2"]``; unknown names raise OptionError)."""
+    if not layers:
+        prefix = find_layer_list(graph)
+        if prefix is None:
+            raise ValueError("checkpoint=True but no repeated layer list found in nn_module_stack")
+        return plan_segments(graph, prefix)
+    prefix, chosen = resolve_layers(graph, layers)
+    keep = set(chosen)
+    return [seg for seg in plan_segments(graph, prefix) if _clean(seg.layer) in keep]
+
+
+def selection_for_truncation(graph: fx.Graph, layers: Sequence[str],
+                             kept: Sequence[int]) -> tuple[str, ...] | None:
+    """For ``boomfx.fast_training``: the requested layers that survive truncation to the ``kept``
+    instances (plus the last), or None when the depth-free synthesis could not reproduce the choice.
+
+    The synthesis copies one template layer to every index between 3 and N-2 and aligns instances 1,
+    2 and N-1, so it is exact only when layers ``1 .. N-1`` are all checkpointed or none is (layer 0
+    is free). Unknown names raise OptionError here, before any tracing.
+    """
+    prefix, chosen = resolve_layers(graph, layers)
+    indices = {int(name.rsplit(".", 1)[1]): name for name in chosen}
+    n_layers = max(int(p.rsplit(".", 1)[1]) for p in layer_names(graph, prefix)) + 1
+    rest = set(indices) - {0}
+    if rest and rest != set(range(1, n_layers)):
+        return None
+    keep = set(kept) | {n_layers - 1}
+    return tuple(name for i, name in sorted(indices.items()) if i in keep)
 
 
 def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:

@@ -19,6 +19,7 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--optimizer", default="adamw")
     c.add_argument("--amp", default=None)
     c.add_argument("--checkpoint", action="store_true")
+    c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
     c.add_argument("--blocks", action="store_true",  # block mode: kernels_db/blocks_db.py
                    help="with --for: run each repeated block whole at the target sizes and store its time")
     c.add_argument("--families", default=None, help="sweep mode: comma-separated op families")

@@ -134,18 +134,25 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
 
 
 def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", amp: Optional[str] = None,
-                                checkpoint: bool = False, *, fused_attention: bool = True) -> Any:
+                                checkpoint: bool = False, *, fused_attention: bool = True,
+                                checkpoint_layers: tuple[str, ...] = ()) -> Any:
     """``training.build_training_program`` for deep stacks in time independent of depth, or None
     (too shallow, no layer list, or a structure the synthesis does not reproduce)."""
     from boomfx import training
     from boomfx.training_expand import expand
 
     try:
+        if checkpoint_layers:  # selective checkpointing: exact when layers 1..N-1 agree, else full trace
+            from boomfx.checkpointing import selection_for_truncation
+            checkpoint_layers = selection_for_truncation(ep.graph, checkpoint_layers, KEPT)
+            if checkpoint_layers is None:
+                return None
         cut = truncate(ep)
         if cut is None:
             return None
         traced = training.build_training_program(cut.ep, optimizer=optimizer, amp=amp, checkpoint=checkpoint,
-                                                 fused_attention=fused_attention)
+                                                 fused_attention=fused_attention,
+                                                 checkpoint_layers=checkpoint_layers)
         return expand(traced, cut.prefix, KEPT[-1], cut.num_layers)
     except Unsupported as exc:
         _log.info("fast training graph not used: %s", exc)

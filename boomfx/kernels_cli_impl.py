@@ -82,7 +82,8 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.cli import _dim
         from boomfx.program import ProgramOptions
         program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
-                                                                target_kind=spec.kind))
+                                                                target_kind=spec.kind,
+                                                                checkpoint_layers=args.checkpoint_layers))
         bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)

@@ -52,6 +52,16 @@ class ProgramOptions:
     target_kind: str = "cuda"      # "cuda": GPU kernels (fused attention); "cpu": the host's own kernels
     compile: bool = False        # predict torch.compile (Inductor): see passes/compiled.py
     cudagraphs: bool = False     # with compile: mode="reduce-overhead" (CUDA graph replay)
+    # selective activation checkpointing: only these instances of the main layer list ("h.0",
+    # "model.layers.3"); when non-empty it wins over ``checkpoint`` (which means every instance)
+    checkpoint_layers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # lists/one string from the API become a tuple, so options stay hashable
+        layers = self.checkpoint_layers
+        if isinstance(layers, str):
+            layers = [p for p in layers.split(",") if p.strip()]
+        object.__setattr__(self, "checkpoint_layers", tuple(str(p).strip() for p in (layers or ())))
 
 
 @dataclass(frozen=True)

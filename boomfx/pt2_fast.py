@@ -17,6 +17,10 @@ fake values are built exactly as torch builds them) and removes the repeated wor
    ~6k values but only a few dozen distinct descriptions, so sharing makes the load nearly
    depth-free in this step. Graph inputs (parameters, buffers, user inputs) keep their own fake
    tensor each: their storage identity is what tells tied weights apart (``passes/liveness.py``).
+4. ``_lazy_graph_modules``: the two GraphModules built on the way are ``_LazyGraphModule``s, whose
+   Python code is generated on first call or ``.code``, not at construction (an 80-layer Llama's
+   code generation took ~1 s of the load, and analysis never runs the loaded module); and the
+   per-node search for pending unbacked symbols returns at once when none is pending.
 
 Anything unexpected raises; ``boomfx.loader`` then falls back to torch's unpatched deserializer.
 
@@ -26,6 +30,7 @@ against torch 2.13; a mismatch shows up as a fallback in the loader's log, not a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -233,6 +238,34 @@ def check_schema_version(program: schema.ExportedProgram) -> None:
         )
 
 
+@contextlib.contextmanager
+def _lazy_graph_modules() -> Any:
+    """Within: ``torch.export``'s GraphModules are built lazy (see module doc, 4.)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    original = ep_mod._create_graph_module_for_export
+    original_unbacked = symbolic_shapes._free_unbacked_symbols_with_path
+
+    def create(root: Any, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+        return _LazyGraphModule(root, graph)
+
+    def unbacked(a: Any, path: Any, real: Any = None, shape_env: Any = None, pending: Any = None,
+                 simplify: bool = False) -> dict:
+        # deserialize_graph asks this of every node's value; with no unbacked symbol pending it can
+        # match nothing and returns {} (~0.2 s of an 80-layer Llama's load)
+        if pending is not None and not pending:
+            return {}
+        return original_unbacked(a, path, real=real, shape_env=shape_env, pending=pending, simplify=simplify)
+
+    ep_mod._create_graph_module_for_export = create
+    symbolic_shapes._free_unbacked_symbols_with_path = unbacked
+    try:
+        yield
+    finally:
+        ep_mod._create_graph_module_for_export = original
+        symbolic_shapes._free_unbacked_symbols_with_path = original_unbacked
+
+
 def deserialize_fast(
     program: schema.ExportedProgram,
     state_dict: dict[str, torch.Tensor],
@@ -244,6 +277,13 @@ def deserialize_fast(
     deser = serde.GraphModuleDeserializer()
     _MemoSymbols(deser)
     _MemoTensorMeta(deser, program.graph_module.graph)
+    with _lazy_graph_modules():
+        return _deserialize_fast(program, deser, state_dict, constants, symbol_name_to_range)
+
+
+def _deserialize_fast(program: schema.ExportedProgram, deser: Any, state_dict: dict[str, torch.Tensor],
+                      constants: dict[str, torch.Tensor], symbol_name_to_range: dict[str, Any]
+                      ) -> torch.export.ExportedProgram:
     res = deser.deserialize(program.graph_module, state_dict, constants, None, symbol_name_to_range)
     range_constraints = {
         res.names_to_symbols[k]: v for k, v in symbol_name_to_range.items() if k in res.names_to_symbols

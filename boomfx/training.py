@@ -11,6 +11,7 @@ Example::
 
     ep = torch.export.export(model, (ids,), dynamic_shapes=...)
     prog = build_training_program(ep, optimizer="adamw", amp="bf16", checkpoint=True)
+    prog = build_training_program(ep, checkpoint_layers=["h.0", "h.2"])   # only those layers
     prog.phases["mm_3"]          # "forward" | "backward" | "optimizer" | "recompute"
     prog.grad_nodes["mm_40"]     # "h.0.attn.qkv.weight"
 
@@ -40,7 +41,7 @@ from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preser
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx import amp as amp_policy
-from boomfx.checkpointing import GraphRunner, Segment, find_layer_list, plan_segments
+from boomfx.checkpointing import GraphRunner, Segment, checkpoint_segments
 
 
 ROLES = ("param", "buffer", "grad", "opt_state", "input", "label", "constant")
@@ -212,7 +213,8 @@ def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str) -> torc
 
 
 def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs: dict[str, Any],
-           amp: str | None, checkpoint: bool, loss: str, fused_attention: bool) -> TracedProgram:
+           amp: str | None, checkpoint: bool, loss: str, fused_attention: bool,
+           checkpoint_layers: Sequence[str] = ()) -> TracedProgram:
     low_dtype = amp_policy.parse_amp(amp)
     device = _FAKE_DEVICE
     inputs = _export_inputs(ep)
@@ -287,11 +289,9 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         fqns += [None, None]
 
     segments: list[Segment] = []
-    if checkpoint and train:
-        prefix = find_layer_list(ep.graph)
-        if prefix is None:
-            raise ValueError("checkpoint=True but no repeated layer list found in nn_module_stack")
-        segments = plan_segments(ep.graph, prefix)
+    if (checkpoint or checkpoint_layers) and train:
+        # every instance of the layer list, or only the named ones (selective checkpointing)
+        segments = checkpoint_segments(ep.graph, checkpoint_layers)
 
     recorder = _PhaseRecorder()
     policy = amp_policy.CastPolicy(low_dtype)
@@ -416,7 +416,8 @@ def _copy_module_stacks(graph: fx.Graph, phases: dict[str, str]) -> None:
 
 def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: str | None = None,
                            checkpoint: bool = False, loss: str = "auto", *, fused_attention: bool = True,
-                           optimizer_kwargs: dict[str, Any] | None = None) -> TracedProgram:
+                           optimizer_kwargs: dict[str, Any] | None = None,
+                           checkpoint_layers: Sequence[str] = ()) -> TracedProgram:
     """Trace forward + loss + backward + ``torch.optim`` step of ``ep`` on fake tensors.
 
     Args:
@@ -425,6 +426,8 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         amp: ``None``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights; fp16 adds
             GradScaler's unscale and update kernels).
         checkpoint: checkpoint each instance of the model's main layer list.
+        checkpoint_layers: checkpoint only these instances of it (``["h.0", "h.2"]``, module paths);
+            when non-empty it wins over ``checkpoint``. Unknown names raise ``OptionError``.
         loss: ``"auto"`` (scalar first output as is; cross-entropy when the program takes
             ``labels``; else mean of the first output), ``"mean"``, ``"cross_entropy"`` (adds a
             ``labels`` input if the export has none) or ``"output"``.
@@ -441,7 +444,8 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
     if loss not in ("auto", "mean", "cross_entropy", "output"):
         raise ValueError(f"unknown loss {loss!r}")
     return _trace(ep, train=True, optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
-                  amp=amp, checkpoint=checkpoint, loss=loss, fused_attention=fused_attention)
+                  amp=amp, checkpoint=checkpoint, loss=loss, fused_attention=fused_attention,
+                  checkpoint_layers=tuple(checkpoint_layers or ()))
 
 
 def build_inference_program(ep: ExportedProgram, amp: str | None = None, *,

@@ -1,4 +1,4 @@
-"""Choose activation checkpointing for a memory budget with the annotate pass, then verify it.
+"""Choose which layers to checkpoint for a memory budget with the annotate pass, then verify it.
 
 Steps:
 1. ``boomfx.passes.annotate(model, x, train=True)`` predicts a training step and writes each node's
@@ -7,16 +7,13 @@ Steps:
    layer keeps alive for the backward pass.
 2. Greedily pick layers, largest activations first, until the predicted peak minus what they hold
    fits the budget (an estimate: recomputation brings back one layer's activations at a time).
-3. Re-analyse with ``checkpoint=True`` and report the predicted peak before and after.
-
-NB: the capture's checkpointing (``boomfx/training.py``) wraps *every* instance of the model's
-layer list; there is no per-layer selection yet. So step 3 checkpoints all layers whenever the
-plan needs any, which saves at least what the plan needed, and the script says how many layers the
-budget actually required.
+3. Re-analyse with exactly that selection (``boomfx.analyze(..., checkpoint_layers=[...])``, the CLI's
+   ``--checkpoint-layers``); while the predicted peak is still over budget, add the next layer and
+   re-analyse. Report the predicted peak before and after.
 
 Run::
 
-    python examples/checkpoint_under_budget.py --budget-fraction 0.6 --device a100-80gb
+    python examples/checkpoint_under_budget.py --budget-fraction 0.8 --device a100-80gb
 """
 from __future__ import annotations
 
@@ -75,9 +72,10 @@ class Plan:
     budget_bytes: int
     peak_before_bytes: int
     activations_by_layer: dict[str, int]
-    chosen_layers: list[str]            # the greedy choice for the budget
-    estimated_peak_bytes: int           # before minus the chosen layers' activations
-    peak_after_bytes: int               # re-analysed with checkpointing (all layers), or = before
+    chosen_layers: list[str]            # the layers checkpointed in the re-analysis (greedy order)
+    estimated_peak_bytes: int           # before minus the estimate's layers' activations
+    peak_after_bytes: int               # re-analysed with checkpoint_layers=chosen_layers, or = before
+    analyses: int = 1                   # predictions made (the annotate pass included)
 
     @property
     def fits(self) -> bool:
@@ -89,24 +87,29 @@ def plan_checkpointing(model: torch.nn.Module, *inputs: torch.Tensor, budget_byt
     before = boomfx.passes.annotate(model, *inputs, device=device, train=True, optimizer=optimizer)
     peak_before = peak_bytes(before.report)
     acts = {k: v for k, v in activation_bytes_by_layer(before.gm).items() if k != "(top level)"}
+    order = sorted(acts, key=lambda layer: -acts[layer])     # stable: ties keep graph order
     chosen: list[str] = []
     estimate = peak_before
-    for layer, nbytes in sorted(acts.items(), key=lambda kv: -kv[1]):
+    for layer in order:
         if estimate <= budget_bytes:
             break
         chosen.append(layer)
-        estimate -= nbytes
-    peak_after = peak_before
-    if chosen:
-        after = boomfx.analyze(model, *inputs, device=device, train=True, optimizer=optimizer, checkpoint=True)
-        peak_after = peak_bytes(after)
-    return Plan(budget_bytes, peak_before, acts, chosen, estimate, peak_after)
+        estimate -= acts[layer]
+    peak_after, analyses = peak_before, 1
+    while chosen:   # verify the estimate with the prediction; one more layer while still over budget
+        after = boomfx.analyze(model, *inputs, device=device, train=True, optimizer=optimizer,
+                               checkpoint_layers=chosen)
+        peak_after, analyses = peak_bytes(after), analyses + 1
+        if peak_after <= budget_bytes or len(chosen) == len(order):
+            break
+        chosen.append(order[len(chosen)])
+    return Plan(budget_bytes, peak_before, acts, chosen, estimate, peak_after, analyses)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="a100-80gb")
-    parser.add_argument("--budget-fraction", type=float, default=0.6,
+    parser.add_argument("--budget-fraction", type=float, default=0.8,
                         help="budget as a fraction of the predicted peak without checkpointing")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=128)
@@ -120,9 +123,11 @@ def main() -> None:
     for layer, nbytes in sorted(plan.activations_by_layer.items()):
         mark = "checkpoint" if layer in plan.chosen_layers else ""
         print(f"  {layer:<12} activations {fmt_bytes(nbytes):>10}  {mark}")
-    print(f"greedy plan: {len(plan.chosen_layers)} of {len(plan.activations_by_layer)} layers, "
+    print(f"greedy plan: {len(plan.chosen_layers)} of {len(plan.activations_by_layer)} layers "
+          f"({', '.join(plan.chosen_layers) or 'none'}), "
           f"estimated peak {fmt_bytes(plan.estimated_peak_bytes)}")
-    print(f"peak with checkpointing (all layers, as the capture supports): {fmt_bytes(plan.peak_after_bytes)} "
+    print(f"peak with checkpoint_layers={plan.chosen_layers}: {fmt_bytes(plan.peak_after_bytes)} "
+          f"(before {fmt_bytes(plan.peak_before_bytes)}, {plan.analyses} predictions) "
           f"-> {'fits' if plan.fits else 'does NOT fit'} the budget")
 
 

@@ -89,7 +89,6 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
     if target in _UNANNOTATED_VIEWS:
         src = node.args[0]
         return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
-    schema = target._schema
     val = node.meta.get("val")
     n_out = len(val) if isinstance(val, (list, tuple)) else 1
     if target in _MAYBE_COPY and _copies_anyway(node):
@@ -97,30 +96,46 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
     if target in _IDENTITY_WHEN_INACTIVE and _inactive_dropout(node):
         src = node.args[0]
         return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
+    arg_sets, returns = _alias_plan(target)
+    if not arg_sets:         # no argument aliases anything: every output is fresh
+        return [None] * n_out
     # alias set of each tensor input -> the fx node passed for it
     by_set: dict[str, torch.fx.Node] = {}
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None:
-            continue
-        value = node.args[i] if i < len(node.args) and not arg.kwarg_only else node.kwargs.get(arg.name)
+    for i, name, kwarg_only, sets in arg_sets:
+        value = node.args[i] if i < len(node.args) and not kwarg_only else node.kwargs.get(name)
         if isinstance(value, torch.fx.Node):
-            for s in info.before_set | info.after_set:
+            for s in sets:
                 by_set.setdefault(s, value)
     results: list[Optional[tuple[torch.fx.Node, bool]]] = []
-    returns = schema.returns
     for i in range(n_out):
         ret = returns[min(i, len(returns) - 1)] if returns else None
-        info = ret.alias_info if ret is not None else None
         src = None
-        if info is not None:
-            # list returns (``Tensor(a)[]`` from ``Tensor(a -> *) self``) carry the set on the wildcard
-            for s in (info.before_set or {"*"}):
+        if ret is not None:
+            sets, is_write = ret
+            for s in sets:
                 if s in by_set:
                     src = by_set[s]
                     break
-        results.append((src, bool(info.is_write)) if src is not None else None)
+        results.append((src, is_write) if src is not None else None)
     return results
+
+
+_ALIAS_PLANS: dict[Any, tuple] = {}
+
+
+def _alias_plan(op: torch._ops.OpOverload) -> tuple:
+    """Per op, once (scale: reading ``_schema.arguments`` builds new objects on every access):
+    ((index, name, kwarg_only, alias sets) of each argument with alias info,
+     ((sets, is_write) or None) of each return; a list return's set is on the wildcard)."""
+    plan = _ALIAS_PLANS.get(op)
+    if plan is None:
+        schema = op._schema
+        arg_sets = tuple((i, a.name, a.kwarg_only, tuple(a.alias_info.before_set | a.alias_info.after_set))
+                         for i, a in enumerate(schema.arguments) if a.alias_info is not None)
+        returns = tuple((tuple(r.alias_info.before_set or {"*"}), bool(r.alias_info.is_write))
+                        if r.alias_info is not None else None for r in schema.returns)
+        plan = _ALIAS_PLANS[op] = (arg_sets, returns)
+    return plan
 
 
 def is_view_node(node: torch.fx.Node) -> bool:

@@ -41,7 +41,7 @@ Known limitations:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import sympy
 import torch
@@ -109,7 +109,7 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
              batch: Optional[int] = None, seq: Optional[int] = None, train: bool = False,
              optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
              alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None,
-             from_db: Optional[str] = None) -> AnnotateResult:
+             from_db: Optional[str] = None, checkpoint_layers: Sequence[str] = ()) -> AnnotateResult:
     """Predict one step of ``source`` and write each node's share into ``node.meta["boomfx"]``.
 
     Args:
@@ -120,8 +120,9 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
         bindings: symbol -> size (sympy symbols or their names); ``dims``: name or role -> size;
             ``batch``/``seq``: the symbols identified as batch/sequence. Unbound symbols take the
             example size seen when the graph was traced.
-        train, optimizer, amp, checkpoint, alloc_conf, outside_memory, db, from_db: as for
-            ``boomfx.analyze``.
+        train, optimizer, amp, checkpoint, checkpoint_layers, alloc_conf, outside_memory, db,
+            from_db: as for ``boomfx.analyze`` (``checkpoint_layers=["h.0"]``: checkpoint only those
+            layer instances).
 
     Returns:
         ``AnnotateResult`` with the annotated ``gm``, the ``report`` and the per-node dicts.
@@ -135,7 +136,8 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
     if isinstance(source, Program):
         program = source
     else:
-        program = capture(source, *example_inputs, options=ProgramOptions(train, optimizer, amp, checkpoint))
+        program = capture(source, *example_inputs, options=ProgramOptions(
+            train, optimizer, amp, checkpoint, checkpoint_layers=checkpoint_layers))
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db))
     bound = bind_symbols(program, bindings, dims, batch, seq)
     point = analysis.evaluate(bound)

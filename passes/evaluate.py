@@ -23,6 +23,7 @@ class Evaluator:
             if exported in self.bindings:
                 self.bindings[traced] = self.bindings[exported]
         self._cache: dict[Any, int] = {}
+        self.bound_specs: dict[Any, Any] = {}   # TensorSpec -> the same spec at these bindings (opcall.bind_value)
 
     def __call__(self, expr: Any) -> int:
         if isinstance(expr, int):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import sympy
 import torch
@@ -151,8 +151,13 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
         return None
 
 
-def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> LivenessInfo:
+def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
+                  uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None) -> LivenessInfo:
+    """``uses``: for the nodes it names, the nodes they keep alive in place of ``all_input_nodes``
+    (boomfx/analyze.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
+    the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments."""
     graph = program.graph
+    inputs_of = _inputs_of(uses)
     nodes = list(graph.nodes)
     order = tuple(n.name for n in nodes)
     step_of = {n: i for i, n in enumerate(nodes)}
@@ -219,12 +224,12 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> Liv
             else:
                 sids.append(None)
         out_sids[node] = sids
-        for inp in node.all_input_nodes:
+        for inp in inputs_of(node):
             for sid in _sids(out_sids, inp):
                 if storage_start[sid] >= 0 and storage_end[sid] < step:
                     storage_end[sid] = step
 
-    _assign_categories(program, nodes, out_sids, storage_nodes, storage_cat, step_of)
+    _assign_categories(program, nodes, out_sids, storage_nodes, storage_cat, step_of, inputs_of)
     intervals = tuple(
         StorageInterval(i, storage_nodes[i].name, storage_start[i], storage_end[i], storage_bytes[i],
                         storage_cat[i] or Category.TEMP)
@@ -233,13 +238,21 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> Liv
     return LivenessInfo(intervals, order)
 
 
+def _inputs_of(uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]]
+               ) -> Callable[[torch.fx.Node], Sequence[torch.fx.Node]]:
+    if not uses:
+        return lambda node: node.all_input_nodes
+    return lambda node: uses.get(node, node.all_input_nodes)
+
+
 def _sids(out_sids: Mapping[torch.fx.Node, list[Optional[int]]], node: torch.fx.Node) -> list[int]:
     return [s for s in out_sids.get(node, []) if s is not None]
 
 
 def _assign_categories(program: Program, nodes: list[torch.fx.Node],
                        out_sids: Mapping[torch.fx.Node, list[Optional[int]]], storage_nodes: list[torch.fx.Node],
-                       storage_cat: list[Optional[Category]], step_of: Mapping[torch.fx.Node, int]) -> None:
+                       storage_cat: list[Optional[Category]], step_of: Mapping[torch.fx.Node, int],
+                       inputs_of: Callable[[torch.fx.Node], Sequence[torch.fx.Node]] = _inputs_of(None)) -> None:
     """Gradients by the grad-producing nodes; activations are forward storages a backward node reads."""
     by_name = {node.name: node for node in nodes} if program.grad_nodes else {}
     for name, _fqn in program.grad_nodes.items():
@@ -253,7 +266,7 @@ def _assign_categories(program: Program, nodes: list[torch.fx.Node],
     for node in nodes:
         if node.op != "call_function" or program.phase_of(node) != PHASE_BACKWARD:
             continue
-        for inp in node.all_input_nodes:
+        for inp in inputs_of(node):
             if inp.op != "call_function" or program.phase_of(inp) not in (PHASE_FORWARD, PHASE_RECOMPUTE):
                 continue
             for sid in _sids(out_sids, inp):

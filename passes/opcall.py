@@ -46,17 +46,29 @@ def bind_value(value: Any, ev: "Evaluator") -> Any:  # noqa: F821
     """Substitute concrete sizes into a spec / sympy value (recursively)."""
     import sympy
 
-    from boomfx.passes.specs import TensorSpec as _TS
-    if isinstance(value, _TS):
-        return _TS(tuple(sympy.Integer(ev(s)) for s in value.shape), tuple(sympy.Integer(ev(s)) for s in value.stride),
-                   value.dtype, sympy.Integer(ev(value.storage_offset)))
+    if isinstance(value, TensorSpec):
+        # scale: one bound spec per distinct spec and point (an optimizer foreach op's 720-tensor
+        # lists repeat a handful of shapes); Evaluator keeps the cache, other callables get none
+        cache = getattr(ev, "bound_specs", None)
+        hit = cache.get(value) if cache is not None else None
+        if hit is None:
+            hit = TensorSpec(tuple(sympy.Integer(ev(s)) for s in value.shape),
+                             tuple(sympy.Integer(ev(s)) for s in value.stride),
+                             value.dtype, sympy.Integer(ev(value.storage_offset)))
+            if cache is not None:
+                cache[value] = hit
+        return hit
     if isinstance(value, list):
         return [bind_value(v, ev) for v in value]
     if isinstance(value, tuple):
         return tuple(bind_value(v, ev) for v in value)
     if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom):
-        if value.free_symbols:
+        free = value.free_symbols
+        if free:
             from boomfx.passes.evaluate import UnboundSymbolError
+            bound = getattr(ev, "bindings", None)
+            if bound is not None and not free <= bound.keys():
+                return value   # a data-dependent scalar (scale: no exception, no message to format)
             try:
                 return sympy.Integer(ev(value)) if value.is_integer is not False else sympy.Float(ev.number(value))
             except (UnboundSymbolError, TypeError):

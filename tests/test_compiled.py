@@ -63,3 +63,48 @@ def test_fused_kernel_computes_what_its_members_compute():
     args = {"p_ln_weight": params[0], "p_ln_bias": params[1], "x": x}
     out = node.target(*(args[a.name] for a in node.args))
     torch.testing.assert_close(out, model(x))
+
+
+class _NormQKV(torch.nn.Module):
+    """RMSNorm feeding three projections (Llama attention inputs) and a SwiGLU MLP."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(d))
+        self.q, self.k, self.v = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+        self.gate, self.up = torch.nn.Linear(d, 32, bias=False), torch.nn.Linear(d, 32, bias=False)
+        self.down = torch.nn.Linear(32, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        y = self.q(h) + self.k(h) + self.v(h)
+        return self.down(torch.nn.functional.silu(self.gate(y)) * self.up(y))
+
+
+def _train_compiled() -> object:
+    ep = torch.export.export(_NormQKV(), (torch.randn(2, 8, 16),))
+    return capture(ep, options=ProgramOptions(train=True, compile=True, target_kind="cpu"))
+
+
+def test_view_outputs_are_not_materialised_copies():
+    """The RMSNorm output read (through views) by three matmuls and their weight gradients is one
+    buffer, as Inductor returns its base and reinterprets it (was: one copy per view, Llama +26%)."""
+    program = _train_compiled()
+    norm = [n.target for n in fused_nodes(program)
+            if "rsqrt" in n.target.ops and n.target.phase == "forward"]
+    assert len(norm) == 1
+    shapes = [tuple(int(d) for d in s.shape) for s in norm[0].output_specs]
+    assert sum(1 for s in shapes if s[-1] == 16 and len(s) >= 2) == 1, shapes
+
+
+def test_cheap_pointwise_is_recomputed_in_backward():
+    """SwiGLU: silu(gate) is not saved for backward (its input, the gate matmul, is saved anyway): the
+    forward kernel outputs only silu(gate) * up, and a backward kernel recomputes the silu, as
+    AOTAutograd's min-cut partitioner does."""
+    program = _train_compiled()
+    fwd = [n.target for n in fused_nodes(program) if "silu" in n.target.ops and n.target.phase == "forward"]
+    bwd = [n.target for n in fused_nodes(program) if "silu" in n.target.ops and n.target.phase == "backward"]
+    assert len(fwd) == 1 and len(fwd[0].output_specs) == 1
+    assert bwd
+    report = Analysis(program, get_device("cpu")).evaluate(resolve_bindings(program, {})).report
+    assert report.memory.peak_live_bytes > 0

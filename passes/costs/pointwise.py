@@ -49,37 +49,46 @@ _ZERO_EXPR = sympy.Integer(0)
 # Shared byte helpers (used by every family module)
 # ---------------------------------------------------------------------------------------------
 
+_UNIQUE_BYTES: dict[TensorSpec, SymExpr] = {}   # scale: foreach lists repeat a few specs hundreds of times
+
+
 def unique_bytes(spec: Optional[TensorSpec]) -> SymExpr:
     """Bytes a kernel reading ``spec`` whole must fetch: dims with stride 0 (broadcast) count once."""
     if not isinstance(spec, TensorSpec):
         return _ZERO_EXPR
-    numel: SymExpr = sympy.Integer(1)
-    for size, stride in zip(spec.shape, spec.stride):
-        if sympy.sympify(stride) != 0:
-            numel = numel * size
-    return numel * spec.itemsize
+    hit = _UNIQUE_BYTES.get(spec)
+    if hit is None:
+        numel: SymExpr = sympy.Integer(1)
+        for size, stride in zip(spec.shape, spec.stride):
+            if sympy.sympify(stride) != 0:
+                numel = numel * size
+        hit = numel * spec.itemsize
+        if len(_UNIQUE_BYTES) > 100_000:
+            _UNIQUE_BYTES.clear()
+        _UNIQUE_BYTES[spec] = hit
+    return hit
+
+
+def _terms(values: Iterable[Any], term: Any, out: list) -> list:
+    for value in values:
+        if isinstance(value, TensorSpec):
+            out.append(term(value))
+        elif isinstance(value, (list, tuple)):
+            _terms(value, term, out)
+    return out
 
 
 def bytes_of(values: Iterable[Any]) -> SymExpr:
     """Sum of ``unique_bytes`` over tensors (lists flattened; None and scalars ignored)."""
-    total: SymExpr = _ZERO_EXPR
-    for value in values:
-        if isinstance(value, TensorSpec):
-            total = total + unique_bytes(value)
-        elif isinstance(value, (list, tuple)):
-            total = total + bytes_of(value)
-    return total
+    # scale: one sympy Add over all terms (adding a 720-tensor foreach list term by term is quadratic)
+    terms = _terms(values, unique_bytes, [])
+    return sympy.Add(*terms) if terms else _ZERO_EXPR
 
 
 def numel_of(values: Iterable[Any]) -> SymExpr:
     """Sum of elements over tensors (lists flattened)."""
-    total: SymExpr = _ZERO_EXPR
-    for value in values:
-        if isinstance(value, TensorSpec):
-            total = total + value.numel
-        elif isinstance(value, (list, tuple)):
-            total = total + numel_of(value)
-    return total
+    terms = _terms(values, lambda t: t.numel, [])
+    return sympy.Add(*terms) if terms else _ZERO_EXPR
 
 
 def read_all(call: OpCall) -> SymExpr:
