@@ -21,9 +21,7 @@ Writes ``benchmarks/results/compiled_cpu_accuracy.{json,md}``. Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -48,6 +46,7 @@ from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_fused  # noqa
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key  # noqa: E402
 from boomfx.kernels_db.measure import Measurer, effective_cache_bytes  # noqa: E402
 from boomfx.kernels_db.store import Store  # noqa: E402
+from boomfx.live_bytes import profiler_peak_bytes  # noqa: E402
 from boomfx.program import ProgramOptions  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,21 +109,12 @@ def time_samples(step: Callable[[], None], iters: int, warmup: int = 1) -> list[
 
 
 def peak_bytes(step: Callable[[], None], model: torch.nn.Module, x: torch.Tensor, opt: Any) -> int:
-    from torch.profiler import ProfilerActivity, profile
     if opt is not None:
         # the step starts with zero_grad: free the previous gradients before profiling, so every
         # free inside the profile is of a block allocated inside it (a profile started with live
         # gradients either ignores their free, the first time, or counts it, later: +-6 MiB on MLP)
         opt.zero_grad(set_to_none=True)
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
+    peak = profiler_peak_bytes(step)
     resident = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
     if opt is not None:
         resident += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()

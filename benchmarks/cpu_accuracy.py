@@ -38,7 +38,6 @@ Writes ``benchmarks/results/cpu_accuracy.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -158,22 +157,6 @@ def time_samples(step: Callable[[], Any], iters: int, warmup: int = 2) -> list[t
     return out
 
 
-def profiler_peak_bytes(step: Callable[[], Any]) -> int:
-    """Peak of the running sum of profiler ``[memory]`` events of one call, above its starting point."""
-    from torch.profiler import ProfilerActivity, profile
-    from boomfx.kernels_db.measure import _stderr_fd_silenced
-    gc.collect()
-    with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
-
-
 # --------------------------------------------------------------------------------------------
 # Prediction
 # --------------------------------------------------------------------------------------------
@@ -223,6 +206,7 @@ def export_for(model: torch.nn.Module, kwargs: dict, dyn: dict, train: bool) -> 
 
 
 def run_case(name: str, train: bool, db: str, iters: int, clock: str, flush_bytes: int) -> dict[str, Any]:
+    from boomfx.live_bytes import profiler_peak_bytes
     model, kwargs, dyn, dims = build(name)
     ep = export_for(model, kwargs, dyn, train)
     model.train(train)

@@ -35,35 +35,10 @@ HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 CACHE_DIR = HERE / ".cache"
 
-# Llama-2-70B shapes; only the layer count varies.
-LLAMA_70B_SHAPE = {
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 32000,
-}
 DEVICE = "h100-sxm"
 BATCH, SEQ = 1, 2048
 SWEEP = ("batch=1,2,4,8,16,32", "seq=1024,2048,4096")      # 6 x 3 = 18 points
 STAGE_TIMEOUT_S = 1800
-
-
-def export_llama(num_layers: int, path: Path) -> None:
-    """Export a meta-device Llama of ``num_layers`` layers to ``path`` (dynamic batch and seq)."""
-    import torch
-    from torch.export import Dim
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(num_hidden_layers=num_layers, use_cache=False, **LLAMA_70B_SHAPE)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).eval()
-    input_ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    dynamic_shapes = {"input_ids": {0: Dim("batch"), 1: Dim("seq", min=2)}}
-    ep = torch.export.export(model, (), {"input_ids": input_ids}, dynamic_shapes=dynamic_shapes, strict=False)
-    tmp = path.with_suffix(".tmp.pt2")
-    torch.export.save(ep, tmp)
-    os.replace(tmp, path)
 
 
 def cached_export(num_layers: int) -> tuple[Path, Optional[float]]:
@@ -73,8 +48,9 @@ def cached_export(num_layers: int) -> tuple[Path, Optional[float]]:
     if path.exists():
         return path, None
     print(f"exporting {num_layers}-layer model to {path} ...", flush=True)
+    # the export helper (Llama-2-70B shapes, only the layer count varies) is load_speed.py's
     code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[3]); "
-            "import speed_llama70b as b; b.export_llama(int(sys.argv[1]), Path(sys.argv[2]))")
+            "import load_speed as b; b.export_llama(int(sys.argv[1]), Path(sys.argv[2]))")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code, str(num_layers), str(path), str(HERE)], check=True)
     return path, time.perf_counter() - start

@@ -5,7 +5,6 @@ Bad input gets one line on stderr and exit status 2; a bug gets a traceback (so 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional, Sequence
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 
 from boomfx.analyze import Analysis, AnalyzeOptions
 from boomfx.capture import capture, resolve_bindings

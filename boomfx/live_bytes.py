@@ -8,6 +8,7 @@ liveness pass against reality, never inside predictions.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,3 +96,25 @@ def measure_graph_live_bytes(gm: torch.fx.GraphModule, *args: Any) -> LiveBytesR
     baseline = tracker.live
     out = _NodeLevelInterpreter(gm, tracker).run(*args)
     return LiveBytesResult(tracker.peak, baseline, out)
+
+
+def profiler_peak_bytes(fn: Callable[..., Any], *args: Any) -> int:
+    """Allocator-level peak of one ``fn(*args)`` call, above its starting point: the running sum of
+    the profiler's ``[memory]`` events (allocations positive, frees negative), in start-time order.
+
+    Unlike the dispatch-level measurements above, this sees everything the CPU allocator hands out,
+    kernel scratch included.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from boomfx.kernels_db.measure import _stderr_fd_silenced
+    gc.collect()
+    with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak

@@ -35,8 +35,8 @@ from boomfx.kernels_db.progress import Progress
 from boomfx.kernels_db.schema import KernelKey
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import OpCall
-from boomfx.passes.opcall import opcall_from_node
-from boomfx.passes.specs import TensorSpec
+from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.opcall import bind_call, opcall_from_node
 
 
 @dataclass(frozen=True)
@@ -174,27 +174,5 @@ def calls_from_graph(
     for node in graph_module.graph.nodes:
         call = opcall_from_node(node)
         if call is not None:
-            calls.append(bind_call(call, subs) if subs else call)
+            calls.append(bind_call(call, Evaluator(subs)) if subs else call)
     return calls
-
-
-def bind_call(call: OpCall, bindings: Mapping[sympy.Symbol, int]) -> OpCall:
-    """``call`` with every sympy size, stride and scalar substituted by ``bindings``."""
-
-    def bind(value: object) -> object:
-        if isinstance(value, TensorSpec):
-            return value.subs(bindings)
-        if isinstance(value, list):
-            return [bind(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(bind(v) for v in value)
-        if isinstance(value, sympy.Basic):
-            return value.subs(bindings)
-        return value
-
-    return OpCall(
-        call.op,
-        {k: bind(v) for k, v in call.args.items()},
-        tuple(bind(o) for o in call.outputs),
-        dict(call.context),
-    )

@@ -20,15 +20,14 @@ Known limitations:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import sympy
 import torch
 
-from boomfx.kernels_db.collect import CollectResult, collect_keys, unique_keys
-from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError
+from boomfx.kernels_db.collect import CollectResult, collect_calls
+from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key
 from boomfx.kernels_db.measure import Measurer
-from boomfx.kernels_db.progress import Progress
 from boomfx.kernels_db.schema import KernelKey
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import OpCall
@@ -64,9 +63,7 @@ def collect_fused(
     analysis: Any,
     bindings: Mapping[sympy.Symbol, int],
     device: Union[str, torch.device] = "cpu",
-    budget_s: Optional[float] = None,
-    progress: Union[bool, Progress, None] = None,
-    measurer: Optional[Measurer] = None,
+    **options: Any,
 ) -> CollectResult:
     """Compile, time and store every unique fused group of ``analysis`` the store lacks.
 
@@ -74,21 +71,18 @@ def collect_fused(
         store: the device's kernel database.
         analysis: an ``Analysis`` of a compiled program (``ProgramOptions(compile=True)``).
         bindings: the symbol values to measure at (``resolve_bindings``).
-        device: where to measure; ignored when ``measurer`` is given.
-        budget_s, progress: as in ``collect.collect_keys``.
+        device: where to measure with the default ``FusedMeasurer``; ignored when ``measurer`` is given.
+        options: ``budget_s``, ``progress`` and ``measurer``, as in ``collect.collect_calls``.
     """
-    measurer = measurer if measurer is not None else FusedMeasurer(device)
-    keys = []
-    for call in fused_calls(analysis, bindings):
-        try:
-            keys.extend(unique_keys([call]))
-        except (SymbolicKeyError, UnkeyableCallError):
-            continue   # a data-dependent scalar (no fixed kernel to measure): priced by its roofline
-    return collect_keys(store, unique_keys_of(keys), measurer, budget_s, progress)
+    if options.get("measurer") is None:
+        options["measurer"] = FusedMeasurer(device)
+    calls = [call for call in fused_calls(analysis, bindings) if _keyable(call)]
+    return collect_calls(store, calls, **options)
 
 
-def unique_keys_of(keys: list[KernelKey]) -> list[KernelKey]:
-    seen: dict[str, KernelKey] = {}
-    for key in keys:
-        seen.setdefault(key.key_hash, key)
-    return list(seen.values())
+def _keyable(call: OpCall) -> bool:
+    try:
+        kernel_key(call)
+    except (SymbolicKeyError, UnkeyableCallError):
+        return False   # a data-dependent scalar (no fixed kernel to measure): priced by its roofline
+    return True

@@ -45,7 +45,9 @@ from boomfx.passes.specs import TensorSpec, contiguous_strides
 
 aten = torch.ops.aten
 
-DEFAULT_DATA_DIR = Path("/work/shared/data/gpu-kernel-measurements")
+# Default location of the public measurements: ``shared/data/gpu-kernel-measurements`` beside the checkout
+# (the layout this project is developed in); every function also takes an explicit path, as the CLI does.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu-kernel-measurements"
 CSV_FILES: tuple[str, ...] = ("linear.csv", "bmm.csv", "elem.csv", "ln.csv", "softmax.csv")
 
 SOURCE = "NeuSight (ASPLOS'25) public data"

@@ -34,62 +34,8 @@ aten = torch.ops.aten
 NS_PER_S = 1e9
 
 
-def _packets(*names: str) -> frozenset:
-    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
-
-
-OP_CLASSES: dict[str, frozenset] = {
-    "matmul": _packets(
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "addbmm",
-        "linear",
-        "matmul",
-        "mv",
-        "addmv",
-        "dot",
-        "_scaled_mm",
-        "_int_mm",
-        "einsum",
-    ),
-    "conv": _packets(
-        "convolution",
-        "_convolution",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "convolution_backward",
-        "cudnn_convolution",
-        "mkldnn_convolution",
-        "_slow_conv2d_forward",
-    ),
-    "attention": _packets(
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-        "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-    ),
-}
-
-
-def op_class(op: torch._ops.OpOverload) -> str:
-    """'matmul', 'conv', 'attention' or 'memory' (everything else is treated as bandwidth-bound)."""
-    packet = op.overloadpacket
-    for name, packets in OP_CLASSES.items():
-        if packet in packets:
-            return name
-    return "memory"
+# The op classes live with the kernel pass (one table for passes, fusion, lookup and roofline).
+from boomfx.passes.kernels import op_class  # noqa: E402  (re-exported for kernels_db users)
 
 
 def compute_dtype(call: OpCall) -> torch.dtype:

@@ -25,17 +25,25 @@ OP_CLASS_CONV = "conv"
 OP_CLASS_ATTENTION = "attention"
 OP_CLASS_MEMORY = "memory"
 
-_MATMUL = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.addmv, aten.mv, aten.dot,
-           aten._addmm_activation, aten.einsum, aten.addbmm}
-_CONV = {aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, aten._convolution, aten.convolution_backward,
-         aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d, aten.cudnn_convolution}
-SDPA_OPS = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
-            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-            aten._scaled_dot_product_cudnn_attention}
-_SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_backward,
-                  aten._scaled_dot_product_efficient_attention_backward,
-                  aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                  aten._scaled_dot_product_cudnn_attention_backward}
+def _packets(*names: str) -> frozenset:
+    """Op packets by name, skipping those this torch version does not have."""
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+_MATMUL = _packets("mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul", "mv", "addmv", "dot",
+                   "_addmm_activation", "_scaled_mm", "_int_mm", "einsum")
+_CONV = _packets("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                 "conv_transpose2d", "conv_transpose3d", "convolution_backward", "cudnn_convolution",
+                 "mkldnn_convolution", "_slow_conv2d_forward")
+SDPA_OPS = _packets("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+                    "_efficient_attention_forward")
+_SDPA_BACKWARD = _packets("_scaled_dot_product_flash_attention_backward",
+                          "_scaled_dot_product_efficient_attention_backward",
+                          "_scaled_dot_product_flash_attention_for_cpu_backward",
+                          "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
+                          "_efficient_attention_backward")
 # Ops that allocate or check but launch no kernel.
 _NO_KERNEL = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.empty, aten.empty_like,
               aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._assert_async,

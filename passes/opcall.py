@@ -5,13 +5,16 @@ kernel database never see FakeTensors.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.fx
 
 from boomfx.passes.costs.registry import OpCall
 from boomfx.passes.specs import TensorSpec, to_sympy
+
+if TYPE_CHECKING:  # the evaluator imports nothing from here; the hint only documents the argument
+    from boomfx.passes.evaluate import Evaluator
 
 
 def spec_of(value: Any) -> Any:
@@ -42,7 +45,7 @@ def opcall_from_node(node: torch.fx.Node, context: Optional[Mapping[str, Any]] =
     return OpCall.build(node.target, args, kwargs, outputs, context)
 
 
-def bind_value(value: Any, ev: "Evaluator") -> Any:  # noqa: F821
+def bind_value(value: Any, ev: "Evaluator") -> Any:
     """Substitute concrete sizes into a spec / sympy value (recursively)."""
     import sympy
 
@@ -77,7 +80,7 @@ def bind_value(value: Any, ev: "Evaluator") -> Any:  # noqa: F821
     return value
 
 
-def bind_call(call: OpCall, ev: "Evaluator") -> OpCall:  # noqa: F821
+def bind_call(call: OpCall, ev: "Evaluator") -> OpCall:
     """The same call with every symbolic size replaced by its value under ``ev``'s bindings."""
     return OpCall(call.op, {k: bind_value(v, ev) for k, v in call.args.items()},
                   tuple(bind_value(v, ev) for v in call.outputs), call.context)

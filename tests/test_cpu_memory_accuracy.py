@@ -16,8 +16,7 @@ warm-up step so the optimizer state already exists.
 """
 from __future__ import annotations
 
-import gc
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +25,9 @@ from boomfx.analyze import Analysis, AnalyzeOptions
 from boomfx.capture import capture, resolve_bindings
 from boomfx.devices import cpu_spec
 from boomfx.kernels_db.collect import collect_calls
-from boomfx.kernels_db.measure import Measurer, _stderr_fd_silenced
+from boomfx.kernels_db.measure import Measurer
 from boomfx.kernels_db.store import Store
+from boomfx.live_bytes import profiler_peak_bytes
 from boomfx.program import ProgramOptions
 
 from conftest import make_model
@@ -40,21 +40,6 @@ def _first_output(out: Any) -> torch.Tensor:
         return out
     values = out.values() if isinstance(out, dict) else out
     return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
-
-
-def _profiler_peak(step: Callable[[], Any]) -> int:
-    """Running-sum peak of the profiler's [memory] events of one call, above its starting point."""
-    from torch.profiler import ProfilerActivity, profile
-    gc.collect()
-    with _stderr_fd_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = peak = 0
-    for e in events:
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
 
 
 def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> int:
@@ -73,7 +58,7 @@ def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> 
             opt.zero_grad(set_to_none=True)
         step()   # warm-up: AdamW's state is created on the first step
     step()
-    return _profiler_peak(step)
+    return profiler_peak_bytes(step)
 
 
 def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, db: str) -> tuple[int, int]:

@@ -10,7 +10,6 @@ import sympy
 import torch
 
 from boomfx.devices import get_device
-from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model import GpuKernelModel, roofline_ns
 from boomfx.kernels_db.public_data import DEFAULT_DATA_DIR, PublicKernelRow, load_public_rows, to_opcall
 from boomfx.passes.costs.registry import OpCall

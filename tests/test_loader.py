@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
+
+from models import GPTBlock, MLP
 
 from boomfx import pt2_fast
 from boomfx.loader import LoadError, load_program
@@ -29,43 +30,15 @@ from boomfx.pt2_treespec import sanitize_treespec
 # ------------------------------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: attention through SDPA, then a GELU MLP."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(w, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, w // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, w))
-        return x + self.mlp(self.ln2(x))
-
-
 class TinyTransformer(nn.Module):
+    """Kept local (examples/models.py's GPT has neither): a tied LM head and a registered buffer, which
+    the loader must map to one shared storage and keep apart from the weights. Its blocks are examples'."""
+
     def __init__(self, vocab: int = 50, width: int = 32, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.register_buffer("pos", torch.zeros(64, width))
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied, as in GPT-2: one placeholder for both names
 
@@ -136,7 +109,7 @@ def read_record(path: Path, rel: str) -> bytes:
 @pytest.fixture
 def mlp_file(tmp_path: Path) -> Path:
     with torch.device("meta"):
-        model = MLP()
+        model = MLP(d_in=16, hidden=32, d_out=8)
     x = torch.empty(4, 16, device="meta")
     return export_to(tmp_path / "mlp.pt2", model, (x,), {"x": {0: Dim("batch")}})
 
@@ -187,7 +160,7 @@ def test_transformer_with_dynamic_batch_and_seq_matches_torch_load(tmp_path: Pat
     # or storage-keyed liveness would count the whole model as one tensor.
     sd = ours.state_dict
     assert sd["embed.weight"].untyped_storage()._cdata != sd["pos"].untyped_storage()._cdata
-    assert sd["blocks.0.qkv.weight"].untyped_storage()._cdata != sd["blocks.1.qkv.weight"].untyped_storage()._cdata
+    assert sd["blocks.0.attn.weight"].untyped_storage()._cdata != sd["blocks.1.attn.weight"].untyped_storage()._cdata
 
 
 def test_real_weight_export_loads_as_meta_and_keeps_tied_weights(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from boomfx.analyze import Analysis
-from boomfx.capture import capture, resolve_bindings
+from boomfx.capture import capture
 from boomfx.cli import main
 from boomfx.devices import get_device
 

@@ -18,7 +18,7 @@ def written(tmp_path):
     frames = (("model.py", 12, "Block.forward"),)
     x = a.malloc(3 * MiB, label="linear_1", frames=frames)
     a.malloc(600, label="add_2", frames=frames)
-    y = a.malloc(5 * MiB, label="gelu", frames=frames)
+    a.malloc(5 * MiB, label="gelu", frames=frames)
     a.free(x)
     path = tmp_path / "snap.pickle"
     write_snapshot(path, a)

@@ -48,7 +48,7 @@ import sympy
 import torch
 
 from boomfx.passes.costs.pointwise import bytes_of, first_output, read_all, unique_bytes, written_all
-from boomfx.passes.costs.registry import ZERO, Cost, OpCall, register_cost
+from boomfx.passes.costs.registry import Cost, OpCall, register_cost
 from boomfx.passes.specs import SymExpr, TensorSpec
 
 aten = torch.ops.aten

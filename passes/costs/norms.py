@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from boomfx.passes.costs.pointwise import bytes_of, first_output, read_all, unique_bytes, written_all
+from boomfx.passes.costs.pointwise import bytes_of, read_all, unique_bytes, written_all
 from boomfx.passes.costs.registry import ZERO, Cost, OpCall, register_cost
 from boomfx.passes.specs import TensorSpec
 
