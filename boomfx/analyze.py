@@ -180,6 +180,7 @@ class Analysis:
             k.start_ns = span.start_ns
         memory, rep, events = self._memory(ev, workspace_at, record_trace, exact_total=not memory_only)
         report = self._report(bindings, kernels, timeline, memory)
+        report.warnings.extend(self.program.warnings)
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 

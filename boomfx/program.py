@@ -80,6 +80,7 @@ class Program:
     grad_nodes: Mapping[str, str] = field(default_factory=dict)
     param_names: Mapping[str, str] = field(default_factory=dict)
     source: str = "<memory>"
+    warnings: tuple[str, ...] = ()      # known approximations of this capture, copied into the Report
 
     @property
     def graph(self) -> torch.fx.Graph:
