@@ -510,16 +510,14 @@ def stage_report(run: Run, db: Path) -> None:
 # Entry point
 # ---------------------------------------------------------------------------------------------------
 def _local_target(device: torch.device, name: Optional[str]) -> Any:
-    from boomfx.devices import cpu_spec, get_device
+    from boomfx.devices import get_device
+    from boomfx.kernels_db.measure import local_device_spec
     if name:
         return get_device(name)
-    if device.type == "cpu":
-        return cpu_spec()
-    from boomfx.kernels_db.measure import registry_device_name
-    registry = registry_device_name(torch.cuda.get_device_name(device))
-    if registry is None:
-        raise SystemExit(f"{torch.cuda.get_device_name(device)} is not in boomfx's device registry: pass --device")
-    return get_device(registry)
+    try:
+        return local_device_spec(device)
+    except LookupError as exc:
+        raise SystemExit(f"{exc}: pass --device") from None
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -119,15 +119,12 @@ class Analysis:
         return hit
 
     def _bind(self, name: str, ev: Evaluator) -> Any:
-        """``bind_call`` plus data-dependent scalars (cpu-accuracy fix, benchmarks/cpu_accuracy.py): a
-        training step's AdamW bias corrections are functions of the unbacked step count (``zuf0``
-        from ``step.item()``); their values do not change a kernel's time or memory, but a symbolic
-        scalar cannot be keyed, so the kernel fell back to the roofline and could not be collected.
-        They are evaluated at ``DATA_DEPENDENT_SCALAR_VALUE`` (any steady-state step)."""
-        return _bind_data_dependent(bind_call(self.costs.by_node[name].call, ev))
+        """The node's call at ``ev``'s sizes (the evaluator also fixes data-dependent scalars)."""
+        return bind_call(self.costs.by_node[name].call, ev)
 
     def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
-        return Evaluator(bindings, self.symbol_map)
+        # AdamW's bias corrections depend on the unbacked step count; any steady-state step prices the same
+        return Evaluator(bindings, self.symbol_map, data_dependent_value=DATA_DEPENDENT_SCALAR_VALUE)
 
     def kernel_calls(self, bindings: Mapping[sympy.Symbol, int]) -> list[Any]:
         """The bound OpCall of every kernel the step launches, each unique block priced once: exactly
@@ -351,31 +348,6 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
 
 
 DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
-_DATA_DEPENDENT_FIXED: dict[Any, Any] = {}   # expression -> its value at DATA_DEPENDENT_SCALAR_VALUE
-
-
-def _bind_data_dependent(call: Any) -> Any:
-    """``call`` with scalar arguments that still hold free (data-dependent) symbols evaluated at
-    ``DATA_DEPENDENT_SCALAR_VALUE``; tensor specs are untouched (their sizes are already bound)."""
-    def fix(value: Any) -> Any:
-        if isinstance(value, list):
-            return [fix(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(fix(v) for v in value)
-        if isinstance(value, sympy.Basic) and not isinstance(value, sympy.logic.boolalg.BooleanAtom) \
-                and value.free_symbols:
-            hit = _DATA_DEPENDENT_FIXED.get(value)   # scale: AdamW repeats a few expressions per parameter
-            if hit is None:
-                out = value.xreplace({s: sympy.Integer(DATA_DEPENDENT_SCALAR_VALUE) for s in value.free_symbols})
-                hit = sympy.Integer(int(out)) if out.is_integer else sympy.Float(float(out))
-                if len(_DATA_DEPENDENT_FIXED) > 100_000:
-                    _DATA_DEPENDENT_FIXED.clear()
-                _DATA_DEPENDENT_FIXED[value] = hit
-            return hit
-        return value
-    if not any(isinstance(v, (list, tuple, sympy.Basic)) for v in call.args.values()):
-        return call
-    return type(call)(call.op, {k: fix(v) for k, v in call.args.items()}, call.outputs, call.context)
 
 
 def _module_group(k: KernelReport) -> str:

@@ -36,15 +36,11 @@ def _local_device(name: str) -> torch.device:
 
 
 def _target_spec(device: torch.device):
-    """The registry spec of the local device (decides e.g. the SDPA backend the graph's kernels use)."""
-    from boomfx.devices import cpu_spec, get_device
-    if device.type == "cpu":
-        return cpu_spec()
-    from boomfx.kernels_db.measure import registry_device_name
-    name = registry_device_name(torch.cuda.get_device_name(device))
-    if name is None:
-        raise OptionError(f"the local GPU '{torch.cuda.get_device_name(device)}' is not in the device registry")
-    return get_device(name)
+    from boomfx.kernels_db.measure import local_device_spec
+    try:
+        return local_device_spec(device)
+    except LookupError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def _db_path(db: Optional[str], spec_name: str) -> Path:
@@ -137,21 +133,23 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
+def _existing_store(db: str):
+    """The Store at ``db``, which must exist (export and info never create one)."""
     from boomfx.kernels_db.store import Store
-    if not Path(args.db).exists():
-        raise OptionError(f"no kernel database at {args.db}")
-    with Store(args.db) as store:
+    if not Path(db).exists():
+        raise OptionError(f"no kernel database at {db}")
+    return Store(db)
+
+
+def _export(args: argparse.Namespace) -> int:
+    with _existing_store(args.db) as store:
         n = store.export_csv(args.path)
     print(f"exported {n} rows of {args.db} to {args.path}")
     return 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    from boomfx.kernels_db.store import Store
-    if not Path(args.db).exists():
-        raise OptionError(f"no kernel database at {args.db}")
-    with Store(args.db) as store:
+    with _existing_store(args.db) as store:
         for fp in store.fingerprints():
             ops = Counter(rec.key.op for rec in store.records(fp))
             sources = Counter(rec.source for rec in store.records(fp))

@@ -9,7 +9,6 @@ Every price carries its source; the report totals the share of time each source 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +87,6 @@ class _ModelBackedPricer:
         from boomfx.kernels_db.lookup import KernelPrice, PriceSource
         price = self.inner.price(call, cost)
         if price.source != PriceSource.ROOFLINE:
-            if not price.host_ns:   # imported rows carry no host issue time: use the device's
-                price = dataclasses.replace(price, host_ns=self.device.host_issue_ns)
             return price
         time_ns = self.gpu_model.predict_ns(call, self.device, launch_floor=True)
         if time_ns is None:

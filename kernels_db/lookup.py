@@ -309,7 +309,7 @@ class KernelPricer:
         if rec is not None:
             return KernelPrice(
                 rec.median_ns,
-                rec.host_ns,
+                self._host_ns(rec),
                 rec.workspace_bytes,
                 PriceSource.MEASURED,
                 f"{rec.source} n={rec.n_runs} p10={rec.p10_ns:.0f} p90={rec.p90_ns:.0f}",
@@ -329,8 +329,12 @@ class KernelPricer:
         nearest_sizes = json.dumps(list(group.features[nearest]))
         detail = f"from {len(group.records)} rows of {key.op}; nearest sizes {nearest_sizes}"
         return KernelPrice(
-            time_ns, near.host_ns, workspace, PriceSource.INTERPOLATED, detail, near.host_in_time
+            time_ns, self._host_ns(near), workspace, PriceSource.INTERPOLATED, detail, near.host_in_time
         )
+
+    def _host_ns(self, rec: KernelRecord) -> float:
+        """The row's host issue time; rows imported without one (public GPU data) take the device's."""
+        return rec.host_ns if rec.host_ns > 0 else self.device.host_issue_ns
 
     def _fallback(self, call: OpCall, cost: Cost, why: str) -> KernelPrice:
         if self.model is not None:

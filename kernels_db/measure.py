@@ -50,13 +50,16 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from boomfx.kernels_db.keys import make_inputs, shrunk_key
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord
 from boomfx.kernels_db.store import device_slug
+
+if TYPE_CHECKING:
+    from boomfx.devices import DeviceSpec
 
 NS_PER_S = 1_000_000_000
 NS_PER_MS = 1_000_000
@@ -118,6 +121,22 @@ def registry_device_name(raw_name: str) -> Optional[str]:
         except UnknownDeviceError:
             continue
     return None
+
+
+def local_device_spec(device: torch.device) -> "DeviceSpec":
+    """The registry spec of this machine's ``device`` (it decides e.g. which SDPA kernels a graph uses).
+
+    Raises LookupError for a GPU the registry does not know.
+    """
+    from boomfx.devices import cpu_spec, get_device
+
+    if device.type == "cpu":
+        return cpu_spec()
+    raw = torch.cuda.get_device_name(device)
+    name = registry_device_name(raw)
+    if name is None:
+        raise LookupError(f"the local GPU '{raw}' is not in the device registry")
+    return get_device(name)
 
 
 def current_fingerprint(device: torch.device) -> DeviceFingerprint:

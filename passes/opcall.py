@@ -71,13 +71,18 @@ def bind_value(value: Any, ev: "Evaluator") -> Any:
             from boomfx.passes.evaluate import UnboundSymbolError
             bound = getattr(ev, "bindings", None)
             if bound is not None and not free <= bound.keys():
-                return value   # a data-dependent scalar (scale: no exception, no message to format)
+                return _data_dependent(value, ev)   # scale: no exception, no message to format
             try:
                 return sympy.Integer(ev(value)) if value.is_integer is not False else sympy.Float(ev.number(value))
             except (UnboundSymbolError, TypeError):
-                return value   # a data-dependent scalar (e.g. Adam's step count), not a size
+                return _data_dependent(value, ev)   # e.g. Adam's step count, not a size
         return value
     return value
+
+
+def _data_dependent(value: Any, ev: "Evaluator") -> Any:
+    fix = getattr(ev, "data_dependent", None)
+    return fix(value) if fix is not None else value
 
 
 def bind_call(call: OpCall, ev: "Evaluator") -> OpCall:
