@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import os
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Union
@@ -84,7 +85,7 @@ class Store:
             conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
             conn.row_factory = sqlite3.Row
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA journal_mode=WAL")
+            _enable_wal(conn)
             conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: committed rows survive a process kill
             conn.execute("PRAGMA foreign_keys=ON")
             self._conn = conn
@@ -240,6 +241,25 @@ class Store:
                 replaced += exists
                 inserted += not exists
         return ImportResult(inserted, skipped, replaced)
+
+
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    """Switch the file to write-ahead logging, waiting out other processes that open it at the same moment.
+
+    Changing the journal mode needs an exclusive lock, and SQLite answers "database is locked" at once
+    (without its busy handler) when two connections race to create the same new file, so wait here.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 class _Tx:

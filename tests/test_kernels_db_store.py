@@ -174,6 +174,31 @@ def _writer(path: str, start: int, count: int) -> None:
             store.put(make_record(i))
 
 
+def _open_at_once(path: str, barrier, results) -> None:
+    barrier.wait()
+    try:
+        with Store(path) as store:
+            results.put(store.conn.execute("PRAGMA journal_mode").fetchone()[0])
+    except Exception as exc:  # reported to the parent, which asserts on it
+        results.put(repr(exc))
+
+
+def test_processes_creating_the_same_new_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """Switching a new file to WAL takes an exclusive lock that SQLite refuses at once, without waiting,
+    when several processes race to create the file (seen in CI); every opener must still succeed."""
+    ctx = multiprocessing.get_context("fork")  # children only touch sqlite, never torch
+    for trial in range(5):
+        path = str(tmp_path / f"k{trial}.sqlite")
+        barrier, results = ctx.Barrier(8), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, results)) for _ in range(8)]
+        for p in procs:
+            p.start()
+        answers = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(60)
+        assert answers == ["wal"] * 8
+
+
 def test_concurrent_writers_keep_every_row(tmp_path: Path) -> None:
     path = str(tmp_path / "k.sqlite")
     ctx = multiprocessing.get_context("spawn")
