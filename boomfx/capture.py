@@ -6,7 +6,6 @@ The graph is never run: sizes stay symbolic, parameters are meta tensors. ``--tr
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -173,28 +172,7 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     else:
         traced = training.build_inference_program(ep, amp=options.amp,
                                                   fused_attention=options.target_kind == "cuda")
-    program = program_from_traced(traced, symbols, options, label)
-    ties = tied_parameters(ep) if options.train else []
-    if ties:
-        names = "; ".join(" = ".join(group) for group in ties)
-        program = dataclasses.replace(program, warnings=program.warnings + (
-            f"tied parameters ({names}) are traced as separate parameters: --train counts their gradient "
-            f"and optimizer state once per name",))
-    return program
-
-
-def tied_parameters(ep: ExportedProgram) -> list[list[str]]:
-    """Groups of parameter FQNs that share one storage (e.g. GPT-2's lm_head.weight = wte.weight).
-
-    NB: only visible when the program holds the weights (in memory, or a .pt2 written with real weights);
-    a meta-device export records each name separately, so ties there cannot be seen."""
-    groups: dict[int, list[str]] = {}
-    for name, tensor in ep.state_dict.items():
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            groups.setdefault(tensor.untyped_storage()._cdata, []).append(name)
-        elif isinstance(tensor, torch.Tensor):
-            groups.setdefault(id(tensor), []).append(name)   # the same meta Parameter object under two names
-    return [sorted(g) for g in groups.values() if len(g) > 1]
+    return program_from_traced(traced, symbols, options, label)
 
 
 def program_from_traced(traced: Any, symbols: Mapping[str, SymbolInfo], options: ProgramOptions,

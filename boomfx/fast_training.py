@@ -129,7 +129,7 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
     signature = SimpleNamespace(input_specs=[s for s in specs if getattr(s.arg, "name", None) not in dropped_inputs],
                                 output_specs=list(ep.graph_signature.output_specs))
     stand = SimpleNamespace(graph=new, graph_module=gm, graph_signature=signature,
-                            range_constraints=ep.range_constraints)
+                            range_constraints=ep.range_constraints, state_dict=ep.state_dict)
     return Truncated(stand, prefix, n_layers)
 
 

@@ -104,6 +104,29 @@ def _export_inputs(ep: ExportedProgram) -> list[_Input]:
     return inputs
 
 
+def _tied_expansion(ep: ExportedProgram, inputs: list[_Input]) -> list[int]:
+    """For each export input, the position of the first input sharing its storage (itself if none)."""
+    first_of: dict[str, int] = {}
+    for group in tied_parameters(ep):
+        positions = [pos for pos, i in enumerate(inputs) if i.fqn in group]
+        first_of.update({inputs[pos].fqn: positions[0] for pos in positions if positions})  # type: ignore[misc]
+    return [first_of.get(i.fqn, pos) if i.fqn is not None else pos for pos, i in enumerate(inputs)]
+
+
+def tied_parameters(ep: ExportedProgram) -> list[list[str]]:
+    """Groups of parameter FQNs that share one storage (e.g. GPT-2's lm_head.weight = wte.weight).
+
+    NB: only visible when the program holds the weights (in memory, or a .pt2 written with real weights);
+    a meta-device export records each name separately, so ties there cannot be seen."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in ep.state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            groups.setdefault(tensor.untyped_storage()._cdata, []).append(name)
+        elif isinstance(tensor, torch.Tensor):
+            groups.setdefault(id(tensor), []).append(name)   # the same meta Parameter object under two names
+    return [sorted(g) for g in groups.values() if len(g) > 1]
+
+
 def _symbols_of(value: Any) -> set[sympy.Symbol]:
     exprs: list[Any] = []
     if isinstance(value, torch.Tensor):
@@ -232,16 +255,21 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             return fake.tensor(i.value, device, requires_grad=grad)
         return fake.sym(i.value)
 
-    graph_args = [make(i) for i in inputs]
-    names = [i.name for i in inputs]
-    roles = [i.role for i in inputs]
-    fqns = [i.fqn for i in inputs]
-    user_input_names = {i.name for i in inputs if i.role == "input"}
+    # Tied weights (GPT-2's lm_head = wte) are one placeholder per name in the export but one tensor in
+    # eager: trace them as one leaf, so they get one gradient and one optimizer state.
+    expand = _tied_expansion(ep, inputs)
+    unique = [inputs[k] for k in sorted(set(expand))]
+    expand = [sorted(set(expand)).index(k) for k in expand]
+    graph_args = [make(i) for i in unique]
+    names = [i.name for i in unique]
+    roles = [i.role for i in unique]
+    fqns = [i.fqn for i in unique]
+    user_input_names = {i.name for i in unique if i.role == "input"}
 
     # Labels: an export input named "labels" (HF models compute the loss themselves), else a new one.
     n_labels = 0
     if train:
-        for pos, i in enumerate(inputs):
+        for pos, i in enumerate(unique):
             if i.name == "labels":
                 roles[pos] = "label"
         first_out = out_vals[user_outputs[0]] if user_outputs else None
@@ -296,14 +324,14 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     recorder = _PhaseRecorder()
     policy = amp_policy.CastPolicy(low_dtype)
     runner = GraphRunner(ep.graph_module, device, policy, fused_attention, segments, recorder.segment)
-    n_graph = len(inputs)
+    n_graph = len(unique)
     grad_names: list[str] = []
 
     def step(*flat: Any) -> Any:
         g_args = list(flat[:n_graph])
         labels = flat[n_graph] if n_labels else None
         with torch.set_grad_enabled(train):
-            outs = runner.run(*g_args)
+            outs = runner.run(*(g_args[k] for k in expand))
         outs = [outs[i] for i in user_outputs]
         if not train:
             recorder.close("forward")

@@ -76,18 +76,12 @@ def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool
     return memory.peak_live_bytes - memory.resident_bytes, memory.workspace_bytes
 
 
-# Known gap, kept visible: a model with tied weights (GPT-2's lm_head = wte) is exported with one
-# placeholder per name, and boomfx.training traces them as two parameters: two gradients and two
-# AdamW states where eager has one, so the training peak is over by one gradient plus one foreach
-# ``sqrt`` temporary of the tied matrix (+32 KiB = 2 x 128 x 32 x 4 B here). The fix belongs in
-# training._trace (one fake tensor per underlying storage, deduplicated for the optimizer).
-TIED = pytest.mark.xfail(strict=True, reason="tied weights traced as two parameters in --train (see above)")
-CASES = [(name, train) for name in ("mlp", "cnn", "gpt", "hf_bert") for train in (False, True)] + [
-    ("hf_gpt2", False), pytest.param("hf_gpt2", True, marks=TIED)]
+# hf_gpt2 ties lm_head.weight to wte.weight: one gradient and one AdamW state in eager, as in the trace
+CASES = [(name, train) for name in ("mlp", "cnn", "gpt", "hf_bert", "hf_gpt2") for train in (False, True)]
 
 
 def _case_id(case: Any) -> str:
-    name, train = case.values if hasattr(case, "values") else case
+    name, train = case
     return f"{name}-{'train' if train else 'infer'}"
 
 
