@@ -22,8 +22,10 @@ Example::
 
 Training programs are first rewritten by ``recompute_for_backward`` (a model of AOTAutograd's min-cut
 partitioner: cheap pointwise values whose inputs are saved anyway are recomputed in backward, not
-saved). A view of a member read outside its group is re-applied to the member's output (Inductor's
-``reinterpret_tensor``), never materialised.
+saved). Then inlined values (``fusion`` rule 3: cheap pointwise values Inductor recomputes in every
+kernel that reads them) are copied into each reading kernel by ``recompute_inlined``, so they are
+neither stored nor re-read. A view of a member read outside its group is re-applied to the member's
+output (Inductor's ``reinterpret_tensor``), never materialised.
 
 Known limitations:
 - In-place members are never fused (optimizer ``_foreach_*_`` ops stay one kernel each, as in an
@@ -271,12 +273,27 @@ def _absorbed_views(members: list[torch.fx.Node], program: Program) -> list[torc
                 continue
             if any(inp not in inside for inp in user.all_input_nodes if _is_tensor(inp)):
                 continue
-            if any(inp not in inside and order[inp] > first for inp in user.all_input_nodes):
-                continue  # a size computed after the group starts: absorbing it would form a cycle
+            if any(inp not in inside and order[inp] > first and _reaches(inside, inp, order, first)
+                   for inp in user.all_input_nodes):
+                continue  # a size computed from the group's own values: absorbing it would form a cycle
             inside.add(user)
             added.append(user)
             frontier.append(user)
     return added
+
+
+def _reaches(group: set[torch.fx.Node], node: torch.fx.Node, order: dict[torch.fx.Node, int], first: int) -> bool:
+    """Whether ``node`` depends on a member of ``group`` (whose earliest member is at ``first``)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in group:
+            return True
+        if n in seen or order[n] < first:
+            continue          # nothing before the group's first member can read it
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], list[torch.fx.Node], list]:
@@ -493,10 +510,54 @@ def _numel_of(v: torch.Tensor) -> Any:
     return sympy.expand(n)
 
 
+def recompute_inlined(program: Program) -> Program:
+    """Give every kernel its own copy of the inlined values it reads (fusion rule 3).
+
+    Inductor does not store a cheap pointwise value read by several kernels: each kernel recomputes it
+    from its inputs (``arange``/``cos`` tables, GPT's embedding sum feeding ``ln_1`` and the residual
+    add). ``fusion_groups`` puts such a value in its first consumer's group; here each other consumer
+    kernel reading it directly gets a copy (with the inlined values it needs), placed before it, so the
+    copy fuses there and the value is neither stored nor re-read. Reads through a view keep the shared
+    value (not handled).
+    """
+    fusion = fusion_groups(program)
+    if not fusion.inlined:
+        return program
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(program.graph, val_map))
+    phases = dict(program.phases)
+    group = {val_map[n]: fusion.group_of[n.name] for n in program.graph.nodes if n.name in fusion.group_of}
+    inlined = {val_map[n] for n in program.graph.nodes if n.name in fusion.inlined}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(inlined, key=order.__getitem__, reverse=True):
+        readers: dict[int, list[torch.fx.Node]] = {}
+        for user in list(node.users):
+            g = group.get(user)
+            if g is not None and g != group[node]:
+                readers.setdefault(g, []).append(user)
+        for g, users in readers.items():
+            first = min(users, key=lambda u: order.get(u, -1))
+            with graph.inserting_before(first):
+                copy = graph.node_copy(node, lambda a: a)
+            if node.name in phases:
+                phases[copy.name] = phases[node.name]
+            group[copy] = g
+            order[copy] = order.get(first, 0) - 0.5
+            inlined.add(copy)
+            for u in users:
+                u.replace_input_with(node, copy)
+    graph.lint()
+    gm = torch.fx.GraphModule(program.gm, graph)
+    gm.meta.update(program.gm.meta)
+    from dataclasses import replace
+    return replace(program, gm=gm, phases=phases)
+
+
 def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
-    program = recompute_for_backward(program)
+    program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph
     nodes = list(graph.nodes)

@@ -3,8 +3,9 @@
 ``fusion_pass(program, am) -> FusionInfo`` partitions the kernel-launching nodes of each phase into
 groups; ``passes/compiled.py`` rewrites every non-extern group into one ``FusedKernel`` node.
 
-The rule set (a model of Inductor's lowering + scheduler; checked against Inductor's own decisions
-by ``inductor_groups`` in ``tests/test_fusion.py``):
+The rule set (a model of Inductor's lowering + scheduler for its GPU (Triton) backend; checked against
+Inductor's own decisions by ``inductor_groups`` in ``tests/test_fusion.py``; torch 2.13 sources named
+relative to ``torch/_inductor``):
 
 1. **Classes.** Every call node is one of
    - ``none``: views and bookkeeping (``kernels.kernel_pass`` launches nothing for them). Views are
@@ -12,36 +13,70 @@ by ``inductor_groups`` in ``tests/test_fusion.py``):
    - ``extern``: matmul / conv / attention (``kernels.op_class``) and ops Inductor has no lowering
      for (``_FALLBACK``): library calls, never fused;
    - ``pointwise`` (op tagged ``pointwise``, copies, factories, gathers such as ``embedding``,
-     ``cat``), ``reduction`` (sums, softmax, norms, losses), ``scatter`` (index_put, embedding
-     backward: a zero fill and an atomic scatter, kept apart) and ``foreach`` (``_foreach_*``).
+     ``cat``; ops Inductor decomposes into pointwise ones: ``outer``, ``diff``, bitwise ops, batch
+     norm with running statistics), ``reduction`` (sums, softmax, norms, losses), ``scatter``
+     (index_put, embedding backward: a zero fill and an atomic scatter, kept apart; also a ``cat``
+     lowered as a ``ConcatKernel``, rule 3) and ``foreach`` (``_foreach_*``).
+   Nodes whose value nothing uses are dropped (Inductor's dead-code elimination): no group.
 2. **Phases.** Inductor compiles the forward and the backward graph separately: groups never cross a
    phase boundary. ``torch.compile(model)`` leaves the optimizer step eager: its ops stay one kernel
    each (kind "separate").
-3. **Vertical fusion.** A pointwise or reduction node joins the group of a producer (an input,
-   seen through views) when that group is not extern/scatter and iterates over the same number of
-   elements (``total`` = numel of the largest tensor it touches, so ``sum(x)`` after ``exp(x)``,
-   the normalisation after a ``var_mean`` and softmax's ``amax -> exp -> sum -> div`` all share
-   one space), and joining creates no cycle (no path from the group to the node through a node
-   outside it). ``foreach`` ops fuse with ``foreach`` producers over lists of the same length.
-   A pure-pointwise producer whose only consumer is the node is inlined whatever its size (Inductor
-   computes unrealised pointwise values inside their consumer: ``arange`` and ``embedding`` gathers
-   end up in the kernel that adds them). A gather's space is its output's numel.
-4. **Horizontal fusion.** The other producer groups of the node with the same space are merged in
-   when neither depends on the other.
+3. **Stored or inlined.** A pointwise value is *inlined* (an unrealised ``ir.Pointwise``: every
+   consumer kernel recomputes it) unless Inductor stores it (graph.py ``GraphLowering.run_node``,
+   ir.py ``StorageBox.should_realize_on_reuse`` / ``has_exceeded_max_reads``): a consumer is no
+   generated kernel (extern, scatter, graph output, another phase); it has several consumers (a
+   LayerNorm / softmax input counts twice: their decompositions read it twice) and reads more than
+   ``realize_reads_threshold`` = 4 buffers or has more than ``realize_opcount_threshold`` = 30 ops;
+   it reads more than ``realize_acc_reads_threshold`` = 8 buffers. So ``arange``/``cos``/``sin``
+   tables and embedding gathers are recomputed inside the kernels that use them, while GPT's residual
+   sum is stored once it reads 5 buffers. A ``cat`` is a pointwise cat (inlined) for at most 8
+   inputs none of which has another consumer, else a ``ConcatKernel`` whose direct inputs are stored
+   into it (lowering.py ``cat``); a cat of one input repeated is an expand + copy (decomposition.py).
+4. **Vertical fusion.** A stored pointwise or reduction node joins the group of a stored producer
+   (an input, seen through views and inlined values) when that group is not extern/scatter and
+   iterates over the same number of elements (``total`` = numel of the largest tensor it touches,
+   so ``sum(x)`` after ``exp(x)``, the normalisation after a ``var_mean`` and softmax's ``amax ->
+   exp -> sum -> div`` all share one space; codegen/simd.py ``can_fuse``: pointwise numel ==
+   reduction numel * rnumel), or, for a pointwise node, as many elements as a reduction of the group
+   outputs (``rsqrt`` of RMSNorm's mean when it is stored; simd.py: equal numel), and joining creates
+   no cycle (no path from the group to the node through a node outside it). Two reductions with
+   different output sizes (a row and a column reduction of one tensor: LayerNorm's input and weight
+   gradients) share a group only as Triton's mix-order reduction (scheduler.py ``MixOrderReduction``:
+   >= 5 Mi elements and twice as many rows as columns, provably so for symbolic sizes). ``foreach``
+   ops fuse with ``foreach`` producers over lists of the same length.
+5. **Horizontal fusion.** Independent groups of the same space merge when the node's producers are in
+   them or when they read a common stored value (scheduler.py ``get_possible_fusions`` pairs kernels
+   sharing a buffer; ``can_fuse`` then needs equal numel/rnumel and no path between them).
+6. **Inlined values** belong to the group of the first stored node (graph order) that computes them,
+   as in Inductor's output, where later kernels recompute them (``FusionInfo.inlined``;
+   ``compiled.recompute_inlined`` gives each other kernel its own copy).
 
-Known limitations (differences from Inductor, measured on CPU in ``tests/test_fusion.py``):
-- Inductor *recomputes* a cheap pointwise result in each consumer kernel instead of storing it when
-  it has several consumers (``realize_reads_threshold``); we store it once (one extra buffer and
-  fewer re-reads).
-- Inductor's CPU backend additionally fuses loops with a common outer loop
-  (``OuterLoopFusedSchedulerNode``) and its GPU backend splits very large reductions; both are
-  approximated by the equal-space rule.
-- Templates (matmul epilogue fusion, ``max_autotune``) are not modelled: matmuls stay extern.
-- Measured against Inductor (CPU, torch 2.13): MLP+GELU+bias, LayerNorm+residual, softmax and the
-  plain MLP match exactly. GPT-tiny inference differs in one group per layer (Inductor recomputes the
-  residual sum feeding ``ln_2`` instead of fusing it there); Llama-tiny differs around the rotary
-  embedding / ``repeat_interleave`` inputs of attention (Inductor fuses them into the kernels that
-  feed SDPA, we keep the ``neg``/``cat`` of ``rotate_half`` with their consumer only).
+GPU (default) and CPU (``fusion_groups(program, backend="cpu")``, Inductor's C++ backend, used by the
+tests on machines without a GPU) differ in:
+- ``cat``: the C++ backend always lowers it as a ``ConcatKernel`` (lowering.py ``cat``: "pointwise_cat
+  ... disabled on CPU"): Llama's ``rotate_half`` ``neg`` and the copied half are two extra kernels.
+- mix-order reductions (rule 4) are Triton-only (``MixOrderReduction.can_fuse``: GPU backends).
+- thresholds: ``realize_cpu_opcount_threshold`` = 50, ``realize_cpu_acc_reads_threshold`` = 12, and a
+  reused value computing ``exp``/``log``/``sigmoid``/``tanh`` is always stored on CPU.
+- Not modelled on the CPU side (the tests list these cases as C++-only): a *stored* pointwise kernel
+  followed by a reduction over its elements is fused by Triton, but by the C++ backend only when
+  their loop nests share their outer loops (codegen/cpp.py ``_why_fuse_nodes``,
+  ``can_fuse_vertical_outer_loop``), and never when the reduction runs over an outer dim (Triton
+  reorders loops to fuse them, scheduler.py ``shared_data_after_reordering_loop``, GPU only).
+
+Known limitations:
+- ``compiled.recompute_inlined`` copies an inlined value only for kernels reading it directly; one
+  read through a view still reads it from its first kernel's output (stored once).
+- The GPU backend splits very large reductions (``split_reductions``); templates (matmul epilogue
+  fusion, ``max_autotune``) are not modelled: matmuls stay extern. Op counts are approximated by the
+  number of aten ops inlined (each is one or more Inductor ops). Inductor's fusion-size limits and
+  tiling checks are not modelled.
+- Measured against Inductor (CPU, torch 2.13): inference of MLP, CNN, GPT, Llama, HF GPT-2 and BERT
+  (tests/conftest.py models) match exactly with the CPU rules, except one documented C++-only split
+  in GPT, GPT-2 and BERT (stored residual/embedding sum + the next LayerNorm). Training graphs (per
+  phase) of MLP, CNN and GPT match up to counted C++-only splits of the same kind; Llama training
+  differs further (C++-only limits on horizontal fusion), not asserted. The GPU rules differ from
+  the CPU ones only by the rules listed above.
 """
 from __future__ import annotations
 
@@ -100,6 +135,12 @@ _SCATTER = _packets(
     "scatter_add_", "scatter_reduce", "index_add", "index_add_", "embedding_dense_backward",
     "nll_loss_backward", "nll_loss2d_backward",
 )
+# Not memory-bound by ``kernels.op_class`` (or untagged), but Inductor lowers them as pointwise loops:
+# ``outer`` is decomposed into a broadcasting mul, ``diff`` into a sub of two slices, the rest are
+# bitwise ops and factories.
+_DECOMPOSED_POINTWISE = _packets("outer", "ger", "diff", "__and__", "__or__", "__xor__", "bitwise_and",
+                                 "bitwise_or", "bitwise_xor", "bitwise_not", "logical_and", "logical_or",
+                                 "logical_not", "new_ones", "new_zeros", "new_full")
 # Ops Inductor leaves to ATen (fallback kernels): library calls like matmuls.
 _FALLBACK = _packets("sort", "argsort", "topk", "kthvalue", "nonzero", "_unique2", "masked_select", "median",
                      "mode", "multinomial", "upsample_bilinear2d", "_local_scalar_dense")
@@ -117,6 +158,8 @@ def node_class(node: torch.fx.Node) -> str:
         return CLASS_NONE if is_view_node(node) else CLASS_POINTWISE
     if is_view_node(node):
         return CLASS_NONE
+    if packet in _DECOMPOSED_POINTWISE or _is_inference_batch_norm(node):
+        return CLASS_POINTWISE
     if op_class(target) != OP_CLASS_MEMORY or packet in _FALLBACK:
         return CLASS_EXTERN
     if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
@@ -130,6 +173,17 @@ def node_class(node: torch.fx.Node) -> str:
     if torch.Tag.pointwise in target.tags or packet in _POINTWISE:
         return CLASS_POINTWISE
     return CLASS_EXTERN
+
+
+def _is_inference_batch_norm(node: torch.fx.Node) -> bool:
+    """Batch norm with running statistics: Inductor decomposes it into pointwise ops (no reduction)."""
+    packet = node.target.overloadpacket
+    if packet is getattr(aten, "_native_batch_norm_legit_no_training", None):
+        return True
+    training_arg = (aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit)
+    if packet in training_arg and len(node.args) > 5:
+        return node.args[5] is False
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -150,6 +204,8 @@ class FusionGroup:
 class FusionInfo:
     groups: tuple[FusionGroup, ...]
     group_of: Mapping[str, int] = field(default_factory=dict)   # member node name -> index in groups
+    # inlined values (rule 3): members of their first consumer's group, recomputed by the others
+    inlined: frozenset[str] = frozenset()
 
     def node_sets(self, kinds: Sequence[str] = ("fused", "extern", "separate")) -> list[frozenset[str]]:
         return [frozenset(g.members) for g in self.groups if g.kind in kinds]
@@ -186,14 +242,20 @@ def _space(node: torch.fx.Node, cls: str) -> Any:
         return _numel(node.meta.get("val")) or sympy.Integer(1)
     best = sizes[0]
     for s in sizes[1:]:
-        try:
-            if bool(sympy.simplify(s - best) > 0) if (s - best).free_symbols else s > best:
-                best = s
-        except TypeError:
-            # symbolic sizes that sympy cannot order: prefer the one with more factors
-            if len(sympy.Mul.make_args(s)) > len(sympy.Mul.make_args(best)):
-                best = s
+        if _larger(s, best):
+            best = s
     return best
+
+
+def _larger(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """``a > b`` for numels, symbolic ones included."""
+    diff = sympy.expand(a - b)
+    if diff.is_number:
+        return bool(diff > 0)
+    if diff.is_positive is not None:          # sizes are positive symbols: usually decidable, cheaply
+        return bool(diff.is_positive)
+    # symbolic sizes that sympy cannot order: prefer the one with more factors
+    return len(sympy.Mul.make_args(a)) > len(sympy.Mul.make_args(b))
 
 
 def _same_space(a: Any, b: Any) -> bool:
@@ -202,8 +264,158 @@ def _same_space(a: Any, b: Any) -> bool:
     return sympy.expand(a - b) == 0
 
 
-def _producers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str]) -> list[torch.fx.Node]:
-    """Kernel nodes whose values ``node`` reads, looking through views and getitems."""
+# Inductor thresholds (torch/_inductor/config.py) per backend: a multi-consumer pointwise value is
+# stored when it reads more than REUSE_READS buffers or has more than OPCOUNT ops; any pointwise
+# value is stored when it accumulated more than ACC_READS reads. The C++ backend tolerates larger
+# bodies (``realize_cpu_opcount_threshold``, ``realize_cpu_acc_reads_threshold``).
+_REUSE_READS = 4                                  # config.realize_reads_threshold
+_OPCOUNT = {"gpu": 30, "cpu": 50}                 # config._realize_opcount_threshold_default / cpu
+_ACC_READS = {"gpu": 8, "cpu": 12}                # config._realize_acc_reads_threshold_default / cpu
+_MAX_POINTWISE_CAT = 8                            # config.max_pointwise_cat_inputs
+# ir.StorageBox.should_realize_on_reuse, C++ only: a reused value computing one of these is stored.
+_CPU_HEAVY = _packets("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
+BACKENDS = ("gpu", "cpu")
+# Composite reductions Inductor decomposes into a reduction *and* a pointwise op both reading the input
+# (var_mean and x - mean; amax and exp(x - max)): an input they read counts as read by two consumers.
+_READS_INPUT_TWICE = _packets(
+    "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm",
+    "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax", "logsumexp", "native_batch_norm",
+    "batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+)
+
+
+def _consumers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str]) -> list[torch.fx.Node]:
+    """The kernel nodes (or the graph output) reading ``node``, looking through views and getitems."""
+    out: list[torch.fx.Node] = []
+    stack, seen = list(node.users), set()
+    while stack:
+        u = stack.pop(0)
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "call_function" and cls_of.get(u, CLASS_NONE) == CLASS_NONE:
+            stack.extend(u.users)
+        elif u.op != "call_function" or not _is_assert(u):
+            out.append(u)
+    return out
+
+
+def _is_assert(node: torch.fx.Node) -> bool:
+    return "assert" in str(node.target)
+
+
+def _is_pointwise_use(node: torch.fx.Node) -> bool:
+    """Inductor's ``utils.is_pointwise_use``: the op is tagged pointwise (views: all their uses are)."""
+    if node.op != "call_function":
+        return False
+    is_op = isinstance(node.target, torch._ops.OpOverload)
+    if node.target is operator.getitem or (is_op and is_view_node(node)):
+        return all(_is_pointwise_use(u) for u in node.users)
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+
+
+def _cat_inputs(node: torch.fx.Node) -> Optional[list[Any]]:
+    """The inputs of the ``cat`` a node is (or decomposes into: ``diff`` with prepend/append), or None."""
+    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else None
+    if packet is aten.cat:
+        return list(node.args[0]) if node.args else []
+    if packet is aten.diff:
+        args = list(node.args) + [None] * 5
+        prepend, append = node.kwargs.get("prepend", args[3]), node.kwargs.get("append", args[4])
+        if prepend is not None or append is not None:
+            return [a for a in (prepend, args[0], append) if a is not None]
+    return None
+
+
+def _concat_kernel(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str], backend: str) -> bool:
+    """Whether Inductor lowers this ``cat`` as a ``ConcatKernel`` (each input stored into its slice
+    by its own kernel) rather than a pointwise cat inlined into its consumers (lowering.py ``cat``).
+
+    A cat of one input repeated is decomposed into an expand + copy first (decomposition.py ``cat``),
+    a plain pointwise op. Otherwise the C++ backend always uses a ConcatKernel; the GPU one uses a
+    pointwise cat for at most ``max_pointwise_cat_inputs`` inputs, none of which has another consumer
+    (it would be computed twice), when the cat feeds pointwise ops or none of its inputs is a reduction.
+    """
+    inputs = [a for a in (_cat_inputs(node) or ()) if isinstance(a, torch.fx.Node)]
+    if len(set(inputs)) <= 1:
+        return False
+    if backend == "cpu":
+        return True
+    if len(inputs) > _MAX_POINTWISE_CAT:
+        return True
+    for inp in inputs:
+        others = [u for u in inp.users if u is not node]
+        if others and (cls_of.get(inp) == CLASS_POINTWISE or any(_is_pointwise_use(u) for u in others)):
+            return True
+    pointwise_uses = all(_is_pointwise_use(u) for u in node.users)
+    return not pointwise_uses and any(cls_of.get(i) == CLASS_REDUCTION for i in inputs)
+
+
+def _virtual_nodes(program: Program, cls_of: Mapping[torch.fx.Node, str], backend: str) -> set[torch.fx.Node]:
+    """Pointwise nodes Inductor never stores: each consumer kernel computes them inline.
+
+    Inductor keeps a pointwise value unrealised (a loader, ``ir.Pointwise``) and inlines it into every
+    consumer, unless it is stored (graph.py ``GraphLowering.run_node``, ir.py
+    ``StorageBox.should_realize_on_reuse`` / ``has_exceeded_max_reads``, lowering.py
+    ``needs_realized_inputs``): a consumer is no generated kernel (matmul, attention, scatter, a
+    ``ConcatKernel``, the graph output, another phase); it has several consumers and reads more than
+    ``realize_reads_threshold`` buffers or has a large body; it reads more than
+    ``realize_acc_reads_threshold`` buffers. ``reads`` counts the distinct stored values the inlined
+    expression loads (a gather loads its weight and indices, ``arange`` nothing).
+    """
+    reads: dict[torch.fx.Node, frozenset] = {}
+    body: dict[torch.fx.Node, frozenset] = {}     # the inlined pointwise nodes a value computes
+    virtual: set[torch.fx.Node] = set()
+    for node in program.graph.nodes:
+        cls = cls_of.get(node, CLASS_NONE)
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and cls in (CLASS_NONE, CLASS_POINTWISE):
+            r = frozenset().union(*(reads.get(i, frozenset()) for i in inputs))
+            b = frozenset().union(*(body.get(i, frozenset()) for i in inputs))
+            b = b | {node} if cls == CLASS_POINTWISE else b
+            if cls == CLASS_NONE or _stays_virtual(program, node, cls_of, backend, len(r), b):
+                reads[node], body[node] = r, b
+                if cls == CLASS_POINTWISE:
+                    virtual.add(node)
+                continue
+        tensor = isinstance(node.meta.get("val"), torch.Tensor)
+        stored = node.op != "output" and (node.op == "call_function" or tensor)
+        reads[node], body[node] = (frozenset([node]) if stored else frozenset()), frozenset()
+    return virtual
+
+
+def _stays_virtual(program: Program, node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str], backend: str,
+                   n_reads: int, body: frozenset) -> bool:
+    """The realisation rules of ``_virtual_nodes`` for one pointwise node."""
+    if _cat_inputs(node) is not None and _concat_kernel(node, cls_of, backend):
+        return False
+    consumers = _consumers(node, cls_of)
+    phase = program.phase_of(node)
+    if not consumers or phase == PHASE_OPTIMIZER:
+        return False
+    for c in consumers:
+        if c.op == "call_function" and _cat_inputs(c) is not None and _concat_kernel(c, cls_of, backend):
+            if node in _cat_inputs(c):
+                return False    # computed straight into its slice of the concat buffer: a kernel of its own
+            continue            # a view of it is copied into the slice by a kernel that inlines it
+        if c.op != "call_function" or program.phase_of(c) != phase or cls_of.get(c) not in (
+                CLASS_POINTWISE, CLASS_REDUCTION):
+            return False
+    if n_reads > _ACC_READS[backend]:
+        return False
+    uses = sum(2 if c.target.overloadpacket in _READS_INPUT_TWICE and cls_of.get(c) == CLASS_REDUCTION else 1
+               for c in consumers)
+    if uses > 1:
+        heavy = backend == "cpu" and any(b.target.overloadpacket in _CPU_HEAVY for b in body)
+        # NB: each aten op is one or more Inductor ops: len(body) underestimates inner_fn_opcount
+        if n_reads > _REUSE_READS or len(body) > _OPCOUNT[backend] or heavy:
+            return False
+    return True
+
+
+def _producers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
+               virtual: frozenset | set = frozenset()) -> list[torch.fx.Node]:
+    """Stored kernel outputs ``node`` reads, looking through views, getitems and inlined values."""
     out: list[torch.fx.Node] = []
     stack = list(node.all_input_nodes)
     seen: set[torch.fx.Node] = set()
@@ -214,26 +426,135 @@ def _producers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str]) -> list
         seen.add(n)
         if n.op != "call_function":
             continue
-        if cls_of.get(n, CLASS_NONE) == CLASS_NONE:
+        if cls_of.get(n, CLASS_NONE) == CLASS_NONE or n in virtual:
             stack.extend(n.all_input_nodes)
         else:
             out.append(n)
     return out
 
 
-def fusion_groups(program: Program) -> FusionInfo:
-    """The modelled Inductor fusion of ``program`` (rules 1-4 of the module docstring)."""
+def _dead_nodes(nodes: Sequence[torch.fx.Node], cls_of: Mapping[torch.fx.Node, str]) -> set[torch.fx.Node]:
+    """Kernel-class nodes whose value nothing uses (Inductor's dead-code elimination drops them)."""
+    dead: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if cls_of.get(node) in (CLASS_SCATTER, CLASS_FOREACH) or _is_assert(node):
+            continue
+        if all(u in dead or _is_assert(u) for u in node.users):
+            dead.add(node)
+    return dead
+
+
+def _rows(node: torch.fx.Node) -> Any:
+    """A reduction's output numel (its smallest output: LayerNorm's mean, not its normalised copy;
+    LayerNorm backward's row count, that of its ``mean`` argument)."""
+    if node.target.overloadpacket is aten.native_layer_norm_backward and len(node.args) > 3:
+        n = _numel(node.args[3].meta.get("val")) if isinstance(node.args[3], torch.fx.Node) else None
+        if n is not None:
+            return n
+    val = node.meta.get("val")
+    sizes = [_numel(v) for v in (val if isinstance(val, (list, tuple)) else [val])]
+    sizes = [n for n in sizes if n is not None]
+    best = sizes[0] if sizes else sympy.Integer(1)
+    for n in sizes[1:]:
+        if _larger(best, n):
+            best = n
+    return best
+
+
+# scheduler.py ``MixOrderReduction.can_fuse`` (strict mode): at least 5 Mi elements, rows >= 2 * columns
+_MIX_ORDER_MIN_NUMEL = 5 * 2 ** 20
+
+
+def _mix_order_ok(rows_in_group: Sequence[Any], rows: Any, space: Any, backend: str) -> bool:
+    """Whether a reduction with ``rows`` outputs may join a group holding reductions with ``rows_in_group``.
+
+    Equal row counts: one reduction loop. Different ones (a row and a column reduction of the same
+    tensor, e.g. LayerNorm's input gradient and its weight gradient): only Triton's mix-order reduction
+    fuses them, for large tensors (>= 5 Mi elements, twice as many rows as columns); symbolic sizes
+    that cannot be proven large are not fused.
+    """
+    for other in rows_in_group:
+        if _same_space(other, rows):
+            continue
+        if backend != "gpu":
+            return False
+        big, small = (other, rows) if _larger(other, rows) else (rows, other)
+        margins = (space - _MIX_ORDER_MIN_NUMEL, big - 2 * small)
+        if not all(sympy.expand(d).is_nonnegative is True for d in margins):
+            return False
+    return True
+
+
+def _stored_inputs(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
+                   virtual: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The stored values (graph inputs and kernel outputs) the kernel of ``node`` loads."""
+    out: list[torch.fx.Node] = []
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if not isinstance(n.meta.get("val"), (torch.Tensor, list, tuple)):
+            continue          # sizes and scalars are no buffers
+        if n.op == "call_function" and (cls_of.get(n, CLASS_NONE) == CLASS_NONE or n in virtual):
+            stack.extend(n.all_input_nodes)
+        else:
+            out.append(n)
+    return out
+
+
+def _inlined_into(node: torch.fx.Node, virtual: set[torch.fx.Node],
+                 group_of: Mapping[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """The not yet owned inlined (virtual) values ``node`` computes: its kernel is their first."""
+    out: list[torch.fx.Node] = []
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or n in group_of:
+            continue          # an input, or a stored value / an inlined one already owned
+        if n in virtual:
+            out.append(n)
+        stack.extend(n.all_input_nodes)     # through views and getitems too
+    return out
+
+
+def fusion_groups(program: Program, backend: str = "gpu") -> FusionInfo:
+    """The modelled Inductor fusion of ``program`` (rules 1-6 of the module docstring).
+
+    ``backend``: "gpu" (Triton, the default: what a --compile prediction targets) or "cpu" (Inductor's
+    C++ backend, whose few differing rules are listed in the module docstring; used to check the
+    shared rules against Inductor on machines without a GPU).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     nodes = list(program.graph.nodes)
     cls_of = {n: node_class(n) for n in nodes}
+    concat = {n for n in nodes if cls_of[n] == CLASS_POINTWISE and _cat_inputs(n) is not None
+              and _concat_kernel(n, cls_of, backend)}
+    dead = _dead_nodes(nodes, cls_of)
+    virtual = _virtual_nodes(program, cls_of, backend)
+    for n in concat:
+        cls_of[n] = CLASS_SCATTER    # a ConcatKernel: its inputs are stored into it, nothing fuses with it
     group_members: list[list[torch.fx.Node]] = []
     group_kind: list[str] = []
     group_space: list[Any] = []
     group_phase: list[str] = []
     group_pointwise: list[bool] = []
+    group_rows: list[list[Any]] = []     # output numels of the group's reductions
+    readers: dict[torch.fx.Node, list[int]] = {}     # stored value -> groups reading it (rule 5)
     group_of: dict[torch.fx.Node, int] = {}
     alive: list[bool] = []
-    # anc[n]: bitmask of the groups node n depends on (including its own); cycles are checked with it
+    # anc[n]: bitmask of the groups a placed node n depends on (including its own); cycles are checked
+    # with it. Views and inlined values are looked through on demand (``anc_of``): an inlined value's
+    # owner is only known once its first consumer is placed.
     anc: dict[torch.fx.Node, int] = {}
+    through: dict[torch.fx.Node, int] = {}     # memo of anc_of for the others, cleared on each ownership
 
     def find(g: int) -> int:
         while not alive[g]:
@@ -242,10 +563,18 @@ def fusion_groups(program: Program) -> FusionInfo:
 
     redirect: dict[int, int] = {}
 
+    def anc_of(node: torch.fx.Node) -> int:
+        if node in anc:
+            return anc[node]
+        if node not in through:
+            mask = 1 << group_of[node] if node in group_of else 0
+            through[node] = mask | ancestors_of(node)
+        return through[node]
+
     def ancestors_of(node: torch.fx.Node) -> int:
         mask = 0
         for inp in node.all_input_nodes:
-            mask |= anc.get(inp, 0)
+            mask |= anc_of(inp)
         return mask
 
     def canonical(mask: int) -> int:
@@ -258,20 +587,33 @@ def fusion_groups(program: Program) -> FusionInfo:
             mask ^= low
         return out
 
+    def merge(g: int, t: int) -> None:
+        """Merge groups ``g`` and ``t`` (``t``: the group of the node being placed) into the lower index."""
+        lo, hi = min(g, t), max(g, t)
+        group_members[lo].extend(group_members[hi])
+        group_space[lo] = group_space[t]
+        group_pointwise[lo] = group_pointwise[g] and group_pointwise[t]
+        group_rows[lo] = group_rows[g] + group_rows[t]
+        alive[hi] = False
+        redirect[hi] = lo
+
+    def via_outside(inp: torch.fx.Node, g: int, inside: tuple[int, ...]) -> bool:
+        """Whether ``inp`` depends on group ``g`` through a kernel outside the groups ``inside``
+        (views, getitems and inlined values of a member are looked through: they are the member)."""
+        if inp in group_of and find(group_of[inp]) in inside:
+            return False
+        if inp.op == "call_function" and inp not in anc:       # a view, getitem or unowned inlined value
+            return any(via_outside(i, g, inside) for i in inp.all_input_nodes)
+        return bool(canonical(anc_of(inp)) >> g & 1)
+
     def no_outside_path(src: int, dst: int) -> bool:
         """No member of ``dst`` reads a node outside src/dst that depends on ``src``."""
-        for member in group_members[dst]:
-            for inp in member.all_input_nodes:
-                if inp in group_of and find(group_of[inp]) in (src, dst):
-                    continue
-                if canonical(anc.get(inp, 0)) >> src & 1:
-                    return False
-        return True
+        return not any(via_outside(inp, src, (src, dst)) for member in group_members[dst]
+                       for inp in member.all_input_nodes)
 
     for node in nodes:
         cls = cls_of[node]
-        if node.op != "call_function" or cls == CLASS_NONE:
-            anc[node] = ancestors_of(node)
+        if node.op != "call_function" or cls == CLASS_NONE or node in virtual or node in dead:
             continue
         phase = program.phase_of(node)
         if phase == PHASE_OPTIMIZER and cls in FUSIBLE:
@@ -279,27 +621,21 @@ def fusion_groups(program: Program) -> FusionInfo:
         space = _space(node, cls)
         target_group: Optional[int] = None
         if cls in FUSIBLE:
-            for prod in _producers(node, cls_of):
+            for prod in _producers(node, cls_of, virtual):
                 g = group_of.get(prod)
                 if g is None:
                     continue
                 g = find(g)
                 if group_kind[g] != "fused" or group_phase[g] != phase:
                     continue
-                inline = group_pointwise[g] and all(u is node for u in prod.users)
-                if not (_same_space(group_space[g], space) or inline):
+                if not (_same_space(group_space[g], space) or (
+                        cls == CLASS_POINTWISE and any(_same_space(r, space) for r in group_rows[g]))):
+                    continue
+                if cls == CLASS_REDUCTION and not _mix_order_ok(group_rows[g], _rows(node), space, backend):
                     continue
                 # no cycle: no other input of the node may depend on the group through an outside node
-                ok = True
-                for inp in node.all_input_nodes:
-                    if inp in group_of and find(group_of[inp]) == g:
-                        continue
-                    if canonical(anc.get(inp, 0)) >> g & 1:
-                        ok = False
-                        break
-                if ok:
+                if not any(via_outside(inp, g, (g,)) for inp in node.all_input_nodes):
                     target_group = g
-                    group_space[g] = space if inline else group_space[g]
                     break
         if target_group is None:
             kind = "fused" if cls in FUSIBLE else ("separate" if cls == CLASS_SCATTER else "extern")
@@ -308,34 +644,58 @@ def fusion_groups(program: Program) -> FusionInfo:
             group_space.append(space)
             group_phase.append(phase)
             group_pointwise.append(cls == CLASS_POINTWISE)
+            group_rows.append([])
             alive.append(True)
             target_group = len(group_members) - 1
         else:
             group_members[target_group].append(node)
             group_pointwise[target_group] &= cls == CLASS_POINTWISE
         group_of[node] = target_group
-        own = ancestors_of(node)
-        anc[node] = own | (1 << target_group)
+        if cls == CLASS_REDUCTION:
+            group_rows[target_group].append(_rows(node))
+        for v in _inlined_into(node, virtual, group_of):     # rule 6: first consumer owns inlined values
+            group_of[v] = target_group
+            group_members[target_group].append(v)
+            through.clear()
+        anc[node] = ancestors_of(node) | (1 << target_group)
         # rule 4: merge the node's other independent producer groups of the same space
         if cls in FUSIBLE:
-            for prod in _producers(node, cls_of):
+            for prod in _producers(node, cls_of, virtual):
                 if prod not in group_of:
                     continue
                 g = find(group_of[prod])
                 t = find(target_group)
                 if g == t or group_kind[g] != "fused" or group_phase[g] != phase:
                     continue
-                inline = group_pointwise[g] and all(u is node for u in prod.users)
-                if not (_same_space(group_space[g], group_space[t]) or inline):
+                if not _same_space(group_space[g], group_space[t]):
+                    continue
+                if not all(_mix_order_ok(group_rows[g], r, group_space[t], backend) for r in group_rows[t]):
                     continue
                 if not (no_outside_path(g, t) and no_outside_path(t, g)):
                     continue
-                lo, hi = min(g, t), max(g, t)
-                group_members[lo].extend(group_members[hi])
-                group_space[lo] = group_space[t]
-                group_pointwise[lo] = group_pointwise[g] and group_pointwise[t]
-                alive[hi] = False
-                redirect[hi] = lo
+                merge(g, t)
+        # rule 5: horizontal fusion of independent kernels reading a common stored value
+        if cls in FUSIBLE:
+            for buf in _stored_inputs(node, cls_of, virtual):
+                for g in list(readers.get(buf, ())):
+                    g, t = find(g), find(target_group)
+                    if g == t or group_kind[g] != "fused" or group_phase[g] != phase:
+                        continue
+                    mix_ok = all(_mix_order_ok(group_rows[g], r, group_space[t], backend)
+                                 for r in group_rows[t])
+                    if _same_space(group_space[g], group_space[t]) and mix_ok and no_outside_path(g, t) \
+                            and no_outside_path(t, g):
+                        merge(g, t)
+                readers.setdefault(buf, []).append(find(target_group))
+    for v in virtual - group_of.keys() - dead:     # no kernel consumer reached it: a kernel of its own
+        group_members.append([v])
+        group_kind.append("fused")
+        group_space.append(_space(v, CLASS_POINTWISE))
+        group_pointwise.append(True)
+        group_rows.append([])
+        group_phase.append(program.phase_of(v))
+        alive.append(True)
+        group_of[v] = len(group_members) - 1
     order = {n: i for i, n in enumerate(nodes)}
     groups: list[FusionGroup] = []
     name_to_group: dict[str, int] = {}
@@ -346,7 +706,8 @@ def fusion_groups(program: Program) -> FusionInfo:
         for m in members:
             name_to_group[m.name] = len(groups)
         groups.append(FusionGroup(tuple(m.name for m in members), group_kind[g], group_phase[g]))
-    return FusionInfo(tuple(groups), name_to_group)
+    inlined = frozenset(v.name for v in virtual if v.name in name_to_group)
+    return FusionInfo(tuple(groups), name_to_group, inlined)
 
 
 def fusion_pass(program: Program, am: Optional[AnalysisManager] = None) -> FusionInfo:
@@ -399,22 +760,28 @@ def inductor_groups(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
     with fx_traceback.preserve_node_meta():
         decomposed = make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example_inputs)
     origin = {n.name: (n.meta.get("custom") or {}).get(_ORIGIN) for n in decomposed.graph.nodes}
+    # an extern node's decomposition may add pointwise kernels (SDPA converting a bool mask to an additive
+    # one): the node itself belongs to its extern kernel, not to those
+    extern = {n.name for n in gm.graph.nodes if n.op == "call_function" and node_class(n) == CLASS_EXTERN}
     kernels: list[set[str]] = []
     original_init = scheduler.Scheduler.__init__
 
     def capture(self: Any, nodes: Any) -> None:
         original_init(self, nodes)
+        computed = _computed_origins(self, decomposed)
         for snode in self.nodes:
             names: set[str] = set()
             for sub in snode.get_nodes():
                 ir_node = sub.node
                 if ir_node is None or isinstance(sub, scheduler.NopKernelSchedulerNode):
                     continue
-                fx_nodes = list(ir_node.origins)
                 if isinstance(sub, scheduler.ExternKernelSchedulerNode):
                     src = getattr(ir_node, "origin_node", None)
-                    fx_nodes = [src] if src is not None else [f for f in fx_nodes if _is_extern_fx(f)]
-                names |= {origin[f.name] for f in fx_nodes if origin.get(f.name)}
+                    fx_nodes = [src] if src is not None else [f for f in ir_node.origins if _is_extern_fx(f)]
+                    names |= {origin[f.name] for f in fx_nodes if origin.get(f.name)}
+                else:
+                    names |= {origin[f.name] for f in computed(sub)
+                              if origin.get(f.name) is not None and origin[f.name] not in extern}
             if names:
                 kernels.append(names)
         raise _SchedulerCaptured()
@@ -426,6 +793,67 @@ def inductor_groups(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
             if not kernels:
                 raise
     return _first_owner(kernels)
+
+
+def _computed_origins(sched: Any, graph_module: torch.fx.GraphModule) -> Any:
+    """``computed(sub)``: the fx nodes a scheduler node really computes, from its ``origins``.
+
+    ``origins`` over-approximates: a buffer realised while lowering node ``n`` (an extern kernel's
+    input copy, e.g. SDPA's) gets the origins of *all* of ``n``'s inputs. An origin is kept only if
+    it can be computed from what the scheduler node reads, directly or transitively (walking up the
+    fx graph to graph inputs and buffers; stored pointwise values may be recomputed on the way).
+    """
+    import torch._inductor.scheduler as scheduler
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    buf_of = {b.origin_node.name: b.get_name() for b in V.graph.buffers
+              if getattr(b, "origin_node", None) is not None}
+    reads_of: dict[str, set[str]] = {}
+    fx_of_nop: dict[str, set[str]] = {}      # input buffer of a no-op kernel (ConcatKernel) -> its fx node
+    nop_fx = {b: fx for fx, b in buf_of.items()}
+    for snode in sched.nodes:
+        for sub in snode.get_nodes():
+            reads = {d.name for d in sub.read_writes.reads}
+            for name in sub.get_buffer_names():
+                reads_of[name] = reads
+                if isinstance(sub, scheduler.NopKernelSchedulerNode) and name in nop_fx:
+                    for r in reads:
+                        fx_of_nop.setdefault(r, set()).add(nop_fx[name])
+
+    pointwise_bufs = {b.get_name() for b in V.graph.buffers
+                      if isinstance(b, ir.ComputedBuffer) and isinstance(b.data, ir.Pointwise)}
+
+    def computable(fx_node: torch.fx.Node, avail: set[str]) -> bool:
+        """Whether ``fx_node`` can be computed from ``avail``: walking up its inputs, every graph input
+        or non-pointwise buffer met is available (a stored pointwise value may be recomputed inline)."""
+        stack, seen = list(fx_node.all_input_nodes), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            buf = buf_of.get(n.name, n.name if n.op == "placeholder" else None)
+            if buf is not None and buf in avail:
+                continue
+            if n.op == "placeholder" or (buf is not None and buf not in pointwise_bufs):
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def computed(sub: Any) -> list[torch.fx.Node]:
+        avail, stack = set(sub.get_buffer_names()), [d.name for d in sub.read_writes.reads]
+        while stack:
+            name = stack.pop()
+            if name not in avail:
+                avail.add(name)
+                stack.extend(reads_of.get(name, ()))
+        # a kernel writing into a concat buffer computes the concat (the ConcatKernel is a no-op)
+        into = set().union(*(fx_of_nop.get(b, set()) for b in sub.get_buffer_names()))
+        own = getattr(sub.node, "origin_node", None)     # the node this buffer is the value of
+        return [f for f in sub.node.origins if f is own or f.name in into or computable(f, avail)]
+
+    return computed
 
 
 def _is_extern_fx(node: torch.fx.Node) -> bool:

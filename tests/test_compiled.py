@@ -108,3 +108,26 @@ def test_cheap_pointwise_is_recomputed_in_backward():
     assert bwd
     report = Analysis(program, get_device("cpu")).evaluate(resolve_bindings(program, {})).report
     assert report.memory.peak_live_bytes > 0
+
+
+class _SharedInlined(torch.nn.Module):
+    """``h = x * 2 + 1`` is read by the kernel feeding the matmul and by the one after it: Inductor
+    recomputes it in both (cheap, one buffer read) instead of storing it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2.0 + 1.0
+        return self.fc(torch.relu(h)) + h
+
+
+def test_inlined_value_is_recomputed_by_each_kernel():
+    model, x = _SharedInlined(), torch.randn(4, 8)
+    program = capture(torch.export.export(model, (x,)), options=ProgramOptions(compile=True))
+    kernels = [n.target for n in fused_nodes(program)]
+    assert [k.ops for k in kernels] == [("mul", "add", "relu"), ("mul", "add", "add")]
+    assert all(len(k.output_specs) == 1 for k in kernels)              # h itself is never stored
+    x_bytes = 4 * 8 * 4
+    assert all(k.cost.evaluate()[1] >= x_bytes for k in kernels)       # each reads x
