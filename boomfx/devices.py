@@ -50,6 +50,7 @@ class DeviceSpec:
     host_issue_ns: float = 6_000.0              # CPU time eager PyTorch spends issuing one op
     efficiency: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     compute_capability: tuple[int, int] = (0, 0)
+    memory_type: str = ""                       # datasheet DRAM technology, e.g. "HBM2e", "GDDR6"
     aliases: tuple[str, ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -65,20 +66,29 @@ class DeviceSpec:
         return self.kind == "cuda" and self.compute_capability >= (8, 0)
 
     @property
+    def memory_class(self) -> str:
+        """"hbm" or "gddr": stacked HBM reaches a larger share of its datasheet bandwidth than GDDR on
+        streaming kernels (the public measurements: 1.08-1.16x datasheet time on V100/A100, 1.28-1.33x on
+        T4/L4/P4), so a GPU without measurements borrows the efficiency of its class."""
+        kind = self.memory_type.lower()
+        return "hbm" if kind.startswith("hbm") else "gddr" if kind.startswith("gddr") else ""
+
+    @property
     def supports_mem_efficient_attention(self) -> bool:
         return self.kind == "cuda" and self.compute_capability >= (5, 0)
 
 
 def _gpu(name: str, desc: str, *, fp32: float, fp16: float, bf16: Optional[float], tf32: float,
-         bw_gbps: float, mem: int, sms: int, l2_mib: float, cc: tuple[int, int], aliases: tuple[str, ...],
-         source: str) -> DeviceSpec:
+         bw_gbps: float, mem: int, sms: int, l2_mib: float, cc: tuple[int, int], memory_type: str,
+         aliases: tuple[str, ...], source: str) -> DeviceSpec:
     peaks: dict[torch.dtype, float] = {torch.float32: fp32 * TFLOPS, torch.float16: fp16 * TFLOPS}
     if bf16 is not None:
         peaks[torch.bfloat16] = bf16 * TFLOPS
     return DeviceSpec(
         name=name, kind="cuda", description=desc, peak_flops_per_s=peaks,
         memory_bandwidth_bytes_per_s=bw_gbps * GBPS, memory_bytes=mem, sm_count=sms,
-        l2_bytes=int(l2_mib * MiB), tf32_flops_per_s=tf32 * TFLOPS, compute_capability=cc, aliases=aliases,
+        l2_bytes=int(l2_mib * MiB), tf32_flops_per_s=tf32 * TFLOPS, compute_capability=cc,
+        memory_type=memory_type, aliases=aliases,
         sources={"all": source},
     )
 
@@ -86,55 +96,57 @@ def _gpu(name: str, desc: str, *, fp32: float, fp16: float, bf16: Optional[float
 _NV = "NVIDIA datasheet"
 GPUS: tuple[DeviceSpec, ...] = (
     _gpu("v100-32gb", "NVIDIA V100 SXM2 32 GB", fp32=15.7, fp16=125, bf16=None, tf32=0, bw_gbps=900,
-         mem=32 * GiB, sms=80, l2_mib=6, cc=(7, 0), aliases=("v100", "v100-sxm2"),
+         mem=32 * GiB, sms=80, l2_mib=6, cc=(7, 0), memory_type="HBM2", aliases=("v100", "v100-sxm2"),
          source=f"{_NV} Tesla V100 (SXM2): 15.7 TF fp32, 125 TF tensor, 900 GB/s; Volta whitepaper: 80 SMs, 6 MB L2"),
     _gpu("v100-pcie-32gb", "NVIDIA V100 PCIe 32 GB", fp32=14, fp16=112, bf16=None, tf32=0, bw_gbps=900,
-         mem=32 * GiB, sms=80, l2_mib=6, cc=(7, 0), aliases=("v100-pcie",),
+         mem=32 * GiB, sms=80, l2_mib=6, cc=(7, 0), memory_type="HBM2", aliases=("v100-pcie",),
          source=f"{_NV} Tesla V100 (PCIe): 14 TF fp32, 112 TF tensor, 900 GB/s"),
     _gpu("p100", "NVIDIA P100 PCIe 16 GB", fp32=9.3, fp16=18.7, bf16=None, tf32=0, bw_gbps=732,
-         mem=16 * GiB, sms=56, l2_mib=4, cc=(6, 0), aliases=("p100-pcie",),
+         mem=16 * GiB, sms=56, l2_mib=4, cc=(6, 0), memory_type="HBM2", aliases=("p100-pcie",),
          source=f"{_NV} Tesla P100 PCIe: 9.3 TF fp32, 18.7 TF fp16, 732 GB/s; 56 SMs, 4 MB L2"),
     _gpu("p4", "NVIDIA P4 8 GB", fp32=5.5, fp16=5.5, bf16=None, tf32=0, bw_gbps=192, mem=8 * GiB, sms=20,
-         l2_mib=2, cc=(6, 1), aliases=(),
+         l2_mib=2, cc=(6, 1), memory_type="GDDR5", aliases=(),
          source=f"{_NV} Tesla P4: 5.5 TF fp32, 192 GB/s; 20 SMs, 2 MB L2"),
     _gpu("t4", "NVIDIA T4 16 GB", fp32=8.1, fp16=65, bf16=None, tf32=0, bw_gbps=320, mem=16 * GiB, sms=40,
-         l2_mib=4, cc=(7, 5), aliases=(),
+         l2_mib=4, cc=(7, 5), memory_type="GDDR6", aliases=(),
          source=f"{_NV} T4: 8.1 TF fp32, 65 TF fp16 tensor, 320 GB/s; Turing whitepaper: 40 SMs, 4 MB L2"),
     _gpu("a10", "NVIDIA A10 24 GB", fp32=31.2, fp16=125, bf16=125, tf32=62.5, bw_gbps=600, mem=24 * GiB,
-         sms=72, l2_mib=6, cc=(8, 6), aliases=("a10g",),
+         sms=72, l2_mib=6, cc=(8, 6), memory_type="GDDR6", aliases=("a10g",),
          source=f"{_NV} A10: 31.2 TF fp32, 62.5 TF tf32, 125 TF bf16/fp16 dense, 600 GB/s; GA102: 72 SMs, 6 MB L2"),
     _gpu("l4", "NVIDIA L4 24 GB", fp32=30.3, fp16=121, bf16=121, tf32=60, bw_gbps=300, mem=24 * GiB, sms=58,
-         l2_mib=48, cc=(8, 9), aliases=(),
+         l2_mib=48, cc=(8, 9), memory_type="GDDR6", aliases=(),
          source=f"{_NV} L4: 30.3 TF fp32, 120 TF tf32 / 242 TF bf16 *with sparsity* (halved here), 300 GB/s; "
                 "58 SMs, 48 MB L2"),
     _gpu("a100-40gb", "NVIDIA A100 SXM4 40 GB", fp32=19.5, fp16=312, bf16=312, tf32=156, bw_gbps=1555,
-         mem=40 * GiB, sms=108, l2_mib=40, cc=(8, 0), aliases=("a100", "a100-sxm4-40gb"),
+         mem=40 * GiB, sms=108, l2_mib=40, cc=(8, 0), memory_type="HBM2", aliases=("a100", "a100-sxm4-40gb"),
          source=f"{_NV} A100: 19.5 TF fp32, 156 TF tf32, 312 TF bf16 dense, 1555 GB/s (40 GB); 108 SMs, 40 MB L2"),
     _gpu("a100-80gb", "NVIDIA A100 SXM4 80 GB", fp32=19.5, fp16=312, bf16=312, tf32=156, bw_gbps=2039,
-         mem=80 * GiB, sms=108, l2_mib=40, cc=(8, 0), aliases=("a100-sxm4-80gb",),
+         mem=80 * GiB, sms=108, l2_mib=40, cc=(8, 0), memory_type="HBM2e", aliases=("a100-sxm4-80gb",),
          source=f"{_NV} A100 80GB SXM: 2039 GB/s; compute as A100 40 GB"),
     _gpu("a100-pcie-40gb", "NVIDIA A100 PCIe 40 GB", fp32=19.5, fp16=312, bf16=312, tf32=156, bw_gbps=1555,
-         mem=40 * GiB, sms=108, l2_mib=40, cc=(8, 0), aliases=(),
+         mem=40 * GiB, sms=108, l2_mib=40, cc=(8, 0), memory_type="HBM2", aliases=(),
          source=f"{_NV} A100 PCIe 40 GB: 1555 GB/s"),
     _gpu("a100-pcie-80gb", "NVIDIA A100 PCIe 80 GB", fp32=19.5, fp16=312, bf16=312, tf32=156, bw_gbps=1935,
-         mem=80 * GiB, sms=108, l2_mib=40, cc=(8, 0), aliases=(),
+         mem=80 * GiB, sms=108, l2_mib=40, cc=(8, 0), memory_type="HBM2e", aliases=(),
          source=f"{_NV} A100 80GB PCIe: 1935 GB/s"),
     _gpu("h100-sxm", "NVIDIA H100 SXM5 80 GB", fp32=66.9, fp16=989.4, bf16=989.4, tf32=494.7, bw_gbps=3350,
-         mem=80 * GiB, sms=132, l2_mib=50, cc=(9, 0), aliases=("h100", "h100-80gb", "h100-sxm5"),
+         mem=80 * GiB, sms=132, l2_mib=50, cc=(9, 0), memory_type="HBM3",
+         aliases=("h100", "h100-80gb", "h100-sxm5"),
          source=f"{_NV} H100 SXM: 67 TF fp32, 989 TF tf32/1979 TF bf16 *with sparsity* (halved here), 3.35 TB/s; "
                 "Hopper whitepaper: 132 SMs, 50 MB L2"),
     _gpu("h100-pcie", "NVIDIA H100 PCIe 80 GB", fp32=51.2, fp16=756.5, bf16=756.5, tf32=378, bw_gbps=2000,
-         mem=80 * GiB, sms=114, l2_mib=50, cc=(9, 0), aliases=(),
+         mem=80 * GiB, sms=114, l2_mib=50, cc=(9, 0), memory_type="HBM2e", aliases=(),
          source=f"{_NV} H100 PCIe: 51 TF fp32, 756 TF bf16 dense, 2.0 TB/s; 114 SMs, 50 MB L2"),
     _gpu("h200", "NVIDIA H200 SXM 141 GB", fp32=66.9, fp16=989.4, bf16=989.4, tf32=494.7, bw_gbps=4800,
-         mem=141 * GB, sms=132, l2_mib=50, cc=(9, 0), aliases=("h200-sxm",),
+         mem=141 * GB, sms=132, l2_mib=50, cc=(9, 0), memory_type="HBM3e", aliases=("h200-sxm",),
          source=f"{_NV} H200: 141 GB HBM3e, 4.8 TB/s; compute as H100 SXM"),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24 GB", fp32=35.6, fp16=71, bf16=71, tf32=35.6, bw_gbps=936,
-         mem=24 * GiB, sms=82, l2_mib=6, cc=(8, 6), aliases=("3090", "rtx3090"),
+         mem=24 * GiB, sms=82, l2_mib=6, cc=(8, 6), memory_type="GDDR6X", aliases=("3090", "rtx3090"),
          source="NVIDIA Ampere GA102 whitepaper: 35.6 TF fp32, 71 TF fp16/bf16 tensor with fp32 accumulate "
                 "(142 with fp16 accumulate), 35.6 TF tf32, 936 GB/s, 82 SMs, 6 MB L2"),
     _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24 GB", fp32=82.6, fp16=165.2, bf16=165.2, tf32=82.6,
-         bw_gbps=1008, mem=24 * GiB, sms=128, l2_mib=72, cc=(8, 9), aliases=("4090", "rtx4090"),
+         bw_gbps=1008, mem=24 * GiB, sms=128, l2_mib=72, cc=(8, 9), memory_type="GDDR6X",
+         aliases=("4090", "rtx4090"),
          source="NVIDIA Ada AD102 whitepaper: 82.6 TF fp32, 165.2 TF fp16/bf16 tensor with fp32 accumulate "
                 "(330 with fp16 accumulate), 1008 GB/s, 128 SMs, 72 MB L2"),
 )

@@ -13,7 +13,9 @@ Fitting uses numpy only:
 * Memory-bound classes: ``t = floor + bytes/bandwidth * sum_j w_j(row) c_j`` is linear in
   ``(floor, c_j)``, solved by relative least squares; ``c_j`` (inverse efficiency) clipped to >= 1.
 * Generic (device-independent) parameters, for GPUs with no measurements: the median of the per-device
-  values (geometric median for efficiencies), applied to the target's datasheet peak, bandwidth and SMs.
+  values (geometric median for efficiencies), applied to the target's datasheet peak, bandwidth and SMs;
+  memory-bound efficiencies per DRAM class (HBM / GDDR) when leave-one-device-out says the class
+  predicts better than the overall median (``_memory_by_class``).
   GEMM ``e_max`` instead comes from a log-linear trend in datasheet features (board power per fp32 TFLOP,
   bytes per FLOP; ``BOARD_POWER_W`` holds the TDPs with sources), fitted on each device's e_max refitted
   with the generic shape parameters, pooled over linear/bmm with a per-family offset; the feature set is
@@ -168,6 +170,7 @@ def fit_calibration(rows: Iterable[PublicKernelRow]) -> dict:
             memory[op] = fit_memory(op_rows, spec, knots)
         devices[name] = {"memory": memory}
     generic_memory = _generic_memory([d["memory"] for d in devices.values()])
+    memory_by_class, memory_class_scores = _memory_by_class({n: d["memory"] for n, d in devices.items()})
     for name, ops in sorted(by_device.items()):
         spec = get_device(name)
         elementwise = devices[name]["memory"].get("elementwise", generic_memory.get("elementwise"))
@@ -179,6 +182,9 @@ def fit_calibration(rows: Iterable[PublicKernelRow]) -> dict:
         devices[name]["gemm"] = gemm
     generic_gemm = _generic_gemm([d["gemm"] for d in devices.values()])
     generic = _params_to_json({"gemm": generic_gemm, "memory": generic_memory})
+    generic["memory_class_loo_mean_abs_log_error"] = memory_class_scores
+    generic["memory_by_class"] = {cls: _params_to_json({"memory": params})["memory"]
+                                  for cls, params in memory_by_class.items()}
     # e_max of each device refitted with the generic shape parameters: comparable across devices.
     shared: dict[str, dict[str, float]] = defaultdict(dict)
     for name, ops in sorted(by_device.items()):
@@ -306,6 +312,41 @@ def _generic_memory(per_device: Sequence[Mapping[str, MemoryParams]]) -> dict[st
         out[cls] = MemoryParams(float(np.median([p.floor_ns for p in ps])), ps[0].log2_row_knots,
                                 tuple(float(v) for v in inv))
     return out
+
+
+def _memory_by_class(per_device: Mapping[str, Mapping[str, MemoryParams]]
+                     ) -> tuple[dict[str, dict[str, MemoryParams]], dict[str, dict[str, float]]]:
+    """Generic memory-bound parameters per DRAM class (``DeviceSpec.memory_class``), where they help.
+
+    Scored as the e_max trend is: for each op class, each device's inverse efficiencies are predicted from
+    the other devices, by the median of all of them or of those of its own DRAM class (the overall median
+    when fewer than two others share it); an op class keeps per-DRAM-class parameters only when their
+    leave-one-device-out mean |log error| is smaller. Why: HBM and GDDR boards reach different shares of
+    their datasheet bandwidth on streaming kernels, and a GPU with no measurements has only its datasheet;
+    whether that also holds for normalisations is a question for the data.
+    """
+    dram = {name: get_device(name).memory_class for name in per_device}
+    kept: dict[str, dict[str, MemoryParams]] = defaultdict(dict)
+    scores: dict[str, dict[str, float]] = {}
+    for op in sorted({op for m in per_device.values() for op in m}):
+        have = {n: np.log(np.asarray(m[op].inv_efficiency)) for n, m in per_device.items() if op in m}
+        if len(have) < 3:
+            continue
+        errors: dict[str, list[float]] = {"median": [], "memory_class": []}
+        for held, actual in have.items():
+            rest = {n: v for n, v in have.items() if n != held}
+            same = [v for n, v in rest.items() if dram[n] and dram[n] == dram[held]]
+            overall = np.median(np.stack(list(rest.values())), axis=0)
+            own = np.median(np.stack(same), axis=0) if len(same) >= 2 else overall
+            errors["median"].append(float(np.mean(np.abs(overall - actual))))
+            errors["memory_class"].append(float(np.mean(np.abs(own - actual))))
+        scores[op] = {scheme: float(np.mean(e)) for scheme, e in errors.items()}
+        if scores[op]["memory_class"] < scores[op]["median"]:
+            for cls in sorted({c for c in dram.values() if c}):
+                members = [{op: per_device[n][op]} for n in per_device if dram[n] == cls and op in per_device[n]]
+                if members:
+                    kept[cls][op] = _generic_memory(members)[op]
+    return dict(kept), scores
 
 
 def _params_to_json(d: Mapping[str, Mapping[str, object]]) -> dict:

@@ -162,11 +162,13 @@ class GpuKernelModel:
 
     def __init__(self, devices: Mapping[str, DeviceCalibration], generic: DeviceCalibration,
                  e_max_trend: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                 board_power_w: Optional[Mapping[str, float]] = None) -> None:
+                 board_power_w: Optional[Mapping[str, float]] = None,
+                 memory_by_class: Optional[Mapping[str, DeviceCalibration]] = None) -> None:
         self.devices = dict(devices)
         self.generic = generic
         self.e_max_trend = dict(e_max_trend or {})
         self.board_power_w = dict(board_power_w or {})
+        self.memory_by_class = dict(memory_by_class or {})   # "hbm"/"gddr" -> generic memory params
 
     @staticmethod
     def load(path: Optional[Path | str] = None) -> "GpuKernelModel":
@@ -176,13 +178,16 @@ class GpuKernelModel:
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> "GpuKernelModel":
         devices = {name: DeviceCalibration.from_json(d) for name, d in doc["devices"].items()}
-        return GpuKernelModel(devices, DeviceCalibration.from_json(doc["generic"]),
-                              doc["generic"].get("gemm_e_max_trend"), doc["generic"].get("board_power_w"))
+        generic = doc["generic"]
+        by_class = {cls: DeviceCalibration.from_json({"memory": memory})
+                    for cls, memory in generic.get("memory_by_class", {}).items()}
+        return GpuKernelModel(devices, DeviceCalibration.from_json(generic), generic.get("gemm_e_max_trend"),
+                              generic.get("board_power_w"), by_class)
 
     def without_device(self, name: str) -> "GpuKernelModel":
         """The same model with one device's own parameters dropped (it falls back to the generic set)."""
         return GpuKernelModel({k: v for k, v in self.devices.items() if k != name}, self.generic,
-                              self.e_max_trend, self.board_power_w)
+                              self.e_max_trend, self.board_power_w, self.memory_by_class)
 
     # -- parameter lookup: the device's own, else generic; a family falls back to its sibling --------
     def gemm_params(self, family: str, device: DeviceSpec) -> Optional[GemmParams]:
@@ -210,12 +215,15 @@ class GpuKernelModel:
         return params if log_e_max is None else replace(params, e_max=float(np.exp(log_e_max)))
 
     def memory_params(self, op_class: str, device: DeviceSpec) -> Optional[MemoryParams]:
-        for cal in (self.devices.get(device.name), self.generic):
-            if cal is None:
-                continue
-            for cls in (op_class, "elementwise"):
-                if cls in cal.memory:
-                    return cal.memory[cls]
+        """The device's own fit (its op class, else its elementwise fit); else the generic fit of the op
+        class, from the device's DRAM class (HBM/GDDR) where that was kept, then the elementwise one."""
+        own = self.devices.get(device.name)
+        dram = self.memory_by_class.get(device.memory_class)
+        tiers = [(own, op_class), (own, "elementwise"), (dram, op_class), (self.generic, op_class),
+                 (dram, "elementwise"), (self.generic, "elementwise")]
+        for cal, cls in tiers:
+            if cal is not None and cls in cal.memory:
+                return cal.memory[cls]
         return None
 
     # -- predictions -----------------------------------------------------------------------------

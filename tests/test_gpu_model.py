@@ -167,3 +167,45 @@ def test_fast_path_matches_predict_ns(model, public_rows):
         fast = bench.predict_rows(model, [r], dev)[0]
         assert model.predict_ns(to_opcall(r), dev) == pytest.approx(fast, rel=1e-9)
         assert model.predict_ns(to_opcall(r, "addmm"), dev) == pytest.approx(fast, rel=1e-9) if r.op == "linear" else True
+
+
+def test_every_gpu_has_a_dram_class():
+    from boomfx.devices import GPUS as SPECS
+    assert {g.name: g.memory_class for g in SPECS}["v100-pcie-32gb"] == "hbm"
+    assert get_device("t4").memory_class == "gddr" and get_device("rtx-4090").memory_class == "gddr"
+    assert all(g.memory_class in ("hbm", "gddr") for g in SPECS)
+    assert get_device("cpu").memory_class == ""
+
+
+def test_unmeasured_gpu_takes_the_streaming_efficiency_of_its_dram_class(model):
+    """h200 (HBM3e) and rtx-4090 (GDDR6X) have no rows: elementwise efficiency comes from their class,
+    normalisations (where the class did not predict better, see the JSON's scores) from all devices."""
+    import json
+    from boomfx.kernels_db.fit_gpu_model import CALIBRATION_PATH
+    generic = json.loads(CALIBRATION_PATH.read_text())["generic"]
+    scores = generic["memory_class_loo_mean_abs_log_error"]
+    assert scores["elementwise"]["memory_class"] < scores["elementwise"]["median"]
+    hbm = model.memory_params("elementwise", get_device("h200")).inv_efficiency[0]
+    gddr = model.memory_params("elementwise", get_device("rtx-4090")).inv_efficiency[0]
+    # geometric medians of the measured boards: V100/A100 ~1.1, P100 1.35 -> 1.14; T4/L4/P4 ~1.3
+    assert 1.05 < hbm < 1.2 < 1.25 < gddr < 1.4
+    if scores["layer_norm"]["memory_class"] >= scores["layer_norm"]["median"]:
+        assert model.memory_params("layer_norm", get_device("h200")) == model.generic.memory["layer_norm"]
+
+
+def test_memory_classes_are_kept_only_where_leave_one_out_says_they_help():
+    from boomfx.kernels_db.fit_gpu_model import _memory_by_class
+    from boomfx.kernels_db.gpu_model_core import MemoryParams
+
+    def p(inv: float) -> dict:
+        return {"elementwise": MemoryParams(10.0, (10.0,), (inv,))}
+    split = {"v100-pcie-32gb": p(1.1), "a100-pcie-40gb": p(1.12), "h100-sxm": p(1.08),
+             "t4": p(1.4), "l4": p(1.42), "p4": p(1.38)}
+    kept, scores = _memory_by_class(split)
+    assert scores["elementwise"]["memory_class"] < scores["elementwise"]["median"]
+    assert kept["hbm"]["elementwise"].inv_efficiency[0] == pytest.approx(1.1)
+    assert kept["gddr"]["elementwise"].inv_efficiency[0] == pytest.approx(1.4)
+    mixed = {"v100-pcie-32gb": p(1.4), "a100-pcie-40gb": p(1.1), "h100-sxm": p(1.25),
+             "t4": p(1.1), "l4": p(1.4), "p4": p(1.25)}
+    kept, scores = _memory_by_class(mixed)
+    assert scores["elementwise"]["memory_class"] >= scores["elementwise"]["median"] and kept == {}
