@@ -28,7 +28,7 @@ from boomfx.passes.liveness import LivenessInfo, liveness_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
-from boomfx.pricing import make_pricer
+from boomfx.pricing import make_pricer, reuse_cache_bytes
 from boomfx.program import PHASE_BACKWARD, PHASE_OPTIMIZER, Program, ProgramOptions
 from boomfx.report import (
     AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
@@ -95,6 +95,8 @@ class Analysis:
         # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
         self._reps = representatives(self.blocks) if reuse_blocks else {}
         self.pricer = make_pricer(device, options.db, options.from_db)
+        # warm/cold blend by reuse distance (passes/cache_reuse.py): only for a database with warm rows
+        self._reuse = _cache_reuse_plan(program, self.liveness, self.costs, self.pricer, device)
         self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
         self._nodes = list(program.graph.nodes)
         self._price_cache: dict[Any, Any] = {}
@@ -170,6 +172,10 @@ class Analysis:
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
+        if self._reuse is not None and kernels:   # warm/cold blend by reuse distance (passes/cache_reuse.py)
+            from boomfx.passes.cache_reuse import apply_cache_reuse
+            apply_cache_reuse(self._reuse, kernels, scheduled,
+                              lambda n: point_prices[self._reps.get(n, n)][0], ev)
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
         kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
@@ -266,6 +272,8 @@ class Analysis:
             options={"optimizer": opts.optimizer if opts.train else None, "amp": opts.amp,
                      "checkpoint": opts.checkpoint,
                      "checkpoint_layers": list(opts.checkpoint_layers), "alloc_conf": self.options.alloc_conf,
+                     "resident_grads": bool(getattr(opts, "resident_grads", False)),
+                     "compile": opts.compile, "cudagraphs": opts.cudagraphs,
                      "db": self.options.db, "from_db": self.options.from_db},
             symbols=symbols, time=time_report, memory=memory,
             by_module=_group(kernels, _module_group, busy),
@@ -334,8 +342,10 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
     opt.step(); opt.zero_grad(set_to_none=True)``) every gradient is held by its parameter's
     ``.grad`` until ``zero_grad``, i.e. to the end of the optimizer phase, not to its last use inside
     the traced optimizer (AdamW's foreach ``sqrt`` temporaries coexist with all gradients: the
-    profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op."""
-    if not program.options.train or not program.grad_nodes:
+    profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op.
+    Not with ``resident_grads``: there the ``.grad`` buffers are resident and each new gradient is a
+    temporary that its AccumulateGrad ``add_`` frees (boomfx/training.py)."""
+    if not program.options.train or not program.grad_nodes or getattr(program.options, "resident_grads", False):
         return info
     from boomfx.passes.liveness import Category
     opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
@@ -345,6 +355,16 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
     intervals = tuple(dataclasses.replace(iv, end_step=max(iv.end_step, end))
                       if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
     return dataclasses.replace(info, intervals=intervals)
+
+
+def _cache_reuse_plan(program: Program, liveness: LivenessInfo, costs: Any, pricer: Any,
+                      device: DeviceSpec) -> Any:
+    """The reuse-distance plan (passes/cache_reuse.py) when the database has warm rows, else None."""
+    cache_bytes = reuse_cache_bytes(pricer, device)
+    if cache_bytes is None:
+        return None
+    from boomfx.passes.cache_reuse import reuse_plan
+    return reuse_plan(program, liveness, set(costs.by_node), cache_bytes)
 
 
 DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
@@ -393,12 +413,15 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
-            cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = ()) -> Report:
+            cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
+            resident_grads: bool = False) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
     ``cudagraphs=True`` its mode="reduce-overhead" (implies ``compile``).
     ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
+    ``resident_grads=True`` (with ``train``): every ``.grad`` stays allocated between steps
+    (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -413,7 +436,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     program = capture(source, *example_inputs,
                       options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
                                                      compile=compile or cudagraphs, cudagraphs=cudagraphs,
-                                                     checkpoint_layers=checkpoint_layers),
+                                                     checkpoint_layers=checkpoint_layers,
+                                                     resident_grads=resident_grads),
                       dynamic_shapes=dynamic_shapes, log=log)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
     bindings = resolve_bindings(program, dims or {}, batch, seq)

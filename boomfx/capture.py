@@ -36,6 +36,8 @@ def validate_options(options: ProgramOptions) -> None:
         raise OptionError("--checkpoint needs --train (activation checkpointing only changes training)")
     if options.checkpoint_layers and not options.train:
         raise OptionError("--checkpoint-layers needs --train (activation checkpointing only changes training)")
+    if options.resident_grads and not options.train:
+        raise OptionError("--resident-grads needs --train (gradients exist only in training)")
 
 
 def load_exported(path: str | os.PathLike, log: Optional[Callable[[str], None]] = None) -> ExportedProgram:
@@ -163,12 +165,14 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         traced = build_training_program_fast(ep, optimizer=options.optimizer, amp=options.amp,
                                              checkpoint=options.checkpoint,
                                              fused_attention=options.target_kind == "cuda",
-                                             checkpoint_layers=options.checkpoint_layers)
+                                             checkpoint_layers=options.checkpoint_layers,
+                                             resident_grads=options.resident_grads)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,
                                                      fused_attention=options.target_kind == "cuda",
-                                                     checkpoint_layers=options.checkpoint_layers)
+                                                     checkpoint_layers=options.checkpoint_layers,
+                                                     resident_grads=options.resident_grads)
     else:
         traced = training.build_inference_program(ep, amp=options.amp,
                                                   fused_attention=options.target_kind == "cuda")

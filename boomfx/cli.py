@@ -50,6 +50,9 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
     p.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME",
                    help="checkpoint only these layer instances (module paths, e.g. h.0,h.2; needs --train)")
+    p.add_argument("--resident-grads", action="store_true",
+                   help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
+                        "accumulation); default: freed after each step (needs --train)")
     # compiled execution (passes/compiled.py)
     p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
     p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")
@@ -135,11 +138,11 @@ def _devices() -> int:
     for d in list_devices():
         import torch
         bf16 = d.peak_flops_per_s.get(torch.bfloat16)
-        rows.append((d.name, d.description, fmt_bytes(d.memory_bytes),
+        rows.append((d.name, d.description, fmt_bytes(d.memory_bytes), d.memory_type or "-",
                      f"{d.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s",
                      f"{d.peak_flops_per_s[torch.float32] / 1e12:.1f}",
                      f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-")))
-    header = ("name", "description", "memory", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs")
+    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))

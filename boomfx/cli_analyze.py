@@ -24,7 +24,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         raise OptionError("--max-batch/--max-seq and --sweep cannot be combined")
     options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
-                             checkpoint_layers=args.checkpoint_layers)  # "h.0,h.2": split by ProgramOptions
+                             checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
+                             resident_grads=args.resident_grads)
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=options, log=progress.log if args.verbose else None)
     progress.stage("running the analysis passes")

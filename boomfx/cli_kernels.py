@@ -20,11 +20,15 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--amp", default=None)
     c.add_argument("--checkpoint", action="store_true")
     c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
+    c.add_argument("--resident-grads", action="store_true")
     c.add_argument("--blocks", action="store_true",  # block mode: kernels_db/blocks_db.py
                    help="with --for: run each repeated block whole at the target sizes and store its time")
     c.add_argument("--families", default=None, help="sweep mode: comma-separated op families")
     c.add_argument("--dtypes", default="float32", help="sweep mode: comma-separated dtypes")
     c.add_argument("--budget", default=None, help="time budget, e.g. 90s, 10m, 1h")
+    c.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads while measuring (default: torch's); match the runs you predict, "
+                        "and use 1 on a machine shared with other jobs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     i = ksub.add_parser("import", help="import CSV measurements (boomfx CSV or the public GPU data set)")
     i.add_argument("path", help="a CSV file exported by boomfx, or a directory of public measurements")

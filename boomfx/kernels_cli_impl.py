@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _collect(args: argparse.Namespace) -> int:
     from boomfx.kernels_db.collect import collect_calls, collect_sweep
+    from boomfx.kernels_db.measure import protocol_measurer
     from boomfx.kernels_db.store import Store
     device = _local_device(args.device)
     spec = _target_spec(device)
@@ -70,6 +71,11 @@ def _collect(args: argparse.Namespace) -> int:
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     progress = False if args.quiet else None
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise OptionError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
         raise OptionError("--blocks needs --for FILE.pt2")
     if args.for_file:
@@ -79,7 +85,8 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.program import ProgramOptions
         program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
                                                                 target_kind=spec.kind,
-                                                                checkpoint_layers=args.checkpoint_layers))
+                                                                checkpoint_layers=args.checkpoint_layers,
+                                                                resident_grads=args.resident_grads))
         bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
@@ -88,19 +95,47 @@ def _collect(args: argparse.Namespace) -> int:
             print(blocks.summary(args.for_file, path))
             return 0
         calls = analysis.kernel_calls(bindings)
-        result = collect_calls(Store(path), calls, device, budget, progress)
+        result = collect_calls(Store(path), calls, device, budget, progress, measurer=protocol_measurer(device))
         what = f"{len(calls)} kernels of {args.for_file}"
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None
         result = collect_sweep(Store(path), device, families=families, dtypes=dtypes, budget_s=budget,
-                               progress=progress)
+                               progress=progress, measurer=protocol_measurer(device))
         what = "the sweep grid"
     print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "
           f"failed {len(result.failed)}, left for later {result.pending} ({result.elapsed_s:.1f} s)")
     for key, why in result.failed[:10]:
         print(f"  could not measure {key.op}: {why}", file=sys.stderr)
+    warning = noisy_measurements_warning(path, result.measured_keys)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
+
+
+NOISY_SPREAD = 3.0      # p90 / median above which a kernel's samples disagree
+NOISY_SHARE = 0.2       # share of a collection's kernels that may be noisy before the user is told
+
+
+def noisy_measurements_warning(path: Path, key_hashes: tuple[str, ...]) -> Optional[str]:
+    """One line when many kernels just measured have a p90 far above their median.
+
+    Why: on a machine shared with other jobs, worker threads of a parallel region get descheduled and a
+    kernel's samples scatter (seen on a loaded 2-vCPU VM: microsecond matmuls at 6 ms with 2 threads).
+    Such a database silently over-predicts; the fix is ``--threads 1`` or a quieter machine.
+    """
+    from boomfx.kernels_db.store import Store
+    if not key_hashes:
+        return None
+    wanted = set(key_hashes)
+    with Store(path) as store:
+        rows = [r for r in store.records() if r.key.key_hash in wanted and r.median_ns > 0]
+    noisy = [r for r in rows if r.p90_ns > NOISY_SPREAD * r.median_ns]
+    if not rows or len(noisy) <= NOISY_SHARE * len(rows):
+        return None
+    return (f"warning: {len(noisy)} of {len(rows)} kernels measured with p90 > {NOISY_SPREAD:.0f}x their median "
+            f"(threads={torch.get_num_threads()}): other jobs are competing for this machine's cores; "
+            f"measure with --threads 1 or on a quieter machine")
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -149,12 +184,16 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.measure import split_warm_key
     with _existing_store(args.db) as store:
         for fp in store.fingerprints():
-            ops = Counter(rec.key.op for rec in store.records(fp))
-            sources = Counter(rec.source for rec in store.records(fp))
+            records = list(store.records(fp))
+            warm = sum(1 for rec in records if split_warm_key(rec.key) is not None)  # warm-cache twins
+            ops = Counter(rec.key.op for rec in records if split_warm_key(rec.key) is None)
+            sources = Counter(rec.source for rec in records)
             print(f"{fp.device_name} ({fp.device_kind}, torch {fp.torch_version}, {fp.host}): "
-                  f"{sum(ops.values())} kernels; sources: {dict(sources)}")
+                  f"{sum(ops.values())} kernels" + (f" (+{warm} warm-cache timings)" if warm else "") +
+                  f"; sources: {dict(sources)}")
             for op, n in ops.most_common(12):
                 print(f"  {op}: {n}")
     return 0

@@ -55,6 +55,9 @@ class ProgramOptions:
     # selective activation checkpointing: only these instances of the main layer list ("h.0",
     # "model.layers.3"); when non-empty it wins over ``checkpoint`` (which means every instance)
     checkpoint_layers: tuple[str, ...] = ()
+    # with train: every .grad stays allocated between steps (zero_grad(set_to_none=False), gradient
+    # accumulation) instead of PyTorch's default set_to_none=True (allocated in backward, freed after the step)
+    resident_grads: bool = False
 
     def __post_init__(self) -> None:
         # lists/one string from the API become a tuple, so options stay hashable

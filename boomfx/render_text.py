@@ -47,6 +47,10 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
         opts.append("activation checkpointing of " + ", ".join(report.options["checkpoint_layers"]))
     elif report.options.get("checkpoint"):
         opts.append("activation checkpointing")
+    if report.options.get("resident_grads"):
+        opts.append("gradients resident between steps")
+    if report.options.get("compile"):
+        opts.append("torch.compile" + (" + CUDA graphs" if report.options.get("cudagraphs") else ""))
     out = [f"boomfx: {report.source} on {report.device_description} ({report.device})",
            f"  mode: {', '.join(opts)}; dims: {dims}", ""]
     bound = "host-bound" if t.host_bound_fraction > 0.5 else "device-bound"

@@ -12,6 +12,7 @@ Example::
     ep = torch.export.export(model, (ids,), dynamic_shapes=...)
     prog = build_training_program(ep, optimizer="adamw", amp="bf16", checkpoint=True)
     prog = build_training_program(ep, checkpoint_layers=["h.0", "h.2"])   # only those layers
+    prog = build_training_program(ep, resident_grads=True)   # zero_grad(set_to_none=False): .grad kept
     prog.phases["mm_3"]          # "forward" | "backward" | "optimizer" | "recompute"
     prog.grad_nodes["mm_40"]     # "h.0.attn.qkv.weight"
 
@@ -237,7 +238,7 @@ def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str) -> torc
 
 def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs: dict[str, Any],
            amp: str | None, checkpoint: bool, loss: str, fused_attention: bool,
-           checkpoint_layers: Sequence[str] = ()) -> TracedProgram:
+           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False) -> TracedProgram:
     low_dtype = amp_policy.parse_amp(amp)
     device = _FAKE_DEVICE
     inputs = _export_inputs(ep)
@@ -289,6 +290,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
 
     # Optimizer state (steady state: already allocated, passed in).
     param_pos = [p for p, r in enumerate(roles) if r == "param"]
+    # --resident-grads: each parameter's .grad buffer, allocated before the step (zero_grad(set_to_none=False))
+    grad_args = _grad_buffers(fake, graph_args, names, roles, fqns, param_pos, device) if resident_grads else []
     opt_cls, state_keys = _OPTIMIZERS[optimizer] if train else (None, ())
     opt_kwargs = {"foreach": True, **optimizer_kwargs}
     if optimizer == "sgd" and opt_kwargs.get("momentum", 0) == 0:
@@ -325,7 +328,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     policy = amp_policy.CastPolicy(low_dtype)
     runner = GraphRunner(ep.graph_module, device, policy, fused_attention, segments, recorder.segment)
     n_graph = len(unique)
-    grad_names: list[str] = []
+    grad_names: list[str | None] = []
 
     def step(*flat: Any) -> Any:
         g_args = list(flat[:n_graph])
@@ -340,7 +343,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             labels = g_args[names.index("labels")]
         loss_val = _loss_of(outs, labels, loss)
         policy.clear_cache()  # the forward autocast region ends here
-        opt_state = list(flat[n_graph + n_labels:])
+        grad_bufs = list(flat[n_graph + n_labels: n_graph + n_labels + len(grad_args)])
+        opt_state = list(flat[n_graph + n_labels + len(grad_args):])
         if scaler:
             scale, growth = opt_state[-2:]
             loss_val = loss_val * scale
@@ -349,9 +353,13 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         params = [g_args[p] for p in param_pos]
         # Hooks that give each backward node its forward node's seq_nr (then nn_module_stack).
         setup_stacktrace_preservation_hooks_from_tensors(loss_val)
-        grads = torch.autograd.grad(loss_val, params, materialize_grads=True)
         tracer = get_proxy_mode().tracer  # type: ignore[union-attr]
-        grad_names.extend(get_proxy_slot(g, tracer).proxy.node.name for g in grads)
+        if resident_grads:
+            grads = _accumulate_into(loss_val, params, grad_bufs)
+            grad_names.extend(_accumulated_grad(b, tracer) for b in grads)
+        else:
+            grads = torch.autograd.grad(loss_val, params, materialize_grads=True)
+            grad_names.extend(get_proxy_slot(g, tracer).proxy.node.name for g in grads)
         recorder.close("backward")
         recorder.phase = "optimizer"
         with torch.no_grad():
@@ -359,19 +367,56 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
                 found_inf = torch.zeros((1,), device=device)
                 inv_scale = scale.double().reciprocal().float()
                 torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
-            _optimizer_step(opt_cls, opt_kwargs, state_keys, with_step, params, grads, opt_state)
+            opt = _optimizer_step(opt_cls, opt_kwargs, state_keys, with_step, params, grads, opt_state)
             if scaler:
                 torch._amp_update_scale_(scale, growth, found_inf, 2.0, 0.5, 2000)
+            if resident_grads:   # the buffers stay allocated; the next step accumulates into zeros
+                opt.zero_grad(set_to_none=False)
         recorder.close("optimizer")
         return loss_val.detach()
 
     with fake.mode, fx_traceback.preserve_node_meta():
-        gm = make_fx(step, tracing_mode="real")(*graph_args, *opt_args)
+        gm = make_fx(step, tracing_mode="real")(*graph_args, *grad_args, *opt_args)
     return _finish(gm, names, roles, fqns, recorder, grad_names, param_pos, fake, symbols)
 
 
+def _grad_buffers(fake: _FakeFactory, graph_args: list[Any], names: list[str], roles: list[str],
+                  fqns: list[str | None], param_pos: list[int], device: torch.device) -> list[Any]:
+    """One ``.grad`` placeholder per (unique) parameter, like it (``grad_<param placeholder>``);
+    appended to ``names``/``roles``/``fqns`` in place."""
+    bufs = []
+    for p in param_pos:
+        bufs.append(fake.tensor(graph_args[p], device))
+        names.append(f"grad_{names[p]}")
+        roles.append("grad")
+        fqns.append(fqns[p])
+    return bufs
+
+
+def _accumulate_into(loss_val: torch.Tensor, params: list[torch.Tensor],
+                     bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``loss.backward()`` with every ``.grad`` already allocated: autograd's AccumulateGrad adds each
+    new gradient into its buffer in place (``add_``) as soon as it is produced, as in eager."""
+    for p, b in zip(params, bufs):
+        p.grad = b
+    loss_val.backward()
+    for p, b in zip(params, bufs):
+        if p.grad is not b:
+            raise RuntimeError(f"autograd replaced a resident .grad buffer of shape {tuple(b.shape)}")
+    return bufs
+
+
+def _accumulated_grad(buf: torch.Tensor, tracer: Any) -> str | None:
+    """The node of the new gradient that backward added into ``buf`` (None: the parameter got none).
+    make_fx points an in-place op's tensor at the op's node, so ``buf`` now traces as its ``add_``."""
+    node = get_proxy_slot(buf, tracer).proxy.node
+    if node.target is torch.ops.aten.add_.Tensor and isinstance(node.args[1], fx.Node):
+        return node.args[1].name
+    return None
+
+
 def _optimizer_step(opt_cls: Any, opt_kwargs: dict[str, Any], state_keys: tuple[str, ...], with_step: bool,
-                    params: list[torch.Tensor], grads: Sequence[torch.Tensor], state: list[Any]) -> None:
+                    params: list[torch.Tensor], grads: Sequence[torch.Tensor], state: list[Any]) -> Any:
     """Run ``torch.optim``'s own step (foreach) on the traced params with pre-allocated state."""
     n = len(params)
     opt = opt_cls(params, **opt_kwargs)  # params are the graph's leaf inputs: updated in place
@@ -383,10 +428,11 @@ def _optimizer_step(opt_cls: Any, opt_kwargs: dict[str, Any], state_keys: tuple[
             opt.state[p] = st
         p.grad = grads[i]
     opt.step()
+    return opt
 
 
 def _finish(gm: fx.GraphModule, names: list[str], roles: list[str], fqns: list[str | None],
-            recorder: _PhaseRecorder, grad_names: list[str], param_pos: list[int],
+            recorder: _PhaseRecorder, grad_names: list[str | None], param_pos: list[int],
             fake: _FakeFactory, symbols: set[sympy.Symbol]) -> TracedProgram:
     """Name placeholders after the export, attach phases and module stacks, collect the maps."""
     _drop_profiler_nodes(gm.graph)
@@ -402,16 +448,33 @@ def _finish(gm: fx.GraphModule, names: list[str], roles: list[str], fqns: list[s
     phases = {n.name: recorder.by_name.get(n.name, "forward")
               for n in gm.graph.nodes if n.op == "call_function"}
     _copy_module_stacks(gm.graph, phases)
+    _label_accumulations(gm.graph, input_roles)
     for node in gm.graph.nodes:
         if node.name in phases:
             node.meta[META_PHASE] = phases[node.name]
     gm.recompile()
-    grad_nodes = {g: str(fqns[p]) for g, p in zip(grad_names, param_pos)}
+    grad_nodes = {g: str(fqns[p]) for g, p in zip(grad_names, param_pos) if g is not None}
     used: set[sympy.Symbol] = set()
     for node in gm.graph.nodes:
         used |= _symbols_of(node.meta.get("val"))
     symbol_map = {s: s for s in sorted(used & symbols, key=str)}
     return TracedProgram(gm, input_roles, phases, symbol_map, param_names, grad_nodes)
+
+
+def _label_accumulations(graph: fx.Graph, input_roles: dict[str, str]) -> None:
+    """--resident-grads: an AccumulateGrad ``add_`` into a ``.grad`` buffer belongs to the module of
+    the gradient it adds (for breakdowns and the layer pattern of boomfx/training_expand.py). Each
+    AccumulateGrad is an autograd node of its own, but all share one sequence number (the largest):
+    drop it, so two adjacent ones do not read as one node (analyze.py ``_eager_autograd_liveness``)."""
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten.add_.Tensor or not isinstance(node.args[0], fx.Node):
+            continue
+        if input_roles.get(node.args[0].name) != "grad":
+            continue
+        node.meta.pop("seq_nr", None)
+        new_grad = node.args[1]
+        if isinstance(new_grad, fx.Node) and "nn_module_stack" in new_grad.meta:
+            node.meta["nn_module_stack"] = new_grad.meta["nn_module_stack"]
 
 
 def _drop_profiler_nodes(graph: fx.Graph) -> None:
@@ -445,7 +508,7 @@ def _copy_module_stacks(graph: fx.Graph, phases: dict[str, str]) -> None:
 def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: str | None = None,
                            checkpoint: bool = False, loss: str = "auto", *, fused_attention: bool = True,
                            optimizer_kwargs: dict[str, Any] | None = None,
-                           checkpoint_layers: Sequence[str] = ()) -> TracedProgram:
+                           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False) -> TracedProgram:
     """Trace forward + loss + backward + ``torch.optim`` step of ``ep`` on fake tensors.
 
     Args:
@@ -462,10 +525,16 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         fused_attention: call CUDA's flash/efficient attention kernels for SDPA, as a GPU
             would; ``False`` keeps the composite op, so real CPU tensors can run the graph (tests).
         optimizer_kwargs: extra ``torch.optim`` arguments (lr, momentum, weight_decay...).
+        resident_grads: the steady state of ``zero_grad(set_to_none=False)`` (or gradient
+            accumulation): a ``grad_...`` placeholder per parameter, resident before the step;
+            backward adds each new gradient into it in place (``add_``) right after producing it,
+            the optimizer reads it and a foreach zero ends the step. ``grad_nodes`` then names
+            the new gradients (temporaries freed by their ``add_``).
 
     Returns:
         TracedProgram whose placeholders are named like the export's (``p_...``), plus
-        ``exp_avg_p_...``/``exp_avg_sq_p_...``/``step_p_...`` (Adam) or ``momentum_buffer_p_...``.
+        ``exp_avg_p_...``/``exp_avg_sq_p_...``/``step_p_...`` (Adam) or ``momentum_buffer_p_...``
+        (and ``grad_p_...`` with ``resident_grads``).
     """
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
@@ -473,7 +542,7 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         raise ValueError(f"unknown loss {loss!r}")
     return _trace(ep, train=True, optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
                   amp=amp, checkpoint=checkpoint, loss=loss, fused_attention=fused_attention,
-                  checkpoint_layers=tuple(checkpoint_layers or ()))
+                  checkpoint_layers=tuple(checkpoint_layers or ()), resident_grads=resident_grads)
 
 
 def build_inference_program(ep: ExportedProgram, amp: str | None = None, *,

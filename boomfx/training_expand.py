@@ -179,14 +179,15 @@ class _Expander:
         fqn_of: dict[str, Optional[str]] = {}
         names = [n for n in self.nodes if n.op == "placeholder"]
         param_fqn = self.t.param_names
-        # opt-state placeholders carry their parameter's FQN in their name: "<key>_<param placeholder>"
+        # opt-state (and --resident-grads grad) placeholders carry their parameter's FQN in their name:
+        # "<key>_<param placeholder>"
         by_param_name = {name: fqn for name, fqn in param_fqn.items()}
         for n in names:
             if n.name in by_param_name:
                 fqn_of[n.name] = by_param_name[n.name]
                 continue
             for pname, fqn in by_param_name.items():
-                if n.name.endswith("_" + pname) and self.t.input_roles.get(n.name) == "opt_state":
+                if n.name.endswith("_" + pname) and self.t.input_roles.get(n.name) in ("opt_state", "grad"):
                     fqn_of[n.name] = fqn
                     break
         self.fqn_of = fqn_of

@@ -57,3 +57,55 @@ def test_bad_kernels_input(capsys, tmp_path: Path) -> None:
     assert main(["kernels", "collect", "--budget", "soon"]) == 2
     err = capsys.readouterr().err
     assert err.count("boomfx: error:") == 3 and "Traceback" not in err
+
+
+def test_threads_option_is_validated_and_applied(capsys, exported, tmp_path: Path) -> None:
+    import torch
+    _, path = exported("mlp")
+    before = torch.get_num_threads()
+    try:
+        assert main(["kernels", "collect", "--threads", "0", "--db", str(tmp_path / "x.sqlite")]) == 2
+        assert "--threads must be at least 1" in capsys.readouterr().err
+        assert main(["kernels", "collect", "--device", "cpu", "--for", path, "--batch", "2", "--threads", "1",
+                     "--db", str(tmp_path / "t.sqlite"), "--quiet"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    from boomfx.kernels_db.store import Store
+    with Store(tmp_path / "t.sqlite") as store:
+        assert {fp.num_threads for fp in store.fingerprints()} == {1}
+
+
+def test_scattered_samples_are_reported(tmp_path: Path) -> None:
+    """Many kernels whose p90 is far above their median (descheduled worker threads) get one warning."""
+    import dataclasses
+    from boomfx.kernels_cli_impl import noisy_measurements_warning
+    from boomfx.kernels_db.store import Store
+    from test_kernels_db_store import make_record
+    records = [make_record(i) for i in range(10)]
+    scattered = [dataclasses.replace(r, p90_ns=r.median_ns * 50) for r in records[:4]] + records[4:]
+    with Store(tmp_path / "k.sqlite") as store:
+        store.put_many(scattered)
+    keys = tuple(r.key.key_hash for r in records)
+    warning = noisy_measurements_warning(tmp_path / "k.sqlite", keys)
+    assert warning is not None and "4 of 10 kernels" in warning and "--threads 1" in warning
+    assert noisy_measurements_warning(tmp_path / "k.sqlite", keys[4:]) is None     # the steady ones only
+    assert noisy_measurements_warning(tmp_path / "k.sqlite", ()) is None
+
+
+def test_cli_collects_with_the_validated_protocol(capsys, exported, tmp_path: Path) -> None:
+    """`kernels collect` on CPU measures cold (flushed) and warm twins, as benchmarks/cpu_accuracy.py does;
+    `kernels info` counts kernels, not their warm twins."""
+    import torch
+    _, path = exported("mlp")
+    db = tmp_path / "cpu.sqlite"
+    before = torch.get_num_threads()
+    try:
+        assert main(["kernels", "collect", "--device", "cpu", "--for", path, "--batch", "4", "--db", str(db),
+                     "--threads", "1", "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    assert main(["kernels", "info", "--db", str(db)]) == 0
+    info = capsys.readouterr().out
+    assert "4 kernels (+4 warm-cache timings)" in info

@@ -1,0 +1,16 @@
+"""The report says how the step was predicted: JSON options and the text summary's mode line."""
+from __future__ import annotations
+
+import boomfx
+from boomfx.render_text import render_text
+
+
+def test_report_options_and_text_name_every_mode_switch(exported):
+    """The JSON options and the text summary's mode line say how the step was predicted."""
+    ep, _ = exported("gpt")
+    compiled = boomfx.analyze(ep, device="a100-80gb", batch=2, seq=8, compile=True, cudagraphs=True)
+    assert compiled.options["compile"] is True and compiled.options["cudagraphs"] is True
+    assert "torch.compile + CUDA graphs" in render_text(compiled).splitlines()[1]
+    resident = boomfx.analyze(ep, device="a100-80gb", batch=2, seq=8, train=True, resident_grads=True)
+    assert resident.options["resident_grads"] is True and resident.options["compile"] is False
+    assert "gradients resident between steps" in render_text(resident).splitlines()[1]
