@@ -190,8 +190,10 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
     t0 = time.perf_counter()
     program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu"))
     bindings = resolve_bindings(program, {}, dims.get("batch"), dims.get("seq"))
-    calls = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
-    collected = collect_calls(Store(db), calls, "cpu", progress=progress, measurer=Measurer("cpu", cpu_clock=clock, cpu_flush_bytes=flush_bytes))
+    unpriced = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
+    calls = unpriced.kernel_calls(bindings)
+    measurer = Measurer("cpu", cpu_clock=clock, cpu_flush_bytes=flush_bytes)
+    collected = collect_calls(Store(db), calls, "cpu", progress=progress, measurer=measurer)
     t1 = time.perf_counter()
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
     report = analysis.evaluate(bindings).report
@@ -208,7 +210,7 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
         "kernels": len(report.kernels),
         "time_by_source_s": {k: v / 1e9 for k, v in sources.items()},
         "collect": {"measured": collected.measured, "present": collected.skipped, "failed": len(collected.failed),
-                    "seconds": round(t1 - t0, 1)},
+                    "seconds": round(t1 - t0, 1), "flush_bytes": flush_bytes},
     }
 
 
@@ -343,10 +345,14 @@ NOTES = [
     "(matmuls ran 1.3x, streaming pointwise/norm ops 2-2.5x slower in-model than hot in isolation). The "
     "database is measured with a cache flush before each timed sample of a kernel >= 100 us "
     "(Measurer(cpu_flush_bytes=)), sized by kernels_db.measure.effective_cache_bytes(): the measured knee "
-    "of the cache this process effectively has (32 MiB here, although the VM reports a 480 MiB L3).",
+    "of the cache this process effectively has (32-64 MiB here, although the VM reports a 480 MiB L3); "
+    "`boomfx kernels collect` uses the same protocol (kernels_db.measure.protocol_measurer). Tried: "
+    "flushing only the 2 MiB L2 for models whose peak footprint fits in that effective cache (what "
+    "benchmarks/compiled_cpu_accuracy.py does for its tiny models): every case here came out 15-33% "
+    "under (median 21.6%), so on this VM a step's data does not stay in the shared cache between uses.",
     "The real time is the median of samples taken before and after the database collection of the same "
-    "model, in the same process, with the same thread count (interleaved); the database is fresh per run "
-    "and shared by the models of the run.",
+    "model, in the same process, with the same thread count (interleaved); each case has its own fresh "
+    "database.",
     "Inference memory of the *model* differs from the *graph* where the model's Python keeps tensors in "
     "local variables until forward returns (no graph shows Python locals); the graph run frees each value "
     "after its last use, which is what the liveness pass models.",
@@ -368,13 +374,25 @@ NOTES = [
     "eager (the export's state_dict shows the tie: both names hold the same tensor).",
     "Threads: with 2 intra-op threads on this loaded 2-vCPU host, OpenMP parallel regions wait for a "
     "descheduled worker: kernels measured 1000x slow (6-7 ms for a microsecond mm; p90 >> median). The "
-    "benchmark therefore runs with --threads 1 by default on this host; `boomfx kernels collect` has no "
-    "guard against this.",
-    "Known time gaps: training steps of the real models include Python/autograd-engine time outside aten "
-    "ops (3-10% of the step, from the profiler: HF module code, the engine, AdamW's Python) and first-touch "
-    "page faults of fresh allocations (glibc returns freed heap tops to the OS; 0-20% of a training "
-    "step's CPU time, varying step to step); the measured autograd bookkeeping itself is small "
-    "(~0.7 us per forward op, ~2 us per backward node on this host), so it is not modelled.",
+    "benchmark therefore runs with --threads 1 by default on this host; `boomfx kernels collect --threads 1` "
+    "does the same, and collect warns when many kernels' p90 is above 3x their median.",
+    "Run-to-run spread (this protocol, quiet host, four runs within 25 minutes, 2 rounds each): median "
+    "|time error| 6.95%, 6.5%, 6.8%, 8.2%; worst 12.2%, 23.9%, 29.6%, 18.2% (the last is the table above). "
+    "The real step times of one model also moved by up to 15% between runs (other tenants of the VM). "
+    "The worst row moves: ResNet inference was predicted 7.8 ms in one run and "
+    "9.7 ms in the next while the real step stayed at 7.9-8.0 ms. A kernel whose single call takes about "
+    "Measurer.min_sample_ns (100 us) is timed batched and hot in one collection and flushed and cold in "
+    "the next; several ResNet convolutions sit there.",
+    "Where the time goes (a dispatch mode timing every aten op in situ in a real Llama training step, "
+    "against its prediction): matmuls within 1-3%; small pointwise/reduction ops (< 100 us, measured hot) "
+    "1.5-6x slower in situ (their operands come from DRAM or L3, not L2); AdamW's foreach ops and the "
+    "loss's division 0.45-0.96 of their cold (flushed) price; ~2% of the step outside aten ops (autograd "
+    "engine, Python); ~4000 minor page faults per step (16 MiB of fresh pages) that isolated kernels never "
+    "take. Training steps therefore come out 5-13% under.",
+    "Tried and reverted: pricing every kernel between a warm and a cold measurement by the reuse distance of "
+    "its inputs (hot = still in the 2 MiB L2). It moved per-op ratios the right way on Llama (mul 2.0 -> "
+    "1.28, pow 4.2 -> 1.35) but priced data that a real step finds in the shared L3 as DRAM-cold: ResNet "
+    "inference +12%/+22%, median |error| 8.6%, worst 22.2% in its run. It needs a third, L3-warm level.",
 ]
 
 
@@ -393,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flush-mib", default="auto",
                     help="cache flush before each timed kernel sample of the database: MiB, 0 = off, auto = "
                          "kernels_db.measure.effective_cache_bytes() (measured)")
-    ap.add_argument("--db", default=None, help="kernel database (default: a fresh one in a temp dir per round)")
+    ap.add_argument("--db", default=None, help="directory for the kernel databases, one per case "
+                                               "(default: a fresh temp dir per round)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat everything (fresh database, real runs) to show the run-to-run spread")
     args = ap.parse_args(argv)
@@ -407,9 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers  # noqa: F401 - also needed to unflatten ModelOutput from ep.module()
     rows = []
     for rnd in range(1, args.rounds + 1):
-      db = args.db or os.path.join(tempfile.mkdtemp(prefix="boomfx_cpu_acc_"), "cpu.db")
+      db_dir = args.db or tempfile.mkdtemp(prefix="boomfx_cpu_acc_")
       for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            db = os.path.join(db_dir, f"cpu-{name}-{mode}.db")   # flush sized per case (see predict)
             t0 = time.perf_counter()
             row = run_case(name, mode == "train", db, max(args.iters, 5), clock, flush_bytes)
             row["round"] = rnd

@@ -28,7 +28,7 @@ from boomfx.passes.liveness import LivenessInfo, liveness_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
-from boomfx.pricing import make_pricer, reuse_cache_bytes
+from boomfx.pricing import make_pricer
 from boomfx.program import PHASE_BACKWARD, PHASE_OPTIMIZER, Program, ProgramOptions
 from boomfx.report import (
     AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
@@ -95,8 +95,6 @@ class Analysis:
         # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
         self._reps = representatives(self.blocks) if reuse_blocks else {}
         self.pricer = make_pricer(device, options.db, options.from_db)
-        # warm/cold blend by reuse distance (passes/cache_reuse.py): only for a database with warm rows
-        self._reuse = _cache_reuse_plan(program, self.liveness, self.costs, self.pricer, device)
         self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
         self._nodes = list(program.graph.nodes)
         self._price_cache: dict[Any, Any] = {}
@@ -172,10 +170,6 @@ class Analysis:
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
-        if self._reuse is not None and kernels:   # warm/cold blend by reuse distance (passes/cache_reuse.py)
-            from boomfx.passes.cache_reuse import apply_cache_reuse
-            apply_cache_reuse(self._reuse, kernels, scheduled,
-                              lambda n: point_prices[self._reps.get(n, n)][0], ev)
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
         kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
@@ -355,16 +349,6 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
     intervals = tuple(dataclasses.replace(iv, end_step=max(iv.end_step, end))
                       if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
     return dataclasses.replace(info, intervals=intervals)
-
-
-def _cache_reuse_plan(program: Program, liveness: LivenessInfo, costs: Any, pricer: Any,
-                      device: DeviceSpec) -> Any:
-    """The reuse-distance plan (passes/cache_reuse.py) when the database has warm rows, else None."""
-    cache_bytes = reuse_cache_bytes(pricer, device)
-    if cache_bytes is None:
-        return None
-    from boomfx.passes.cache_reuse import reuse_plan
-    return reuse_plan(program, liveness, set(costs.by_node), cache_bytes)
 
 
 DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)

@@ -184,16 +184,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from boomfx.kernels_db.measure import split_warm_key
     with _existing_store(args.db) as store:
         for fp in store.fingerprints():
-            records = list(store.records(fp))
-            warm = sum(1 for rec in records if split_warm_key(rec.key) is not None)  # warm-cache twins
-            ops = Counter(rec.key.op for rec in records if split_warm_key(rec.key) is None)
-            sources = Counter(rec.source for rec in records)
+            ops = Counter(rec.key.op for rec in store.records(fp))
+            sources = Counter(rec.source for rec in store.records(fp))
             print(f"{fp.device_name} ({fp.device_kind}, torch {fp.torch_version}, {fp.host}): "
-                  f"{sum(ops.values())} kernels" + (f" (+{warm} warm-cache timings)" if warm else "") +
-                  f"; sources: {dict(sources)}")
+                  f"{sum(ops.values())} kernels; sources: {dict(sources)}")
             for op, n in ops.most_common(12):
                 print(f"  {op}: {n}")
     return 0

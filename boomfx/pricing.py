@@ -117,18 +117,5 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     return _ModelBackedPricer(inner, gpu_model, device)
 
 
-def reuse_cache_bytes(pricer: Any, device: DeviceSpec) -> Optional[int]:
-    """The cache size for pricing kernels between warm and cold (``passes/cache_reuse.py``), or None
-    when the database has no warm rows (then every kernel keeps its measured time, as before).
-
-    CPU: the private cache size recorded in the warm rows (``measure.private_cache_bytes``);
-    CUDA: the device's L2."""
-    inner = getattr(pricer, "inner", pricer)
-    flush = getattr(inner, "cache_bytes", None)
-    if flush is None:
-        return None
-    return device.l2_bytes if device.kind == "cuda" and device.l2_bytes else int(flush)
-
-
 def db_label(db: Optional[str]) -> Optional[str]:
     return None if db in (None, NO_DB) else os.fspath(db)

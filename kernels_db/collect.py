@@ -101,7 +101,7 @@ def collect_keys(
                 except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is reported, not stored
                     failed.append((key, f"{type(exc).__name__}: {exc}"))
                 else:
-                    store.put_many(measurement.records(fingerprint, key))  # + its warm row (measure.py)
+                    store.put(measurement.record(fingerprint, key))
                     done.append(key.key_hash)
                 bar.update(note=key.op)
     return CollectResult(len(done), skipped, tuple(failed), 0, time.monotonic() - start, tuple(done))

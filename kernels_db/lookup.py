@@ -51,7 +51,6 @@ import torch
 from boomfx.devices import DeviceSpec
 from boomfx.kernels_db.blocks_db import BLOCK_OP  # block mode
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
-from boomfx.kernels_db.measure import split_warm_key
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
@@ -85,7 +84,6 @@ class KernelPrice:
     source: PriceSource
     detail: str = ""
     host_in_time: bool = False
-    warm_ns: Optional[float] = None  # the unflushed time of an exact hit with a warm row (measure.py)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -276,16 +274,11 @@ class KernelPricer:
         self.model = model
         self.model_source = PriceSource(model_source)
         self._exact: dict[str, KernelRecord] = {}
-        self._warm: dict[str, tuple[KernelRecord, int]] = {}  # cold key hash -> (warm row, cache bytes)
         self._memo: dict[str, KernelPrice] = {}
         if store is not None:
             with store:
                 for rec in store.records(fingerprint):  # oldest first: newer rows overwrite
                     if rec.key.op == BLOCK_OP:  # whole-block rows price blocks, not kernels (blocks_db.py)
-                        continue
-                    warm = split_warm_key(rec.key)
-                    if warm is not None:   # a warm row is no kernel of its own: it prices its cold key's call
-                        self._warm[warm[0]] = (rec, warm[1])
                         continue
                     self._exact[rec.key.key_hash] = rec
         by_sig: dict[str, tuple[list[_Point], list[KernelRecord]]] = {}
@@ -298,13 +291,6 @@ class KernelPricer:
 
     def __len__(self) -> int:
         return len(self._exact)
-
-    @property
-    def cache_bytes(self) -> Optional[int]:
-        """The warm-cache size recorded in the database's warm rows (``measure.split_warm_key``), or None
-        without warm rows: the reuse-distance pass (passes/cache_reuse.py) runs only when this is set."""
-        sizes = [flush for _, flush in self._warm.values() if flush > 0]
-        return max(set(sizes), key=sizes.count) if sizes else None
 
     def price(self, call: OpCall, cost: Cost) -> KernelPrice:
         """Price one call; ``cost`` (bound, no free symbols) is used only by the model-free fallback."""
@@ -328,7 +314,6 @@ class KernelPricer:
                 PriceSource.MEASURED,
                 f"{rec.source} n={rec.n_runs} p10={rec.p10_ns:.0f} p90={rec.p90_ns:.0f}",
                 rec.host_in_time,
-                self._warm_ns(key),
             )
         point = key_point(key)
         group = self._groups.get(point.signature)
@@ -346,10 +331,6 @@ class KernelPricer:
         return KernelPrice(
             time_ns, self._host_ns(near), workspace, PriceSource.INTERPOLATED, detail, near.host_in_time
         )
-
-    def _warm_ns(self, key: KernelKey) -> Optional[float]:
-        hit = self._warm.get(key.key_hash)
-        return hit[0].median_ns if hit is not None else None
 
     def _host_ns(self, rec: KernelRecord) -> float:
         """The row's host issue time; rows imported without one (public GPU data) take the device's."""

@@ -9,12 +9,6 @@ CPU (``torch.device("cpu")``):
      The number of samples adapts to ``target_s`` within ``[min_runs, max_runs]``; median, p10, p90.
      ``torch.set_flush_denormal(True)`` while timing: in-place ops called repeatedly must not drift
      into (100x slower) denormal arithmetic.
-     With ``cpu_flush_bytes > 0`` every kernel is measured twice: *cold* (the cache flushed before each
-     single-call sample, at most ``cold_max_runs`` samples) and *warm* (the batched protocol above,
-     unflushed). The cold time is the record's median; the warm time is a second record whose key
-     differs only by its context (``warm_key``, which also records the flush size and this CPU's
-     private cache size), so the schema and CSV carry it unchanged.
-     ``passes/cache_reuse.py`` prices each kernel between the two by the reuse distance of its inputs.
   3. Host overhead: on CPU issue and execution share one thread, so ``median_ns`` *includes* dispatch.
      We estimate the dispatch part as the time of the same call on one-element tensors
      (``keys.shrunk_key``), cached per structure; when that call is invalid (e.g. a ``view`` whose
@@ -48,7 +42,6 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -62,7 +55,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import torch
 
 from boomfx.kernels_db.keys import make_inputs, shrunk_key
-from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json, short_hash
+from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord
 from boomfx.kernels_db.store import device_slug
 
 if TYPE_CHECKING:
@@ -83,16 +76,6 @@ class Measurement:
     host_ns: float
     workspace_bytes: int
     source: str  # "measured:cpu" / "measured:cuda"
-    warm: Optional["Measurement"] = None  # the unflushed time, when the cold one was flushed (CPU)
-    flush_bytes: int = 0  # the cache flush behind the cold time (0: none)
-    hot_bytes: int = 0    # the cache a warm operand must stay in (one core's private cache, see warm_key)
-
-    def records(self, fingerprint: DeviceFingerprint, key: KernelKey) -> list[KernelRecord]:
-        """The rows to store: this measurement's, plus the warm one under ``warm_key`` when there is one."""
-        rows = [self.record(fingerprint, key)]
-        if self.warm is not None:
-            rows.append(self.warm.record(fingerprint, warm_key(key, self.flush_bytes, self.hot_bytes)))
-        return rows
 
     def record(self, fingerprint: DeviceFingerprint, key: KernelKey) -> KernelRecord:
         return KernelRecord(
@@ -106,67 +89,6 @@ class Measurement:
             self.workspace_bytes,
             self.source,
         )
-
-
-WARM_CONTEXT = "boomfx_cache"  # context entry of a warm row's key: {"state": "warm", "flush_bytes": ...}
-
-
-def warm_key(key: KernelKey, flush_bytes: int, hot_bytes: int = 0) -> KernelKey:
-    """The key of ``key``'s warm (unflushed) row: the same call with a context flag, so it never
-    matches a real call and the database schema does not change. It records the flush that made the
-    cold row cold and ``hot_bytes``, the cache size within which an operand counts as warm (the
-    reuse-distance pass, passes/cache_reuse.py, reads it back through ``split_warm_key``)."""
-    data = key.data
-    flag = {"state": "warm", "flush_bytes": int(flush_bytes), "hot_bytes": int(hot_bytes)}
-    data["context"] = dict(data["context"], **{WARM_CONTEXT: flag})
-    return KernelKey(key.op, key.dtype, canonical_json(data))
-
-
-def split_warm_key(key: KernelKey) -> Optional[tuple[str, int]]:
-    """``(hash of the cold key, cache bytes)`` for a warm row's key, None for any other key. The cache
-    bytes are the recorded ``hot_bytes``, or the flush size when none was recorded."""
-    if f'"{WARM_CONTEXT}"' not in key.key_json:   # cheap test first: most rows are not warm rows
-        return None
-    data = key.data
-    flag = data["context"].pop(WARM_CONTEXT, None)
-    if not isinstance(flag, dict) or flag.get("state") != "warm":
-        return None
-    return short_hash(canonical_json(data)), int(flag.get("hot_bytes") or flag.get("flush_bytes") or 0)
-
-
-def _cache_size(text: str) -> int:
-    """'2048K' / '1M' / '512' (sysfs cache sizes) in bytes."""
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(text.rstrip("KMG")) * scale
-
-
-def private_cache_bytes(default: int = 1 << 20, cpu: int = 0) -> int:
-    """The largest data cache private to one CPU (Linux sysfs; ``default`` where unknown).
-
-    Why this size decides warm vs cold (cpu-accuracy, 2-vCPU VM, 2 MiB L2, 480 MiB shared L3): a
-    [4,128,256] fp32 ``mean.dim`` re-run after touching T bytes took 19 us (T <= 256 KiB), 37 (1 MiB),
-    58 (2 MiB), 82 (4-32 MiB) and 108 (64 MiB flush): past the private cache an operand is already
-    most of the way to the flushed time, so "hot" means "still in L2", not "within the flush size".
-    """
-    root = f"/sys/devices/system/cpu/cpu{cpu}/cache"
-    best = 0
-    try:
-        for index in os.listdir(root):
-            if not index.startswith("index"):
-                continue
-            path = os.path.join(root, index)
-            with open(os.path.join(path, "type"), encoding="utf-8") as fh:
-                kind = fh.read().strip()
-            with open(os.path.join(path, "shared_cpu_list"), encoding="utf-8") as fh:
-                shared = fh.read().strip()
-            if kind == "Instruction" or shared != str(cpu):
-                continue
-            with open(os.path.join(path, "size"), encoding="utf-8") as fh:
-                best = max(best, _cache_size(fh.read()))
-    except (OSError, ValueError):
-        return default
-    return best or default
 
 
 def _cpu_model() -> str:
@@ -274,8 +196,6 @@ class Measurer:
         num_threads: Optional[int] = None,
         cpu_clock: str = "wall",
         cpu_flush_bytes: int = 0,
-        cold_max_runs: int = 25,
-        cpu_hot_bytes: Optional[int] = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -302,15 +222,8 @@ class Measurer:
         # 1.3x, streaming pointwise/norm ops 2-2.5x on a 2-core VM). With cpu_flush_bytes > 0 a buffer of
         # that size is written before each single-call sample (outside the timed region), as the CUDA
         # path flushes L2; ``effective_cache_bytes()`` measures the size that makes a read cold.
-        # In situ an op lies between hot and cold depending on how recently its operands were touched
-        # (Llama step: small pointwise ops 1.5-6x their hot time, AdamW's foreach ops 0.45-0.96x their
-        # cold one), so every kernel is measured both ways (module docstring) and priced between them
-        # (passes/cache_reuse.py). ``cold_max_runs`` caps the flushed samples (each costs a flush).
+        # Batched tiny ops (inner > 1) are left hot: their cost is dispatch, whose code is hot in a step.
         self.cpu_flush_bytes = int(cpu_flush_bytes)
-        self.cold_max_runs = max(1, int(cold_max_runs))
-        # recorded with the warm rows: the cache an operand must still be in to count as warm
-        # (``private_cache_bytes``, read when first needed)
-        self.cpu_hot_bytes = cpu_hot_bytes
         self._cpu_flush: Optional[torch.Tensor] = None
         self._host_cache: dict[str, float] = {}
         self._fallback_host_ns: Optional[float] = None
@@ -349,15 +262,13 @@ class Measurer:
             pass
 
     # -- CPU -----------------------------------------------------------------------------------------------
-    def _clock(self) -> Callable[[], int]:
+    def _time_cpu(self, fn: Callable[[], object]) -> list[float]:
+        """Samples (ns per call) of ``fn`` after warm-up; tiny ops are batched ``inner`` calls per sample."""
+        clock = time.perf_counter_ns
         if self.cpu_clock == "thread":   # see __init__ (cpu-accuracy fix)
             if torch.get_num_threads() != 1:
                 raise RuntimeError("Measurer(cpu_clock='thread') needs torch.get_num_threads() == 1")
-            return time.thread_time_ns
-        return time.perf_counter_ns
-
-    def _warm_up(self, fn: Callable[[], object], clock: Callable[[], int]) -> float:
-        """Run ``fn`` for ``warmup_s`` (at least 2 calls); the time of one more call, in ns."""
+            clock = time.thread_time_ns
         start = clock()
         calls = 0
         while calls < 2 or clock() - start < self.warmup_ns:
@@ -365,79 +276,36 @@ class Measurer:
             calls += 1
         t0 = clock()
         fn()
-        return max(clock() - t0, 1)
-
-    def _time_cpu(self, fn: Callable[[], object]) -> list[float]:
-        """Warm samples (ns per call) of ``fn`` after warm-up; tiny ops run ``inner`` calls a sample."""
-        clock = self._clock()
-        return self._warm_samples(fn, clock, self._warm_up(fn, clock))
-
-    def _warm_samples(self, fn: Callable[[], object], clock: Callable[[], int],
-                      single_ns: float) -> list[float]:
+        single_ns = max(clock() - t0, 1)
         inner = max(1, math.ceil(self.min_sample_ns / single_ns))
         runs = int(min(self.max_runs, max(self.min_runs, self.target_ns // (single_ns * inner))))
+        flush = self._cpu_flush_buffer() if inner == 1 and self.cpu_flush_bytes > 0 else None
         samples: list[float] = []
         for _ in range(runs):
+            if flush is not None:   # cold operands, as in a real step (see __init__)
+                flush.fill_(1.0)
             t0 = clock()
             for _ in range(inner):
                 fn()
             samples.append((clock() - t0) / inner)
         return samples
 
-    def _cold_samples(self, fn: Callable[[], object], clock: Callable[[], int],
-                      single_ns: float) -> list[float]:
-        """Single-call samples, each after a cache flush (outside the timed region): cold operands."""
-        cap = min(self.max_runs, self.cold_max_runs)
-        runs = int(min(cap, max(min(self.min_runs, cap), self.target_ns // single_ns)))
-        samples: list[float] = []
-        for _ in range(runs):
-            self._flush_cpu_cache()
-            t0 = clock()
-            fn()
-            samples.append(clock() - t0)
-        return samples
-
-    def _flush_cpu_cache(self) -> None:
-        """Evict the cache by writing the flush buffer, leaving it full of dirty lines.
-
-        Write, not read: a step's cache holds what its kernels just wrote (activations, gradients), so
-        a kernel bringing its operands in pays write-backs of dirty lines. Measured on a Llama training
-        step: a half-dirty (copy) flush priced AdamW's in-place foreach ops 1.2-1.8x below their in-situ
-        time, the write flush within 0.9-1.0x; a read flush is 10-30% faster again on small ops.
-        """
-        self._cpu_flush_buffer().fill_(1.0)
-
     def _cpu_flush_buffer(self) -> torch.Tensor:
         if self._cpu_flush is None:
-            # ones, not empty: the pages are faulted in before the first timed sample
-            self._cpu_flush = torch.ones(max(self.cpu_flush_bytes // 4, 2), dtype=torch.float32)
+            self._cpu_flush = torch.empty(max(self.cpu_flush_bytes // 4, 1), dtype=torch.float32)
         return self._cpu_flush
 
     def _measure_cpu(self, key: KernelKey) -> Measurement:
         op, args, kwargs = make_inputs(key, self.device, self.seed)
         previous_denormal = torch.set_flush_denormal(True)
         try:
-            fn = lambda: op(*args, **kwargs)  # noqa: E731
-            clock = self._clock()
-            single_ns = self._warm_up(fn, clock)
-            warm = self._warm_samples(fn, clock, single_ns)
-            cold = self._cold_samples(fn, clock, single_ns) if self.cpu_flush_bytes > 0 else None
-            host_ns = self._cpu_host_ns(key)
+            samples = self._time_cpu(lambda: op(*args, **kwargs))
+            median, p10, p90 = summarize(samples)
+            host = min(self._cpu_host_ns(key), median)
             workspace = self._cpu_workspace_bytes(op, args, kwargs) if self.measure_workspace else 0
         finally:
             torch.set_flush_denormal(previous_denormal)
-        warm_m = self._cpu_measurement(warm, host_ns, workspace)
-        if cold is None:
-            return warm_m
-        cold_m = self._cpu_measurement(cold, host_ns, workspace)
-        if self.cpu_hot_bytes is None:
-            self.cpu_hot_bytes = private_cache_bytes()
-        return dataclasses.replace(cold_m, warm=warm_m, flush_bytes=self.cpu_flush_bytes,
-                                   hot_bytes=self.cpu_hot_bytes)
-
-    def _cpu_measurement(self, samples: list[float], host_ns: float, workspace: int) -> Measurement:
-        median, p10, p90 = summarize(samples)
-        return Measurement(median, p10, p90, len(samples), min(host_ns, median), workspace, self.source)
+        return Measurement(median, p10, p90, len(samples), host, workspace, self.source)
 
     def _cpu_host_ns(self, key: KernelKey) -> float:
         tiny = shrunk_key(key)
@@ -564,11 +432,11 @@ PROTOCOL_MAX_FLUSH_BYTES = 128 << 20
 def protocol_measurer(device: torch.device | str) -> "Measurer":
     """The measurer ``boomfx kernels collect`` uses: the protocol the CPU accuracy benchmark validates.
 
-    On CPU: operands made cold before each timed sample by a flush the size of the cache this process
-    effectively has (``effective_cache_bytes``, capped: under load the probe can run to its maximum),
-    with warm twins for the reuse-distance pricing; this thread's CPU time as the clock when one
-    intra-op thread runs (it excludes time other processes ran), else wall time. CUDA: the defaults
-    (CUDA events, L2 flushed where a kernel's inputs fit in it).
+    On CPU: operands of kernels >= ``min_sample_ns`` made cold before each timed sample by a flush the
+    size of the cache this process effectively has (``effective_cache_bytes``, capped: under load the
+    probe can run to its maximum); this thread's CPU time as the clock when one intra-op thread runs
+    (it excludes time other processes ran), else wall time. CUDA: the defaults (CUDA events, L2
+    flushed where a kernel's inputs fit in it).
     """
     device = torch.device(device)
     if device.type != "cpu":

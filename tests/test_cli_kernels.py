@@ -93,19 +93,26 @@ def test_scattered_samples_are_reported(tmp_path: Path) -> None:
     assert noisy_measurements_warning(tmp_path / "k.sqlite", ()) is None
 
 
-def test_cli_collects_with_the_validated_protocol(capsys, exported, tmp_path: Path) -> None:
-    """`kernels collect` on CPU measures cold (flushed) and warm twins, as benchmarks/cpu_accuracy.py does;
-    `kernels info` counts kernels, not their warm twins."""
+
+def test_cli_collects_with_the_validated_protocol(monkeypatch, capsys, exported, tmp_path: Path) -> None:
+    """`kernels collect` on CPU measures as benchmarks/cpu_accuracy.py does: a cache flush before each
+    sample of a long kernel (sized by effective_cache_bytes, capped) and, with one thread, thread time."""
     import torch
+    from boomfx.kernels_db import measure
+    made = []
+    real = measure.Measurer
+
+    def spy(*args, **kwargs):
+        made.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(measure, "Measurer", spy)
+    monkeypatch.setattr(measure, "effective_cache_bytes", lambda: 1 << 40)
     _, path = exported("mlp")
-    db = tmp_path / "cpu.sqlite"
     before = torch.get_num_threads()
     try:
-        assert main(["kernels", "collect", "--device", "cpu", "--for", path, "--batch", "4", "--db", str(db),
-                     "--threads", "1", "--quiet"]) == 0
+        assert main(["kernels", "collect", "--device", "cpu", "--for", path, "--batch", "4",
+                     "--db", str(tmp_path / "cpu.sqlite"), "--threads", "1", "--quiet"]) == 0
     finally:
         torch.set_num_threads(before)
-    capsys.readouterr()
-    assert main(["kernels", "info", "--db", str(db)]) == 0
-    info = capsys.readouterr().out
-    assert "4 kernels (+4 warm-cache timings)" in info
+    assert made == [{"cpu_clock": "thread", "cpu_flush_bytes": measure.PROTOCOL_MAX_FLUSH_BYTES}]
+    assert "measured 4," in capsys.readouterr().out
