@@ -259,8 +259,10 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     # Tied weights (GPT-2's lm_head = wte) are one placeholder per name in the export but one tensor in
     # eager: trace them as one leaf, so they get one gradient and one optimizer state.
     expand = _tied_expansion(ep, inputs)
-    unique = [inputs[k] for k in sorted(set(expand))]
-    expand = [sorted(set(expand)).index(k) for k in expand]
+    kept = sorted(set(expand))
+    unique = [inputs[k] for k in kept]
+    position = {k: i for i, k in enumerate(kept)}
+    expand = [position[k] for k in expand]
     graph_args = [make(i) for i in unique]
     names = [i.name for i in unique]
     roles = [i.role for i in unique]

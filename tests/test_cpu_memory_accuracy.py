@@ -61,9 +61,12 @@ def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> 
     return profiler_peak_bytes(step)
 
 
-def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, db: str) -> tuple[int, int]:
+def predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, options: ProgramOptions,
+                   db: str) -> tuple[int, int]:
+    """(predicted peak above the resident bytes, kernel workspace at the peak) of one step on this CPU,
+    with every kernel's workspace measured here (also used by tests/test_resident_grads.py)."""
     spec = cpu_spec()
-    program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu"))
+    program = capture(ep, options=options)
     x = inputs[0]
     seq = x.shape[1] if x.ndim == 2 and not x.is_floating_point() else None
     bindings = resolve_bindings(program, {}, x.shape[0], seq)
@@ -90,7 +93,8 @@ def test_cpu_peak_matches_profiler(name: str, train: bool, tmp_path) -> None:
     model, inputs, dynamic_shapes = make_model(name)
     model.train(train)
     ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
-    predicted, workspace = _predicted_peak(ep, inputs, train, str(tmp_path / "cpu.db"))
+    options = ProgramOptions(train, "adamw", target_kind="cpu")
+    predicted, workspace = predicted_peak(ep, inputs, options, str(tmp_path / "cpu.db"))
     real = _real_peak(ep, inputs, train)
     assert real > 0
     assert abs(predicted - real) <= TOLERANCE * real, (

@@ -16,18 +16,16 @@ from torch.export import Dim
 
 import boomfx
 from boomfx import fast_training, training
-from boomfx.analyze import Analysis, AnalyzeOptions
+from boomfx.analyze import Analysis
 from boomfx.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
 from boomfx.cli import main
 from boomfx.devices import cpu_spec, get_device
 from boomfx.errors import OptionError
-from boomfx.kernels_db.collect import collect_calls
-from boomfx.kernels_db.measure import Measurer
-from boomfx.kernels_db.store import Store
 from boomfx.live_bytes import profiler_peak_bytes
 from boomfx.program import ProgramOptions
 
 from conftest import make_model
+from test_cpu_memory_accuracy import predicted_peak
 from models import GPT  # examples/ (conftest puts it on the path)
 
 TOLERANCE = 0.01   # as tests/test_cpu_memory_accuracy.py (exact in practice)
@@ -127,18 +125,8 @@ def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple) -> int:
 
 
 def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, db: str) -> int:
-    spec = cpu_spec()
-    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", resident_grads=True))
-    x = inputs[0]
-    seq = x.shape[1] if x.ndim == 2 and not x.is_floating_point() else None
-    bindings = resolve_bindings(program, {}, x.shape[0], seq)
-    calls = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
-    # the kernels' measured workspace is part of the real peak: collect exactly these kernels
-    measurer = Measurer("cpu", warmup_s=0.0, target_s=0.0, min_runs=1, max_runs=1, min_sample_ns=0)
-    result = collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
-    assert not result.failed, [(k.op, why) for k, why in result.failed]
-    memory = Analysis(program, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings).report.memory
-    return memory.peak_live_bytes - memory.resident_bytes
+    options = ProgramOptions(True, "adamw", target_kind="cpu", resident_grads=True)
+    return predicted_peak(ep, inputs, options, db)[0]
 
 
 # mlp, gpt: exact. hf_gpt2 (tied lm_head/wte: one resident gradient): 52 B under the real peak, which
