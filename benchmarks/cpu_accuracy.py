@@ -67,6 +67,13 @@ def _no_dropout(cfg: Any) -> Any:
     return cfg
 
 
+def _token_case(model: torch.nn.Module, batch: Dim, seq: Dim) -> tuple[torch.nn.Module, dict, dict, dict]:
+    """A language model's case: 4 sequences of 128 random tokens of its 4096-token vocabulary."""
+    b, s = 4, 128
+    return model, {"input_ids": torch.randint(0, 4096, (b, s))}, {"input_ids": {0: batch, 1: seq}}, \
+        {"batch": b, "seq": s}
+
+
 def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str, Any], dict[str, int]]:
     """(model, example kwargs, dynamic_shapes, dims) for one benchmark model."""
     import transformers as tf
@@ -77,25 +84,19 @@ def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str
                                         bos_token_id=0, eos_token_id=0))
         cfg.use_cache = False
         model = tf.GPT2LMHeadModel(cfg)
-        b, s = 4, 128
-        return model, {"input_ids": torch.randint(0, 4096, (b, s))}, {"input_ids": {0: batch, 1: seq}}, \
-            {"batch": b, "seq": s}
+        return _token_case(model, batch, seq)
     if name == "bert":
         cfg = _no_dropout(tf.BertConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
                                         intermediate_size=1024, vocab_size=4096, max_position_embeddings=512))
         model = tf.BertModel(cfg, add_pooling_layer=False)
-        b, s = 4, 128
-        return model, {"input_ids": torch.randint(0, 4096, (b, s))}, {"input_ids": {0: batch, 1: seq}}, \
-            {"batch": b, "seq": s}
+        return _token_case(model, batch, seq)
     if name == "llama":
         cfg = _no_dropout(tf.LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=688,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
                                          max_position_embeddings=512))
         cfg.use_cache = False
         model = tf.LlamaForCausalLM(cfg)
-        b, s = 4, 128
-        return model, {"input_ids": torch.randint(0, 4096, (b, s))}, {"input_ids": {0: batch, 1: seq}}, \
-            {"batch": b, "seq": s}
+        return _token_case(model, batch, seq)
     if name == "vit":
         cfg = _no_dropout(tf.ViTConfig(image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=256,
                                        num_attention_heads=4, intermediate_size=1024))

@@ -266,7 +266,7 @@ class Analysis:
             options={"optimizer": opts.optimizer if opts.train else None, "amp": opts.amp,
                      "checkpoint": opts.checkpoint,
                      "checkpoint_layers": list(opts.checkpoint_layers), "alloc_conf": self.options.alloc_conf,
-                     "resident_grads": bool(getattr(opts, "resident_grads", False)),
+                     "resident_grads": opts.resident_grads,
                      "compile": opts.compile, "cudagraphs": opts.cudagraphs,
                      "db": self.options.db, "from_db": self.options.from_db},
             symbols=symbols, time=time_report, memory=memory,
@@ -339,7 +339,7 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
     profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op.
     Not with ``resident_grads``: there the ``.grad`` buffers are resident and each new gradient is a
     temporary that its AccumulateGrad ``add_`` frees (boomfx/training.py)."""
-    if not program.options.train or not program.grad_nodes or getattr(program.options, "resident_grads", False):
+    if not program.options.train or not program.grad_nodes or program.options.resident_grads:
         return info
     from boomfx.passes.liveness import Category
     opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]

@@ -71,7 +71,7 @@ def _collect(args: argparse.Namespace) -> int:
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     progress = False if args.quiet else None
-    threads = getattr(args, "threads", None)
+    threads = args.threads
     if threads is not None:
         if threads < 1:
             raise OptionError(f"--threads must be at least 1, got {threads}")

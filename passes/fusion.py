@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import sympy
 import torch
@@ -284,20 +284,33 @@ _READS_INPUT_TWICE = _packets(
 )
 
 
+_Visit = Callable[[torch.fx.Node], tuple[bool, Iterable[torch.fx.Node]]]
+
+
+def _reachable(start: Iterable[torch.fx.Node], visit: _Visit, breadth_first: bool = False) -> list[torch.fx.Node]:
+    """The nodes a walk from ``start`` collects, each node visited once: ``visit(n)`` says whether to
+    collect ``n`` and which nodes to walk on to (the one graph walk behind the look-through helpers)."""
+    out: list[torch.fx.Node] = []
+    stack, seen = list(start), set()
+    while stack:
+        n = stack.pop(0) if breadth_first else stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        collect, more = visit(n)
+        if collect:
+            out.append(n)
+        stack.extend(more)
+    return out
+
+
 def _consumers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str]) -> list[torch.fx.Node]:
     """The kernel nodes (or the graph output) reading ``node``, looking through views and getitems."""
-    out: list[torch.fx.Node] = []
-    stack, seen = list(node.users), set()
-    while stack:
-        u = stack.pop(0)
-        if u in seen:
-            continue
-        seen.add(u)
+    def visit(u: torch.fx.Node) -> tuple[bool, Iterable[torch.fx.Node]]:
         if u.op == "call_function" and cls_of.get(u, CLASS_NONE) == CLASS_NONE:
-            stack.extend(u.users)
-        elif u.op != "call_function" or not _is_assert(u):
-            out.append(u)
-    return out
+            return False, u.users
+        return u.op != "call_function" or not _is_assert(u), ()
+    return _reachable(node.users, visit, breadth_first=True)
 
 
 def _is_assert(node: torch.fx.Node) -> bool:
@@ -416,21 +429,13 @@ def _stays_virtual(program: Program, node: torch.fx.Node, cls_of: Mapping[torch.
 def _producers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
                virtual: frozenset | set = frozenset()) -> list[torch.fx.Node]:
     """Stored kernel outputs ``node`` reads, looking through views, getitems and inlined values."""
-    out: list[torch.fx.Node] = []
-    stack = list(node.all_input_nodes)
-    seen: set[torch.fx.Node] = set()
-    while stack:
-        n = stack.pop(0)
-        if n in seen:
-            continue
-        seen.add(n)
+    def visit(n: torch.fx.Node) -> tuple[bool, Iterable[torch.fx.Node]]:
         if n.op != "call_function":
-            continue
+            return False, ()
         if cls_of.get(n, CLASS_NONE) == CLASS_NONE or n in virtual:
-            stack.extend(n.all_input_nodes)
-        else:
-            out.append(n)
-    return out
+            return False, n.all_input_nodes
+        return True, ()
+    return _reachable(node.all_input_nodes, visit, breadth_first=True)
 
 
 def _dead_nodes(nodes: Sequence[torch.fx.Node], cls_of: Mapping[torch.fx.Node, str]) -> set[torch.fx.Node]:
@@ -490,38 +495,23 @@ def _mix_order_ok(rows_in_group: Sequence[Any], rows: Any, space: Any, backend: 
 def _stored_inputs(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
                    virtual: set[torch.fx.Node]) -> list[torch.fx.Node]:
     """The stored values (graph inputs and kernel outputs) the kernel of ``node`` loads."""
-    out: list[torch.fx.Node] = []
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    def visit(n: torch.fx.Node) -> tuple[bool, Iterable[torch.fx.Node]]:
         if not isinstance(n.meta.get("val"), (torch.Tensor, list, tuple)):
-            continue          # sizes and scalars are no buffers
+            return False, ()          # sizes and scalars are no buffers
         if n.op == "call_function" and (cls_of.get(n, CLASS_NONE) == CLASS_NONE or n in virtual):
-            stack.extend(n.all_input_nodes)
-        else:
-            out.append(n)
-    return out
+            return False, n.all_input_nodes
+        return True, ()
+    return _reachable(node.all_input_nodes, visit)
 
 
 def _inlined_into(node: torch.fx.Node, virtual: set[torch.fx.Node],
                  group_of: Mapping[torch.fx.Node, int]) -> list[torch.fx.Node]:
     """The not yet owned inlined (virtual) values ``node`` computes: its kernel is their first."""
-    out: list[torch.fx.Node] = []
-    stack, seen = list(node.all_input_nodes), set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    def visit(n: torch.fx.Node) -> tuple[bool, Iterable[torch.fx.Node]]:
         if n.op != "call_function" or n in group_of:
-            continue          # an input, or a stored value / an inlined one already owned
-        if n in virtual:
-            out.append(n)
-        stack.extend(n.all_input_nodes)     # through views and getitems too
-    return out
+            return False, ()          # an input, or a stored value / an inlined one already owned
+        return n in virtual, n.all_input_nodes     # through views and getitems too
+    return _reachable(node.all_input_nodes, visit)
 
 
 def fusion_groups(program: Program, backend: str = "gpu") -> FusionInfo:

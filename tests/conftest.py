@@ -17,22 +17,27 @@ from models import GPT, MLP, Llama, SmallCNN  # noqa: E402
 TOKEN_DIMS = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
 
 
-def make_model(name: str, device: str = "cpu") -> tuple[torch.nn.Module, tuple, dict]:
-    """(model, example inputs, dynamic shapes) for one of the test models."""
+def make_model(name: str, device: str = "cpu", layers: int = 2) -> tuple[torch.nn.Module, tuple, dict]:
+    """(model, example inputs, dynamic shapes) for one of the test models (``layers``: gpt/llama)."""
     torch.manual_seed(0)
     with torch.device(device):
         if name == "mlp":
             return MLP(), (torch.randn(4, 64),), {"x": {0: Dim("batch", min=1, max=4096)}}
         if name == "cnn":
             return SmallCNN(), (torch.randn(2, 3, 16, 16),), {"x": {0: Dim("batch", min=1, max=512)}}
-        if name == "gpt":
-            return GPT(vocab=128, d=32, layers=2, heads=4, max_seq=256), (torch.randint(0, 128, (2, 8)),), TOKEN_DIMS
-        if name == "llama":
-            return Llama(vocab=128, d=32, layers=2, heads=4, kv_heads=2, hidden=64), \
-                (torch.randint(0, 128, (2, 8)),), TOKEN_DIMS
+        if name in ("gpt", "llama"):
+            model = (GPT(vocab=128, d=32, layers=layers, heads=4, max_seq=256) if name == "gpt" else
+                     Llama(vocab=128, d=32, layers=layers, heads=4, kv_heads=2, hidden=64))
+            return model, (torch.randint(0, 128, (2, 8)),), TOKEN_DIMS
         if name in ("hf_gpt2", "hf_bert"):
             return _transformers_model(name)
     raise KeyError(name)
+
+
+def export_meta(name: str, layers: int) -> torch.export.ExportedProgram:
+    """A meta-device export of the gpt/llama test model with ``layers`` layers (the depth-free tests)."""
+    model, inputs, dynamic = make_model(name, "meta", layers)
+    return torch.export.export(model, inputs, dynamic_shapes=dynamic)
 
 
 def _transformers_model(name: str) -> tuple[torch.nn.Module, tuple, dict]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from torch.export import Dim
 
 from boomfx import fast_training, training
 from boomfx.analyze import Analysis
@@ -14,20 +12,7 @@ from boomfx.capture import capture, export_roles, program_from_traced, resolve_b
 from boomfx.devices import get_device
 from boomfx.program import ProgramOptions
 
-from models import GPT, Llama  # examples/ (conftest puts it on the path)
-
-DIMS = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
-
-
-def _export(name: str, layers: int) -> Any:
-    with torch.device("meta"):
-        if name == "llama":
-            model = Llama(vocab=128, d=32, layers=layers, heads=4, kv_heads=2, hidden=64)
-        else:
-            model = GPT(vocab=128, d=32, layers=layers, heads=4, max_seq=256)
-    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    return torch.export.export(model, (ids,), dynamic_shapes=DIMS)
-
+from conftest import export_meta
 
 def _numbers(traced: Any, ep: Any, options: ProgramOptions, device: str) -> tuple:
     program = program_from_traced(traced, symbols_of(ep, export_roles(ep)), options)
@@ -44,7 +29,7 @@ def _numbers(traced: Any, ep: Any, options: ProgramOptions, device: str) -> tupl
                                                     ("llama", 9, True)])
 def test_synthesised_graph_predicts_exactly_what_the_full_trace_predicts(name: str, layers: int,
                                                                          checkpoint: bool) -> None:
-    ep = _export(name, layers)
+    ep = export_meta(name, layers)
     full = training.build_training_program(ep, checkpoint=checkpoint)
     fast = fast_training.build_training_program_fast(ep, checkpoint=checkpoint)
     assert fast is not None, "the fast path fell back to the full trace"
@@ -58,11 +43,11 @@ def test_synthesised_graph_predicts_exactly_what_the_full_trace_predicts(name: s
 
 
 def test_shallow_models_use_the_full_trace() -> None:
-    assert fast_training.build_training_program_fast(_export("llama", 3)) is None
+    assert fast_training.build_training_program_fast(export_meta("llama", 3)) is None
 
 
 def test_capture_uses_the_fast_path_for_deep_models(monkeypatch: pytest.MonkeyPatch) -> None:
-    ep = _export("gpt", 8)
+    ep = export_meta("gpt", 8)
     calls = []
     real = training.build_training_program
     monkeypatch.setattr(training, "build_training_program",
@@ -74,7 +59,7 @@ def test_capture_uses_the_fast_path_for_deep_models(monkeypatch: pytest.MonkeyPa
 
 
 def test_unsupported_structure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    ep = _export("gpt", 8)
+    ep = export_meta("gpt", 8)
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise fast_training.Unsupported("test")

@@ -15,12 +15,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_validation", ROOT / "benchmarks" / "gpu_validation.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module       # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def _script():
+    return _load("gpu_validation", ROOT / "benchmarks" / "gpu_validation.py")
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +88,7 @@ def test_a_failing_stage_does_not_stop_the_others(dry_run, tmp_path: Path) -> No
 
 
 def _replay_helpers():
-    spec = importlib.util.spec_from_file_location("snapshot_replay", ROOT / "tests" / "test_snapshot_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module       # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return _load("snapshot_replay", ROOT / "tests" / "test_snapshot_replay.py")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator snapshot needs a CUDA device")

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.export import Dim
 
 import boomfx
 from boomfx import fast_training, training
@@ -24,9 +23,8 @@ from boomfx.errors import OptionError
 from boomfx.live_bytes import profiler_peak_bytes
 from boomfx.program import ProgramOptions
 
-from conftest import make_model
+from conftest import export_meta, make_model
 from test_cpu_memory_accuracy import predicted_peak
-from models import GPT  # examples/ (conftest puts it on the path)
 
 TOLERANCE = 0.01   # as tests/test_cpu_memory_accuracy.py (exact in practice)
 
@@ -189,11 +187,7 @@ def _numbers(traced: Any, ep: Any, options: ProgramOptions, device: str) -> tupl
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_fast_path_agrees_with_the_full_trace(checkpoint: bool) -> None:
-    with torch.device("meta"):
-        model = GPT(vocab=128, d=32, layers=7, heads=4, max_seq=256)
-    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    dims = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
-    ep = torch.export.export(model, (ids,), dynamic_shapes=dims)
+    ep = export_meta("gpt", 7)
     full = training.build_training_program(ep, checkpoint=checkpoint, resident_grads=True)
     fast = fast_training.build_training_program_fast(ep, checkpoint=checkpoint, resident_grads=True)
     assert fast is not None, "the fast path fell back to the full trace"

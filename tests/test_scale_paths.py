@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import sympy
 import torch
-from torch.export import Dim
 
 from boomfx.analyze import _SIZE_QUERIES, _eager_autograd_liveness
 from boomfx.capture import capture
@@ -31,20 +30,7 @@ from boomfx.passes.specs import TensorSpec
 from boomfx.devices import get_device
 from boomfx.program import PHASE_BACKWARD, ProgramOptions
 
-from models import GPT, Llama  # examples/ (conftest puts it on the path)
-
-DIMS = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
-
-
-def _export(name: str, layers: int):
-    with torch.device("meta"):
-        if name == "llama":
-            model = Llama(vocab=128, d=32, layers=layers, heads=4, kv_heads=2, hidden=64)
-        else:
-            model = GPT(vocab=128, d=32, layers=layers, heads=4, max_seq=256)
-    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    return torch.export.export(model, (ids,), dynamic_shapes=DIMS)
-
+from conftest import export_meta
 
 def _copy_based_eager_liveness(program):
     """The former implementation: the liveness pass on a copy of the graph whose size queries read no
@@ -83,7 +69,7 @@ def _copy_based_eager_liveness(program):
     ("llama", 3, False, "adamw"), ("gpt", 2, True, "adamw"), ("llama", 8, False, "sgd"), ("gpt", 7, True, "adam"),
 ])
 def test_eager_liveness_without_a_copy_equals_the_copy_based_one(name, layers, checkpoint, optimizer) -> None:
-    program = capture(_export(name, layers),
+    program = capture(export_meta(name, layers),
                       options=ProgramOptions(train=True, checkpoint=checkpoint, optimizer=optimizer))
     ours, reference = _eager_autograd_liveness(program), _copy_based_eager_liveness(program)
     assert ours.order == reference.order
@@ -106,7 +92,7 @@ class _Plain:
 
 
 def test_bound_specs_are_cached_per_evaluator_and_equal_uncached_binding() -> None:
-    program = capture(_export("llama", 8), options=ProgramOptions(train=True))
+    program = capture(export_meta("llama", 8), options=ProgramOptions(train=True))
     costs = cost_pass(program, AnalysisManager(program, get_device("h100-sxm")))
     syms = {s.symbol: v for s, v in zip(program.symbols.values(), (3, 40))}
     symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
