@@ -48,7 +48,8 @@ from boomfx.devices import get_device  # noqa: E402
 from boomfx.kernels_db.collect import collect_calls  # noqa: E402
 from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_fused  # noqa: E402
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key  # noqa: E402
-from boomfx.kernels_db.measure import Measurer, effective_cache_bytes  # noqa: E402
+from boomfx.kernels_db.measure import (Measurer, effective_cache_bytes, l2_cache_bytes,  # noqa: E402
+                                       step_flush_bytes)
 from boomfx.kernels_db.store import Store  # noqa: E402
 from boomfx.live_bytes import profiler_peak_bytes  # noqa: E402
 from boomfx.program import ProgramOptions  # noqa: E402
@@ -141,19 +142,6 @@ def peak_bytes(step: Callable[[], None], model: torch.nn.Module, x: dict[str, to
     return int(peak + resident)
 
 
-def l2_cache_bytes() -> int:
-    """This core's L2 size (sysfs), 2 MiB if unknown."""
-    try:
-        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                text = (index / "size").read_text().strip().upper()
-                scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-                return int(text.rstrip("KM")) * scale
-    except OSError:
-        pass
-    return 2 << 20
-
-
 def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db: Path,
             flush_bytes: int) -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -173,15 +161,13 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
         except (SymbolicKeyError, UnkeyableCallError):
             continue        # not keyable: priced by the roofline
         eager_calls.append(call)
-    # Cache flush before each timed sample (cold operands, as benchmarks/cpu_accuracy.py), sized for the
-    # model: between two uses of a tensor a real step touches about its footprint (parameters,
-    # activations, optimizer state). Above the effective last-level cache everything is cold: flush that
-    # much. Below it (these small models: 3-30 MiB) a tensor leaves the core's private L2 but stays in the
-    # shared cache: flush the L2 only. (Measured on GPT-tiny inference: a 32 MiB flush made the
-    # prediction +27%, none -17%, an L2-sized one +5%. NB: the eager benchmark found the opposite for the
-    # transformers suite: an L2-only flush priced every case 15-33% under.)
-    footprint = int(analysis.evaluate(bindings, memory_only=True).report.memory.peak_live_bytes)
-    flush_bytes = flush_bytes if footprint > flush_bytes else min(footprint, l2_cache_bytes())
+    # Cache flush before each timed sample, sized by the step's traffic (kernels_db.measure.step_flush_bytes:
+    # above the effective cache a reused operand comes from DRAM, below it from the shared cache). Each
+    # flush size keeps its own database: the key does not record the flush, and a kernel measured warm
+    # for one model must not price it for a model that finds it cold.
+    traffic = sum(k.bytes_moved for k in analysis.evaluate(bindings).report.kernels)
+    flush_bytes = step_flush_bytes(traffic, flush_bytes, l2_cache_bytes())
+    db = db.with_name(f"{db.stem}-flush{flush_bytes >> 10}k{db.suffix}")
     settings = dict(cpu_clock="thread", cpu_flush_bytes=flush_bytes)
     with Store(db) as store:
         collect_calls(store, eager_calls, "cpu", measurer=Measurer("cpu", **settings))
@@ -196,7 +182,7 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
             "sources": {k: round(v / total, 3) for k, v in sources.items()},
             "fused_failed": len(fused.failed), "kernels": len(report.kernels),
             "fused_kernels": sum(1 for k in report.kernels if "fused" in str(getattr(k, "op", ""))),
-            "flush_bytes": flush_bytes, "predict_s": round(time.perf_counter() - t0, 1)}
+            "flush_bytes": flush_bytes, "traffic_bytes": traffic, "predict_s": round(time.perf_counter() - t0, 1)}
 
 
 def run_case(name: str, train: bool, db: Path, iters: int, flush_bytes: int) -> dict[str, Any]:

@@ -52,7 +52,8 @@ import torch.fx
 
 from boomfx.passes.costs.registry import Cost, OpCall, price_call
 from boomfx.passes.aliasing import is_view_node
-from boomfx.passes.fusion import CLASS_NONE, fusion_groups, node_class
+from boomfx.passes.fusion import CLASS_NONE, backend_for, fusion_groups, node_class
+from boomfx.passes.layout import channels_last_convolutions
 from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.specs import TensorSpec, to_sympy
 from boomfx.program import Program
@@ -557,6 +558,7 @@ def recompute_inlined(program: Program) -> Program:
 def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
+    program = channels_last_convolutions(program, backend_for(program))
     program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph

@@ -514,13 +514,18 @@ def _inlined_into(node: torch.fx.Node, virtual: set[torch.fx.Node],
     return _reachable(node.all_input_nodes, visit)
 
 
-def fusion_groups(program: Program, backend: str = "gpu") -> FusionInfo:
+def backend_for(program: Program) -> str:
+    """The Inductor backend that compiles ``program`` for its target: C++ for a CPU, Triton otherwise."""
+    return "cpu" if program.options.target_kind == "cpu" else "gpu"
+
+
+def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo:
     """The modelled Inductor fusion of ``program`` (rules 1-6 of the module docstring).
 
-    ``backend``: "gpu" (Triton, the default: what a --compile prediction targets) or "cpu" (Inductor's
-    C++ backend, whose few differing rules are listed in the module docstring; used to check the
-    shared rules against Inductor on machines without a GPU).
+    ``backend``: "gpu" (Triton) or "cpu" (Inductor's C++ backend, whose few differing rules are listed
+    in the module docstring); by default the one of the program's target (``backend_for``).
     """
+    backend = backend_for(program) if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
     nodes = list(program.graph.nodes)

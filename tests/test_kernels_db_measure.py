@@ -7,7 +7,7 @@ import torch
 
 from boomfx.kernels_db.collectors import build_call, spec
 from boomfx.kernels_db.keys import kernel_key
-from boomfx.kernels_db.measure import Measurer, summarize
+from boomfx.kernels_db.measure import Measurer, summarize, l2_cache_bytes, step_flush_bytes
 from boomfx.kernels_db.store import Store
 
 aten = torch.ops.aten
@@ -100,3 +100,13 @@ def test_cuda_mm_cannot_beat_the_datasheet_peak() -> None:
         pytest.skip(f"{fp.device_name} is not in the device registry")
     # 2*M*N*K FLOPs at no more than the dense datasheet peak: a lower bound on the time.
     assert result.median_ns >= 2 * m * n * k / peak * 1e9
+
+
+def test_step_flush_follows_step_traffic():
+    """Operands reused after more traffic than the effective cache come from DRAM (flush that cache);
+    after less, from the shared cache (flush only the core's L2)."""
+    mib = 1 << 20
+    assert step_flush_bytes(448 * mib, 64 * mib, 2 * mib) == 64 * mib     # GPT-2 training step
+    assert step_flush_bytes(12 * mib, 64 * mib, 2 * mib) == 2 * mib       # GPT-tiny inference step
+    assert step_flush_bytes(1 * mib, 1 * mib, 2 * mib) == 1 * mib         # never more than the cache
+    assert l2_cache_bytes() >= 64 << 10

@@ -1,0 +1,163 @@
+"""Channels-last convolutions under ``torch.compile``: whether Inductor runs a graph's 2-D convolutions
+channels-last, and the conversion copies that costs.
+
+Inductor decides once per graph (``GraphLowering.decide_layout_opt`` in torch/_inductor/graph.py, torch
+2.13). When it does, every 2-D convolution (forward and ``convolution_backward``) requires channels-last
+operands (kernel/conv.py ``require_channels_last``). Activations computed inside the graph are simply
+produced channels-last (free), but a graph *input* in the default contiguous layout (the weights, the
+image) is copied into a channels-last buffer before its first convolution, on every call. In training
+the copy is a saved tensor: it stays live from the forward to its use in ``convolution_backward``
+(measured on a ResNet with the C++ backend: every 3x3/7x7 weight and the input image are copied at the
+start of the forward and returned as saved tensors; 1x1 weights are already channels-last and are
+reinterpreted, not copied).
+
+``channels_last_convolutions(program, backend)`` inserts those copies
+(``aten.clone(x, memory_format=torch.channels_last)``) so liveness, the allocator replay and the cost
+model see them. Not modelled: the other layouts changing speed (the kernel database keys the
+convolutions with the exported contiguous strides; eager channels-last ResNet training on the dev CPU
+ran within 1% of contiguous), the dynamic-shape opt-out of the GPU heuristic (a compiled run
+specialises its first shapes) and AccumulateGrad's copy of a channels-last weight gradient into the
+parameter's layout after the backward.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from boomfx.program import PHASE_FORWARD, Program
+
+_aten = torch.ops.aten
+_FORWARD_CONVS = (_aten.convolution.default, _aten.conv2d.default)
+# operand positions Inductor makes channels-last: (input, weight) of a convolution, (input, weight) of
+# its backward (grad_output is computed in the graph)
+_OPERANDS = {_aten.convolution.default: (0, 1), _aten.conv2d.default: (0, 1),
+             _aten.convolution_backward.default: (1, 2)}
+
+# GraphLowering.decide_layout_opt: average channels-last time ratio per convolution kind (inference)
+_GROUPED, _DEFAULT, _IN_OUT, _SMALL = 1.358, 0.823, 0.725, 0.783
+_NODES_PER_CONV_LIMIT = 300
+
+
+def _weight(node: torch.fx.Node) -> Any:
+    return node.args[1].meta.get("val") if isinstance(node.args[1], torch.fx.Node) else None
+
+
+def _groups(node: torch.fx.Node) -> int:
+    if node.target is _aten.conv2d.default:
+        return int(node.args[6]) if len(node.args) > 6 else int(node.kwargs.get("groups", 1))
+    return int(node.args[-1])
+
+
+def _conv2d_nodes(program: Program) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target in _FORWARD_CONVS
+            and isinstance(_weight(n), torch.Tensor) and _weight(n).dim() == 4]
+
+
+def _hint(value: Any, program: Program) -> float:
+    """A number for a (possibly symbolic) size: the symbol's example value, else its lower bound."""
+    expr = sympy.sympify(value)
+    subs = {}
+    for sym in expr.free_symbols:
+        info = program.symbols.get(str(sym))
+        subs[sym] = (info.hint if info is not None and info.hint is not None
+                     else max(info.min_value if info is not None else 2, 2))
+    return float(expr.subs(subs))
+
+
+def _flops(node: torch.fx.Node, program: Program) -> float:
+    out, w = node.meta["val"], _weight(node)
+    per_output = 2 * w.shape[1] * w.shape[2] * w.shape[3]
+    return _hint(out.numel() * per_output, program)
+
+
+def uses_channels_last(program: Program, backend: str) -> bool:
+    """Inductor's layout decision for ``program`` (``decide_layout_opt``; see module docstring)."""
+    convs = _conv2d_nodes(program)
+    if not convs:
+        return False
+    if backend == "cpu":
+        return True          # "For cpu backend and mkldnn enabled, we always use channels_last"
+    forward = [n for n in program.graph.nodes if program.phase_of(n) == PHASE_FORWARD]
+    if len(forward) >= _NODES_PER_CONV_LIMIT * len(convs):
+        return False
+
+    def grouped(n: torch.fx.Node) -> bool:
+        return _groups(n) > 1 and _weight(n).shape[1] > 1
+
+    def in_out(n: torch.fx.Node) -> bool:
+        w = _weight(n)
+        return _hint(w.shape[0] * 2, program) <= _hint(w.shape[1], program) and _hint(w.shape[2], program) > 1
+
+    def small(n: torch.fx.Node) -> bool:
+        w = _weight(n)
+        return _hint(w.shape[0], program) <= 64 and _hint(w.shape[1], program) <= 64
+
+    if not program.options.train:
+        total = weighted = 0.0
+        for n in convs:
+            flops = _flops(n, program)
+            ratio = _GROUPED if grouped(n) else _SMALL if small(n) else _IN_OUT if in_out(n) else _DEFAULT
+            total += flops
+            weighted += flops * ratio
+        return weighted <= total
+    if any(map(grouped, convs)) or any(map(in_out, convs)):
+        return False
+    return not all(map(small, convs))
+
+
+def _is_channels_last(val: torch.Tensor) -> bool:
+    try:
+        return bool(val.is_contiguous(memory_format=torch.channels_last))
+    except RuntimeError:      # a symbolic stride Inductor would guard on: treat as not channels-last
+        return False
+
+
+def channels_last_convolutions(program: Program, backend: str) -> Program:
+    """``program`` with a channels-last copy of each graph input a 2-D convolution reads, when Inductor
+    would run its convolutions channels-last; unchanged otherwise."""
+    if not uses_channels_last(program, backend):
+        return program
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(program.graph, val_map))
+    phases = dict(program.phases)
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        positions = _OPERANDS.get(node.target) if node.op == "call_function" else None
+        if positions is None:
+            continue
+        weight = node.args[positions[1]]
+        if not (isinstance(weight, torch.fx.Node) and isinstance(weight.meta.get("val"), torch.Tensor)
+                and weight.meta["val"].dim() == 4):
+            continue
+        args = list(node.args)
+        for i in positions:
+            src = args[i]
+            if not (isinstance(src, torch.fx.Node) and src.op == "placeholder"
+                    and isinstance(src.meta.get("val"), torch.Tensor) and not _is_channels_last(src.meta["val"])):
+                continue
+            if src not in copies:
+                with graph.inserting_before(node):
+                    copy = graph.call_function(_aten.clone.default, (src,), {"memory_format": torch.channels_last})
+                copy.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+                val = src.meta["val"]
+                mode = getattr(val, "fake_mode", None)
+                if mode is not None:
+                    with mode:
+                        copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+                else:
+                    copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+                phases[copy.name] = program.phase_of(node)
+                copies[src] = copy
+            args[i] = copies[src]
+        node.args = tuple(args)
+    if not copies:
+        return program
+    graph.lint()
+    gm = torch.fx.GraphModule(program.gm, graph)
+    gm.meta.update(program.gm.meta)
+    return replace(program, gm=gm, phases=phases)

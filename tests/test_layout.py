@@ -1,0 +1,103 @@
+"""Channels-last convolutions under torch.compile (passes/layout.py), checked against Inductor's own
+output code on the CPU and against the rules of ``GraphLowering.decide_layout_opt``."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from boomfx.capture import capture
+from boomfx.passes.layout import channels_last_convolutions, uses_channels_last
+from boomfx.program import ProgramOptions
+
+
+class ConvNet(nn.Module):
+    """A 3x3 convolution (its weight must be copied channels-last) and a 1x1 one (already is)."""
+
+    def __init__(self, c_in: int = 3, c: int = 8, k2: int = 1, groups: int = 1) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(c_in, c, 3, padding=1)
+        self.b = nn.Conv2d(c, c, k2, groups=groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).relu()
+
+
+def _program(model: nn.Module, x: torch.Tensor, train: bool = False, kind: str = "cpu"):
+    return capture(torch.export.export(model, (x,)), options=ProgramOptions(train=train, target_kind=kind))
+
+
+def _copies(program) -> Counter:
+    return Counter(tuple(n.meta["val"].shape) for n in program.graph.nodes
+                   if n.target is torch.ops.aten.clone.default and n.kwargs.get("memory_format") is torch.channels_last)
+
+
+def _inductor_input_copies(model: nn.Module, x: torch.Tensor) -> Counter:
+    """Buffers of Inductor's CPU output code shaped like a graph input (a weight or the image) and
+    allocated channels-last: the conversion copies."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(torch.compile(model), x)
+    inputs = {tuple(p.shape) for p in model.parameters()} | {tuple(x.shape)}
+    call = code[code.index("def call("):]
+    found = Counter()
+    for shape_text, stride_text in re.findall(r"= empty_strided_cpu\(\(([^)]*)\), \(([^)]*)\)", call):
+        shape = tuple(int(s) for s in shape_text.replace(" ", "").split(",") if s)
+        stride = tuple(int(s) for s in stride_text.replace(" ", "").split(",") if s)
+        if shape in inputs and len(shape) == 4 and stride[1] == 1:
+            found[shape] += 1
+    return found
+
+
+def test_copies_equal_inductors():
+    """The copies we insert are the ones in Inductor's output code: the image and the 3x3 weight, not
+    the 1x1 weight (reinterpreted in place)."""
+    model, x = ConvNet().eval(), torch.randn(2, 3, 12, 12)
+    ours = _copies(channels_last_convolutions(_program(model, x), "cpu"))
+    assert ours == Counter({(2, 3, 12, 12): 1, (8, 3, 3, 3): 1})
+    assert ours == _inductor_input_copies(model, x)
+
+
+def test_training_copy_is_saved_for_backward():
+    """In training the weight copy is read by the forward convolution and by its backward (Inductor
+    returns it as a saved tensor), so it is live across the step, not just around one convolution."""
+    model, x = ConvNet(), torch.randn(2, 3, 12, 12)
+    program = channels_last_convolutions(_program(model, x, train=True), "cpu")
+    copies = [n for n in program.graph.nodes if n.target is torch.ops.aten.clone.default
+              and n.kwargs.get("memory_format") is torch.channels_last]
+    weight_copy = next(n for n in copies if tuple(n.meta["val"].shape) == (8, 3, 3, 3))
+    readers = {u.target for u in weight_copy.users}
+    assert readers == {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+    assert program.phase_of(weight_copy) == "forward"
+    assert weight_copy.meta["val"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_no_convolution_no_rewrite():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    program = _program(model, torch.randn(2, 8))
+    assert not uses_channels_last(program, "cpu")
+    assert channels_last_convolutions(program, "cpu") is program
+
+
+def _decision(model: nn.Module, train: bool) -> bool:
+    program = _program(model, torch.randn(2, model.a.in_channels, 8, 8), kind="cuda")
+    return uses_channels_last(replace(program, options=ProgramOptions(train=train)), "gpu")
+
+
+@pytest.mark.parametrize("model, train, expected", [
+    # the CPU backend always converts; the GPU heuristics, training:
+    (ConvNet(c=128, k2=3), True, True),                       # large channels: converted
+    (ConvNet(c=32, k2=3), True, False),                       # every convolution <= 64 channels
+    (ConvNet(c=128, k2=3, groups=2), True, False),            # a grouped convolution (64 in-channels/group)
+    # inference: FLOP-weighted average channels-last speed-up per convolution kind
+    (ConvNet(c=32, k2=3), False, True),                       # small: 0.783
+    (ConvNet(c_in=4, c=128, k2=3, groups=2), False, False),  # mostly grouped FLOPs: 1.358
+])
+def test_gpu_heuristics(model, train, expected):
+    assert _decision(model, train) is expected
+    assert uses_channels_last(_program(model, torch.randn(2, model.a.in_channels, 8, 8)), "cpu")
