@@ -12,11 +12,12 @@ backward plus an eager AdamW step):
 2. predicted: ``capture(..., compile=True, target_kind="cpu")`` priced with a kernel database collected
    here first, fresh per run: eager kernels (extern matmuls, attention, optimizer ops) with
    ``kernels_db.collect`` and fused groups with ``kernels_db.collect_fused``, both with
-   ``Measurer(cpu_clock='thread', cpu_flush_bytes=effective_cache_bytes())`` (cold operands, thread time).
+   ``Measurer(cpu_clock='thread', cpu_flush_bytes=step_flush_bytes(...))`` (thread time; a cache flush
+   of the step's footprint before each sample, between the L2 and the effective cache).
 
 Writes ``benchmarks/results/compiled_cpu_accuracy.{json,md}``. Usage::
 
-    python benchmarks/compiled_cpu_accuracy.py [--models mlp,gpt,llama] [--modes inference,train] [--iters 20]
+    python benchmarks/compiled_cpu_accuracy.py [--models mlp,gpt,llama] [--modes inference,train] [--iters 20] [--flush-mib 64]
 """
 from __future__ import annotations
 
@@ -161,12 +162,12 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
         except (SymbolicKeyError, UnkeyableCallError):
             continue        # not keyable: priced by the roofline
         eager_calls.append(call)
-    # Cache flush before each timed sample, sized by the step's traffic (kernels_db.measure.step_flush_bytes:
-    # above the effective cache a reused operand comes from DRAM, below it from the shared cache). Each
-    # flush size keeps its own database: the key does not record the flush, and a kernel measured warm
-    # for one model must not price it for a model that finds it cold.
-    traffic = sum(k.bytes_moved for k in analysis.evaluate(bindings).report.kernels)
-    flush_bytes = step_flush_bytes(traffic, flush_bytes, l2_cache_bytes())
+    # Cache flush before each timed sample sized by the step's footprint (kernels_db.measure.step_flush_bytes:
+    # the distinct bytes a step touches between two uses of a tensor). Each flush size keeps its own
+    # database: the key does not record the flush, and a kernel measured warm for one model must not
+    # price it for a model that finds it cold.
+    footprint = int(analysis.evaluate(bindings, memory_only=True).report.memory.peak_live_bytes)
+    flush_bytes = step_flush_bytes(footprint, flush_bytes, l2_cache_bytes())
     db = db.with_name(f"{db.stem}-flush{flush_bytes >> 10}k{db.suffix}")
     settings = dict(cpu_clock="thread", cpu_flush_bytes=flush_bytes)
     with Store(db) as store:
@@ -182,7 +183,7 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
             "sources": {k: round(v / total, 3) for k, v in sources.items()},
             "fused_failed": len(fused.failed), "kernels": len(report.kernels),
             "fused_kernels": sum(1 for k in report.kernels if "fused" in str(getattr(k, "op", ""))),
-            "flush_bytes": flush_bytes, "traffic_bytes": traffic, "predict_s": round(time.perf_counter() - t0, 1)}
+            "flush_bytes": flush_bytes, "footprint_bytes": footprint, "predict_s": round(time.perf_counter() - t0, 1)}
 
 
 def run_case(name: str, train: bool, db: Path, iters: int, flush_bytes: int) -> dict[str, Any]:
@@ -243,9 +244,17 @@ NOTES: list[str] = [
     "timed in thread CPU time, which excludes the time other processes ran on this shared 2-vCPU VM (load 3-6). "
     "It does not exclude their cache and hyper-thread interference: the two halves of the real samples "
     "(before/after the collection, in the JSON) still differ by up to 15% on one model.",
-    "Cache flush: sized per model (see predict()): the footprint of these models (3-30 MiB) is below the "
-    "effective last-level cache, so only the L2 (2 MiB) is flushed before each timed kernel sample; the "
-    "previous 32 MiB flush made every kernel cold (GPT-tiny inference +27%).",
+    "Cache flush: sized per case by the step's footprint (kernels_db.measure.step_flush_bytes): between two "
+    "uses of a tensor a step touches about its peak live bytes of other data (an LRU reuse distance), so each "
+    "timed kernel sample follows a flush of that many bytes, at least the 2 MiB L2 and at most the effective "
+    "cache (64 MiB: --flush-mib 64, the knee kernels_db.measure.effective_cache_bytes() finds on a quiet run "
+    "of this VM). Each flush size has its own database (the key does not record it; before, a kernel "
+    "measured warm for a small case priced it for a large one too). Tried on the way: the former binary rule "
+    "(footprint below the knee -> L2 flush, else the knee) left the 24-52 MiB training steps 12-35% under; "
+    "a rule on total traffic (80-530 MiB per training step) made the tiny models' training 35-37% over "
+    "(traffic counts re-reads of the same lines: the wrong distance). The knee itself is load-dependent: "
+    "back-to-back searches on a busy day found 8, 32, 64, 64 and 128 MiB, and the same GPT-2 training row "
+    "was -22.6% with a 32 MiB flush, -2.9% with 64 MiB and +35% with 128 MiB, hence the fixed value.",
     "Training: the loss (mean of the output, what boomfx.training adds) is compiled with the model, as the "
     "predicted program fuses it; AdamW runs eagerly (foreach) in both. Its data-dependent scalars are keyed "
     "as boomfx.analyze binds them (Analysis.kernel_calls), so every kernel is measured (no roofline left).",
@@ -267,10 +276,17 @@ NOTES: list[str] = [
     "fused group includes run_fused's call path (~5 us vs ~1-2 us per kernel in Inductor's wrapper). "
     "Fusion groups (passes/fusion.py) equal Inductor's on the tiny models and on HF GPT-2/BERT inference up "
     "to one documented C++-only split; Llama training still differs by 5-10 groups (C++-only horizontal "
-    "fusion limits). ResNet is the outlier (memory -19/-23%, training time -35%): the compiled CPU step is "
-    "slower than the eager one (34.6 vs ~27 ms) and holds ~20% more memory than predicted, i.e. Inductor's "
-    "CPU backend adds work around its convolutions (extern mkldnn calls with their own layouts) that the "
-    "GPU-oriented model does not predict; not yet analysed.",
+    "fusion limits).",
+    "ResNet: Inductor runs convolutions channels-last (always on CPU; passes/layout.py models "
+    "decide_layout_opt): every 3x3/7x7 weight and the image are copied channels-last on each call and, in "
+    "training, saved for the backward. Modelled since this run (memory was -22.7%/-18.8% without: the "
+    "weight copies are exactly the missing bytes, e.g. the 2.25 MiB copy of the last 256x256x3x3 weight at "
+    "the inference peak). Its time was -34.6% under the old flush rule only because its 24 MiB footprint "
+    "put it in the L2-warm class. The copies also set the layouts downstream (convolutions, norms, ReLUs "
+    "channels-last, as Inductor's), so the database measures channels-last convolutions: eager ResNet "
+    "inference here runs 5.4 ms channels-last vs 7.2 ms contiguous, and the row went from +22..+35% "
+    "(contiguous convolutions priced) to -7%. Weight gradients come out channels-last and AccumulateGrad "
+    "copies them into the parameters' layout before the optimizer (modelled: one copy per 3x3/7x7 weight).",
 ]
 
 
@@ -280,7 +296,9 @@ def main() -> int:
     parser.add_argument("--modes", default="inference,train")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--db", default=None, help="kernel database (default: a fresh temporary one)")
-    parser.add_argument("--flush-mib", default="auto")
+    parser.add_argument("--flush-mib", default="auto",
+                        help="the effective cache (MiB): the largest flush before a kernel sample; auto = "
+                             "kernels_db.measure.effective_cache_bytes() (load-dependent on a shared host)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)      # before any compilation: Inductor sizes its OpenMP regions from it

@@ -518,8 +518,10 @@ def recompute_inlined(program: Program) -> Program:
     from its inputs (``arange``/``cos`` tables, GPT's embedding sum feeding ``ln_1`` and the residual
     add). ``fusion_groups`` puts such a value in its first consumer's group; here each other consumer
     kernel reading it directly gets a copy (with the inlined values it needs), placed before it, so the
-    copy fuses there and the value is neither stored nor re-read. Reads through a view keep the shared
-    value (not handled).
+    copy fuses there and the value is neither stored nor re-read. A view of an inlined value read by
+    several kernels is copied the same way (each kernel recomputes the value and views it): otherwise
+    the kernel reading through the view would depend on the owner's kernel, which Inductor does not do
+    (and with the C++ backend's groups that false dependency closed a cycle on Llama's rotary tables).
     """
     fusion = fusion_groups(program)
     if not fusion.inlined:
@@ -531,7 +533,16 @@ def recompute_inlined(program: Program) -> Program:
     group = {val_map[n]: fusion.group_of[n.name] for n in program.graph.nodes if n.name in fusion.group_of}
     inlined = {val_map[n] for n in program.graph.nodes if n.name in fusion.inlined}
     order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):         # views of inlined values (and views of those): split per kernel too
+        if (n.op == "call_function" and node_class(n) == CLASS_NONE and is_view_node(n)
+                and n.args and n.args[0] in inlined):
+            inlined.add(n)
     for node in sorted(inlined, key=order.__getitem__, reverse=True):
+        if node not in group:            # a view: it belongs to the kernel of its first reader
+            grouped_users = sorted((u for u in node.users if group.get(u) is not None), key=order.__getitem__)
+            if not grouped_users:
+                continue
+            group[node] = group[grouped_users[0]]
         readers: dict[int, list[torch.fx.Node]] = {}
         for user in list(node.users):
             g = group.get(user)

@@ -32,7 +32,7 @@ def _program(model: nn.Module, x: torch.Tensor, train: bool = False, kind: str =
 
 
 def _copies(program) -> Counter:
-    return Counter(tuple(n.meta["val"].shape) for n in program.graph.nodes
+    return Counter(tuple(d if isinstance(d, int) else str(d) for d in n.meta["val"].shape) for n in program.graph.nodes
                    if n.target is torch.ops.aten.clone.default and n.kwargs.get("memory_format") is torch.channels_last)
 
 
@@ -101,3 +101,34 @@ def _decision(model: nn.Module, train: bool) -> bool:
 def test_gpu_heuristics(model, train, expected):
     assert _decision(model, train) is expected
     assert uses_channels_last(_program(model, torch.randn(2, model.a.in_channels, 8, 8)), "cpu")
+
+
+def test_symbolic_batch(exported):
+    """The conftest CNN exported with a symbolic batch: the decision evaluates its FLOPs at the example
+    size (a compiled run specialises its first shapes), and the copies keep the symbolic image shape."""
+    ep, _ = exported("cnn")
+    program = capture(ep, options=ProgramOptions(target_kind="cuda"))
+    assert uses_channels_last(program, "gpu")                 # inference, small channels: 0.783 < 1
+    copies = _copies(channels_last_convolutions(program, "gpu"))
+    assert sum(copies.values()) == 3                           # the image and both 3x3 weights
+    assert any(not isinstance(s[0], int) for s in copies)     # the image copy keeps the batch symbol
+
+
+def test_layouts_follow_the_copies():
+    """Downstream of the copies values take Inductor's layouts: the convolutions (and the ReLU between
+    them) are channels-last, so the kernel database keys and measures channels-last convolutions; the
+    weight gradient the optimizer reads is a contiguous copy (AccumulateGrad's), the gradient the step
+    holds."""
+    model, x = ConvNet(), torch.randn(2, 3, 12, 12)
+    program = channels_last_convolutions(_program(model, x, train=True), "cpu")
+    convs = [n for n in program.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    assert convs and all(n.meta["val"].is_contiguous(memory_format=torch.channels_last) for n in convs)
+    assert all(not n.meta["val"].is_contiguous() for n in convs)
+    relus = [n for n in program.graph.nodes if n.target is torch.ops.aten.relu.default]
+    assert relus and all(n.meta["val"].is_contiguous(memory_format=torch.channels_last) for n in relus)
+    by_fqn = {fqn: name for name, fqn in program.grad_nodes.items()}
+    grad = next(n for n in program.graph.nodes if n.name == by_fqn["a.weight"])
+    assert grad.target is torch.ops.aten.clone.default and grad.kwargs["memory_format"] is torch.contiguous_format
+    assert grad.meta["val"].is_contiguous() and program.phase_of(grad) == "backward"
+    assert not grad.args[0].meta["val"].is_contiguous()              # convolution_backward's own output
+    assert all(program.phase_of(u) == "optimizer" for u in grad.users)
