@@ -54,6 +54,7 @@ from boomfx.passes.costs.registry import Cost, OpCall, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import channels_last_convolutions
+from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.specs import TensorSpec, to_sympy
 from boomfx.program import Program
@@ -570,6 +571,7 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     program = channels_last_convolutions(program, backend_for(program))
+    program = fuse_addmm(program, backend_for(program))
     program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph
