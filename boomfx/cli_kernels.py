@@ -21,6 +21,9 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--checkpoint", action="store_true")
     c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
     c.add_argument("--resident-grads", action="store_true")
+    c.add_argument("--compile", action="store_true",
+                   help="with --for: the kernels torch.compile (Inductor) runs; each unique fused group is "
+                        "compiled and timed here, so --compile predictions are measured")
     c.add_argument("--blocks", action="store_true",  # block mode: kernels_db/blocks_db.py
                    help="with --for: run each repeated block whole at the target sizes and store its time")
     c.add_argument("--families", default=None, help="sweep mode: comma-separated op families")

@@ -78,6 +78,8 @@ def _collect(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
         raise OptionError("--blocks needs --for FILE.pt2")
+    if args.compile and (not args.for_file or args.blocks):
+        raise OptionError("--compile needs --for FILE.pt2 (and no --blocks)")
     if args.for_file:
         from boomfx.analyze import Analysis, AnalyzeOptions
         from boomfx.capture import capture, resolve_bindings
@@ -86,7 +88,8 @@ def _collect(args: argparse.Namespace) -> int:
         program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
                                                                 target_kind=spec.kind,
                                                                 checkpoint_layers=args.checkpoint_layers,
-                                                                resident_grads=args.resident_grads))
+                                                                resident_grads=args.resident_grads,
+                                                                compile=args.compile))
         bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
@@ -95,8 +98,17 @@ def _collect(args: argparse.Namespace) -> int:
             print(blocks.summary(args.for_file, path))
             return 0
         calls = analysis.kernel_calls(bindings)
+        if args.compile:   # fused groups: compiled with Inductor and timed as its graph calls them
+            from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_fused
+            calls = [c for c in calls if not str(c.op).startswith("boomfx.")]
+            fused = collect_fused(Store(path), analysis, bindings, budget_s=budget, progress=progress,
+                                  measurer=protocol_measurer(device, FusedMeasurer))
+            print(f"compiled groups of {args.for_file}: measured {fused.measured}, already present "
+                  f"{fused.skipped}, failed {len(fused.failed)}, left for later {fused.pending} "
+                  f"({fused.elapsed_s:.1f} s)")
+            budget = None if budget is None else max(budget - fused.elapsed_s, 1.0)
         result = collect_calls(Store(path), calls, device, budget, progress, measurer=protocol_measurer(device))
-        what = f"{len(calls)} kernels of {args.for_file}"
+        what = f"{len(calls)} {'library ' if args.compile else ''}kernels of {args.for_file}"
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None

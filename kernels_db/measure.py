@@ -300,13 +300,18 @@ class Measurer:
         op, args, kwargs = make_inputs(key, self.device, self.seed)
         previous_denormal = torch.set_flush_denormal(True)
         try:
-            samples = self._time_cpu(lambda: op(*args, **kwargs))
+            samples = self._time_cpu(self._timed_call(op, args, kwargs))
             median, p10, p90 = summarize(samples)
             host = min(self._cpu_host_ns(key), median)
             workspace = self._cpu_workspace_bytes(op, args, kwargs) if self.measure_workspace else 0
         finally:
             torch.set_flush_denormal(previous_denormal)
         return Measurement(median, p10, p90, len(samples), host, workspace, self.source)
+
+    @staticmethod
+    def _timed_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Callable[[], object]:
+        """What one timed CPU sample calls: the op through the dispatcher, as eager PyTorch calls it."""
+        return lambda: op(*args, **kwargs)
 
     def _cpu_host_ns(self, key: KernelKey) -> float:
         tiny = shrunk_key(key)
@@ -461,7 +466,7 @@ def step_flush_bytes(step_footprint_bytes: int, cache_bytes: int, l2_bytes: int)
 PROTOCOL_MAX_FLUSH_BYTES = 128 << 20
 
 
-def protocol_measurer(device: torch.device | str) -> "Measurer":
+def protocol_measurer(device: torch.device | str, kind: Optional[type["Measurer"]] = None) -> "Measurer":
     """The measurer ``boomfx kernels collect`` uses: the protocol the CPU accuracy benchmark validates.
 
     On CPU: operands of kernels >= ``min_sample_ns`` made cold before each timed sample by a flush the
@@ -471,11 +476,12 @@ def protocol_measurer(device: torch.device | str) -> "Measurer":
     flushed where a kernel's inputs fit in it).
     """
     device = torch.device(device)
+    kind = kind or Measurer         # ``kernels_db.collect_fused.FusedMeasurer`` for compiled groups
     if device.type != "cpu":
-        return Measurer(device)
+        return kind(device)
     clock = "thread" if torch.get_num_threads() == 1 else "wall"
     flush = min(effective_cache_bytes(), PROTOCOL_MAX_FLUSH_BYTES)
-    return Measurer(device, cpu_clock=clock, cpu_flush_bytes=flush)
+    return kind(device, cpu_clock=clock, cpu_flush_bytes=flush)
 
 
 @contextlib.contextmanager

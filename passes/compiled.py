@@ -187,10 +187,15 @@ def _compiled(desc: str, scalars: tuple[int, ...], signature: tuple) -> Any:
     return compile_fx(gm, example)
 
 
+def compiled_group(desc: str, scalars: tuple[int, ...], inputs: Sequence[torch.Tensor]) -> Any:
+    """The Inductor-compiled callable of a fused group for the shapes, strides and dtypes of ``inputs``."""
+    signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+    return _compiled(desc, scalars, signature)
+
+
 def run_fused(desc: str, scalars: tuple[int, ...], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run a fused kernel for real, compiled by Inductor (cached per shapes)."""
-    signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
-    out = _compiled(desc, scalars, signature)(*inputs)
+    out = compiled_group(desc, scalars, inputs)(*inputs)
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 

@@ -116,3 +116,52 @@ def test_cli_collects_with_the_validated_protocol(monkeypatch, capsys, exported,
         torch.set_num_threads(before)
     assert made == [{"cpu_clock": "thread", "cpu_flush_bytes": measure.PROTOCOL_MAX_FLUSH_BYTES}]
     assert "measured 4," in capsys.readouterr().out
+
+
+def test_collect_compiled_groups_then_analyze_compiled(capsys, exported, tmp_path: Path) -> None:
+    """`kernels collect --for M --compile` measures the library kernels and every fused group, so the
+    --compile prediction is measured throughout (no roofline)."""
+    _, path = exported("mlp")
+    db = tmp_path / "cpu.sqlite"
+    args = ["--device", "cpu", "--for", path, "--batch", "8", "--db", str(db), "--quiet", "--compile"]
+    assert main(["kernels", "collect", *args]) == 0
+    out = capsys.readouterr().out
+    assert "compiled groups of" in out and "failed 0" in out
+    assert main(["analyze", path, "--batch", "8", "--device", "cpu", "--db", str(db), "--compile", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any("fused" in k["op"] for k in report["kernels"])
+    assert {k["source"] for k in report["kernels"]} == {"measured"}
+
+
+def test_compile_collection_needs_a_program(capsys) -> None:
+    assert main(["kernels", "collect", "--device", "cpu", "--compile", "--quiet"]) == 2
+    assert "--compile needs --for" in capsys.readouterr().err
+
+
+def test_fused_groups_are_timed_without_the_custom_op(monkeypatch) -> None:
+    """The collector times a compiled group as Inductor's graph calls it: the compiled callable directly,
+    not through the ``boomfx::fused`` op and ``run_fused`` (their ~5 us of Python per call is no part of
+    a compiled step)."""
+    import torch
+    from boomfx.capture import capture, resolve_bindings
+    from boomfx.analyze import Analysis
+    from boomfx.devices import get_device
+    from boomfx.kernels_db.collect_fused import FusedMeasurer, fused_calls
+    from boomfx.kernels_db.keys import kernel_key, make_inputs
+    from boomfx.passes import compiled
+    from boomfx.program import ProgramOptions
+
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) * 2.0 + 1.0
+
+    program = capture(torch.export.export(Chain(), (torch.randn(16),)),
+                      options=ProgramOptions(compile=True, target_kind="cpu"))
+    analysis = Analysis(program, get_device("cpu"))
+    key = kernel_key(fused_calls(analysis, resolve_bindings(program, {}))[0])
+    op, args, kwargs = make_inputs(key, torch.device("cpu"))
+    expected = op(*args, **kwargs)[0]
+    monkeypatch.setattr(compiled, "run_fused", lambda *a: (_ for _ in ()).throw(AssertionError("via the op")))
+    out = FusedMeasurer._timed_call(op, args, kwargs)()
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    assert torch.equal(out, expected)
