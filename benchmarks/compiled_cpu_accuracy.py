@@ -46,9 +46,7 @@ from cpu_accuracy import densify_adam_state, first_output  # noqa: E402
 from boomfx.analyze import Analysis, AnalyzeOptions  # noqa: E402
 from boomfx.capture import capture, resolve_bindings  # noqa: E402
 from boomfx.devices import get_device  # noqa: E402
-from boomfx.kernels_db.collect import collect_calls  # noqa: E402
-from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_fused  # noqa: E402
-from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key  # noqa: E402
+from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled  # noqa: E402
 from boomfx.kernels_db.measure import (Measurer, effective_cache_bytes, l2_cache_bytes,  # noqa: E402
                                        step_flush_bytes)
 from boomfx.kernels_db.store import Store  # noqa: E402
@@ -151,17 +149,6 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
     device = get_device("cpu")
     analysis = Analysis(program, device)
     bindings = resolve_bindings(program, {})
-    # every kernel's bound OpCall (data-dependent optimizer scalars evaluated as analyze does); the
-    # fused groups are collected by collect_fused
-    eager_calls = []
-    for call in analysis.kernel_calls(bindings):
-        if str(call.op).startswith("boomfx."):
-            continue
-        try:
-            kernel_key(call)
-        except (SymbolicKeyError, UnkeyableCallError):
-            continue        # not keyable: priced by the roofline
-        eager_calls.append(call)
     # Cache flush before each timed sample sized by the step's footprint (kernels_db.measure.step_flush_bytes:
     # the distinct bytes a step touches between two uses of a tensor). Each flush size keeps its own
     # database: the key does not record the flush, and a kernel measured warm for one model must not
@@ -170,9 +157,10 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
     flush_bytes = step_flush_bytes(footprint, flush_bytes, l2_cache_bytes())
     db = db.with_name(f"{db.stem}-flush{flush_bytes >> 10}k{db.suffix}")
     settings = dict(cpu_clock="thread", cpu_flush_bytes=flush_bytes)
-    with Store(db) as store:
-        collect_calls(store, eager_calls, "cpu", measurer=Measurer("cpu", **settings))
-        fused = collect_fused(store, analysis, bindings, measurer=FusedMeasurer("cpu", **settings))
+    with Store(db) as store:     # fused groups and library kernels (the data-dependent optimizer scalars
+        # bound as analyze binds them: Analysis.kernel_calls)
+        fused, _ = collect_compiled(store, analysis, bindings, Measurer("cpu", **settings),
+                                    FusedMeasurer("cpu", **settings))
     priced = Analysis(program, device, AnalyzeOptions("cpu", db=str(db)))
     report = priced.evaluate(bindings).report
     sources: dict[str, float] = {}

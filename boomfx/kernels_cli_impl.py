@@ -97,18 +97,18 @@ def _collect(args: argparse.Namespace) -> int:
             blocks = collect_blocks(Store(path), analysis, bindings, device, budget, progress)
             print(blocks.summary(args.for_file, path))
             return 0
-        calls = analysis.kernel_calls(bindings)
-        if args.compile:   # fused groups: compiled with Inductor and timed as its graph calls them
-            from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_fused
-            calls = [c for c in calls if not str(c.op).startswith("boomfx.")]
-            fused = collect_fused(Store(path), analysis, bindings, budget_s=budget, progress=progress,
-                                  measurer=protocol_measurer(device, FusedMeasurer))
+        if args.compile:   # fused groups compiled with Inductor and timed as its graph calls them, then the rest
+            from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled
+            fused, result = collect_compiled(Store(path), analysis, bindings, protocol_measurer(device),
+                                             protocol_measurer(device, FusedMeasurer), budget, progress)
             print(f"compiled groups of {args.for_file}: measured {fused.measured}, already present "
                   f"{fused.skipped}, failed {len(fused.failed)}, left for later {fused.pending} "
                   f"({fused.elapsed_s:.1f} s)")
-            budget = None if budget is None else max(budget - fused.elapsed_s, 1.0)
-        result = collect_calls(Store(path), calls, device, budget, progress, measurer=protocol_measurer(device))
-        what = f"{len(calls)} {'library ' if args.compile else ''}kernels of {args.for_file}"
+            what = f"the library kernels of {args.for_file}"
+        else:
+            calls = analysis.kernel_calls(bindings)
+            result = collect_calls(Store(path), calls, device, budget, progress, measurer=protocol_measurer(device))
+            what = f"{len(calls)} kernels of {args.for_file}"
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None

@@ -99,3 +99,19 @@ class Program:
 
     def phase_of(self, node: torch.fx.Node) -> str:
         return self.phases.get(node.name, PHASE_FORWARD)
+
+    def copied_graph(self) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node]]:
+        """A copy of the graph to rewrite (node names kept) and the map from this graph's nodes to it."""
+        graph = torch.fx.Graph()
+        val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+        graph.output(graph.graph_copy(self.graph, val_map))
+        return graph, val_map
+
+    def rewritten(self, graph: torch.fx.Graph, **changes: object) -> "Program":
+        """This program with ``graph`` (checked) in place of its own, and any other fields ``changes``
+        (the rewrites of passes/compiled.py, layout.py, post_grad.py end here)."""
+        from dataclasses import replace
+        graph.lint()
+        gm = torch.fx.GraphModule(self.gm, graph)
+        gm.meta.update(self.gm.meta)
+        return replace(self, gm=gm, **changes)

@@ -21,7 +21,7 @@ Known limitations:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import sympy
 import torch
@@ -93,6 +93,25 @@ def collect_fused(
         options["measurer"] = FusedMeasurer(device)
     calls = [call for call in fused_calls(analysis, bindings) if _keyable(call)]
     return collect_calls(store, calls, **options)
+
+
+def collect_compiled(
+    store: Store,
+    analysis: Any,
+    bindings: Mapping[sympy.Symbol, int],
+    measurer: Measurer,
+    fused_measurer: "FusedMeasurer",
+    budget_s: Optional[float] = None,
+    progress: Any = None,
+) -> tuple[CollectResult, CollectResult]:
+    """Everything a compiled program runs, the store lacks: its fused groups (``fused_measurer``), then
+    its library kernels (matmuls, convolutions, attention, the eager optimizer step: ``measurer``) in
+    what is left of ``budget_s``. Returns (fused, library) results."""
+    fused = collect_fused(store, analysis, bindings, budget_s=budget_s, progress=progress, measurer=fused_measurer)
+    if budget_s is not None:
+        budget_s = max(budget_s - fused.elapsed_s, 1.0)
+    calls = [c for c in analysis.kernel_calls(bindings) if not str(c.op).startswith("boomfx.") and _keyable(c)]
+    return fused, collect_calls(store, calls, budget_s=budget_s, progress=progress, measurer=measurer)
 
 
 def _keyable(call: OpCall) -> bool:

@@ -49,8 +49,8 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch

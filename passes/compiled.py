@@ -402,10 +402,7 @@ def recompute_for_backward(program: Program) -> Program:
     if PHASE_BACKWARD not in set(program.phases.values()):
         return program
     fusion = fusion_groups(program)
-    graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(program.graph, val_map)
-    graph.output(out)
+    graph, val_map = program.copied_graph()
     phases = dict(program.phases)
 
     def phase(n: torch.fx.Node) -> str:
@@ -504,11 +501,7 @@ def recompute_for_backward(program: Program) -> Program:
         for u in bw_users:
             u.replace_input_with(o, env[o])
         recomputed.add(o)
-    graph.lint()
-    gm = torch.fx.GraphModule(program.gm, graph)
-    gm.meta.update(program.gm.meta)
-    from dataclasses import replace
-    return replace(program, gm=gm, phases=phases)
+    return program.rewritten(graph, phases=phases)
 
 
 def _numel_of(v: torch.Tensor) -> Any:
@@ -533,9 +526,7 @@ def recompute_inlined(program: Program) -> Program:
     fusion = fusion_groups(program)
     if not fusion.inlined:
         return program
-    graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(program.graph, val_map))
+    graph, val_map = program.copied_graph()
     phases = dict(program.phases)
     group = {val_map[n]: fusion.group_of[n.name] for n in program.graph.nodes if n.name in fusion.group_of}
     inlined = {val_map[n] for n in program.graph.nodes if n.name in fusion.inlined}
@@ -566,18 +557,14 @@ def recompute_inlined(program: Program) -> Program:
             inlined.add(copy)
             for u in users:
                 u.replace_input_with(node, copy)
-    graph.lint()
-    gm = torch.fx.GraphModule(program.gm, graph)
-    gm.meta.update(program.gm.meta)
-    from dataclasses import replace
-    return replace(program, gm=gm, phases=phases)
+    return program.rewritten(graph, phases=phases)
 
 
 def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
-    program = channels_last_convolutions(program, backend_for(program))
-    program = fuse_addmm(program, backend_for(program))
+    backend = backend_for(program)
+    program = fuse_addmm(channels_last_convolutions(program, backend), backend)
     program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph
@@ -692,12 +679,8 @@ def compile_program(program: Program) -> Program:
         for view in sorted(views_after, key=order.__getitem__):
             env[view] = new_graph.node_copy(view, lambda n: env[n])
             phases[env[view].name] = phase
-    new_graph.lint()
-    gm = torch.fx.GraphModule(program.gm, new_graph)
-    gm.meta.update(program.gm.meta)
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    from dataclasses import replace
-    return replace(program, gm=gm, phases=phases, grad_nodes=grad_nodes)
+    return program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)
 
 
 def fused_nodes(program: Program) -> list[torch.fx.Node]:

@@ -24,7 +24,6 @@ cost, we keep its traced layout and price that convolution contiguous).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -32,7 +31,7 @@ import torch
 import torch.fx
 
 from boomfx.passes.specs import to_sympy
-from boomfx.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, Program
+from boomfx.program import PHASE_FORWARD, PHASE_OPTIMIZER, Program
 
 _aten = torch.ops.aten
 _FORWARD_CONVS = (_aten.convolution.default, _aten.conv2d.default)
@@ -113,10 +112,10 @@ def uses_channels_last(program: Program, backend: str) -> bool:
     return not all(map(small, convs))
 
 
-def _is_channels_last(val: torch.Tensor) -> bool:
+def _is_contiguous(val: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
     try:
-        return bool(val.is_contiguous(memory_format=torch.channels_last))
-    except RuntimeError:      # a symbolic stride Inductor would guard on: treat as not channels-last
+        return bool(val.is_contiguous(memory_format=memory_format))
+    except RuntimeError:      # a symbolic stride Inductor would guard on: treat as not in that layout
         return False
 
 
@@ -125,9 +124,7 @@ def channels_last_convolutions(program: Program, backend: str) -> Program:
     would run its convolutions channels-last; unchanged otherwise."""
     if not uses_channels_last(program, backend):
         return program
-    graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(program.graph, val_map))
+    graph, _ = program.copied_graph()
     phases = dict(program.phases)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in list(graph.nodes):
@@ -142,21 +139,12 @@ def channels_last_convolutions(program: Program, backend: str) -> Program:
         for i in positions:
             src = args[i]
             if not (isinstance(src, torch.fx.Node) and src.op == "placeholder"
-                    and isinstance(src.meta.get("val"), torch.Tensor) and not _is_channels_last(src.meta["val"])):
+                    and isinstance(src.meta.get("val"), torch.Tensor)
+                    and not _is_contiguous(src.meta["val"], torch.channels_last)):
                 continue
             if src not in copies:
                 with graph.inserting_before(node):
-                    copy = graph.call_function(_aten.clone.default, (src,), {"memory_format": torch.channels_last})
-                copy.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-                val = src.meta["val"]
-                mode = getattr(val, "fake_mode", None)
-                if mode is not None:
-                    with mode:
-                        copy.meta["val"] = val.clone(memory_format=torch.channels_last)
-                else:
-                    copy.meta["val"] = val.clone(memory_format=torch.channels_last)
-                phases[copy.name] = program.phase_of(node)
-                copies[src] = copy
+                    copies[src] = _copy(graph, src, torch.channels_last, node, phases)
             args[i] = copies[src]
         node.args = tuple(args)
     if not copies:
@@ -164,10 +152,19 @@ def channels_last_convolutions(program: Program, backend: str) -> Program:
     grad_nodes = dict(program.grad_nodes)
     if _propagate_layouts(graph, set(copies.values()), phases):
         grad_nodes = _contiguous_gradients(graph, phases, grad_nodes)
-    graph.lint()
-    gm = torch.fx.GraphModule(program.gm, graph)
-    gm.meta.update(program.gm.meta)
-    return replace(program, gm=gm, phases=phases, grad_nodes=grad_nodes)
+    return program.rewritten(graph, phases=phases, grad_nodes=grad_nodes)
+
+
+def _copy(graph: torch.fx.Graph, src: torch.fx.Node, memory_format: torch.memory_format,
+          site: torch.fx.Node, phases: dict[str, str]) -> torch.fx.Node:
+    """A ``clone(src, memory_format=...)`` node at the graph's insertion point, with its fake value, the
+    module stack of ``site`` (the node it serves) and the phase of ``site``."""
+    copy = graph.call_function(_aten.clone.default, (src,), {"memory_format": memory_format})
+    copy.meta = {k: v for k, v in site.meta.items() if k in ("nn_module_stack", "stack_trace")}
+    with _fake_mode(graph):
+        copy.meta["val"] = src.meta["val"].clone(memory_format=memory_format)
+    phases[copy.name] = phases.get(site.name, PHASE_FORWARD)
+    return copy
 
 
 def _fake_mode(graph: torch.fx.Graph) -> Any:
@@ -220,20 +217,10 @@ def _contiguous_gradients(graph: torch.fx.Graph, phases: dict[str, str], grad_no
             out[name] = fqn
             continue
         with graph.inserting_after(node):
-            copy = graph.call_function(_aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+            copy = _copy(graph, node, torch.contiguous_format, node, phases)
         for user in list(node.users):
             if user is not copy and (user.op == "output" or phases.get(user.name) == PHASE_OPTIMIZER):
                 user.replace_input_with(node, copy)
-        copy.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-        with _fake_mode(graph):
-            copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
-        phases[copy.name] = phases.get(node.name, PHASE_BACKWARD)
         out[copy.name] = fqn
     return out
 
-
-def _is_contiguous(val: torch.Tensor) -> bool:
-    try:
-        return bool(val.is_contiguous())
-    except RuntimeError:
-        return False

@@ -16,7 +16,6 @@ rewrite (``unfuse_bias_add_to_pointwise``: a bias ``addmm`` whose users are all 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -91,9 +90,7 @@ def fuse_addmm(program: Program, backend: str) -> Program:
     matches = [(n, m) for n in program.graph.nodes if (m := _addmm_operands(n, backend)) is not None]
     if not matches:
         return program
-    graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(program.graph, val_map))
+    graph, val_map = program.copied_graph()
     phases = dict(program.phases)
     grad_nodes = dict(program.grad_nodes)
     for add, (mm, c, chain) in matches:
@@ -108,7 +105,4 @@ def fuse_addmm(program: Program, backend: str) -> Program:
         graph.erase_node(add)
         for dead in [val_map[t] for t in chain] + [mm]:
             graph.erase_node(dead)
-    graph.lint()
-    gm = torch.fx.GraphModule(program.gm, graph)
-    gm.meta.update(program.gm.meta)
-    return replace(program, gm=gm, phases=phases, grad_nodes=grad_nodes)
+    return program.rewritten(graph, phases=phases, grad_nodes=grad_nodes)

@@ -42,7 +42,9 @@ def _first_output(out: Any) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
-def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> int:
+def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_to_none: bool = True) -> int:
+    """Profiler peak of one real eager step (after two warm-ups); ``set_to_none=False`` keeps the .grad
+    buffers between steps (the --resident-grads steady state)."""
     gm = ep.module()
     if not train:
         def step() -> None:
@@ -55,8 +57,8 @@ def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool) -> 
             loss = _first_output(gm(*inputs)).mean()
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=True)
-        step()   # warm-up: AdamW's state is created on the first step
+            opt.zero_grad(set_to_none=set_to_none)
+        step()   # warm-up: AdamW's state (and resident .grad buffers) are created on the first step
     step()
     return profiler_peak_bytes(step)
 
@@ -95,7 +97,7 @@ def test_cpu_peak_matches_profiler(name: str, train: bool, tmp_path) -> None:
     ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     options = ProgramOptions(train, "adamw", target_kind="cpu")
     predicted, workspace = predicted_peak(ep, inputs, options, str(tmp_path / "cpu.db"))
-    real = _real_peak(ep, inputs, train)
+    real = real_peak(ep, inputs, train)
     assert real > 0
     assert abs(predicted - real) <= TOLERANCE * real, (
         f"{name} {'train' if train else 'inference'}: predicted peak above start {predicted} B "

@@ -20,11 +20,10 @@ from boomfx.capture import capture, export_roles, program_from_traced, resolve_b
 from boomfx.cli import main
 from boomfx.devices import cpu_spec, get_device
 from boomfx.errors import OptionError
-from boomfx.live_bytes import profiler_peak_bytes
 from boomfx.program import ProgramOptions
 
 from conftest import export_meta, make_model
-from test_cpu_memory_accuracy import predicted_peak
+from test_cpu_memory_accuracy import predicted_peak, real_peak
 
 TOLERANCE = 0.01   # as tests/test_cpu_memory_accuracy.py (exact in practice)
 
@@ -101,27 +100,6 @@ def test_gradients_are_reported_resident_in_the_gradient_category() -> None:
 # ground truth: a real eager CPU step
 # --------------------------------------------------------------------------------------------------
 
-def _first_output(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out
-    return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
-
-
-def _real_peak(ep: torch.export.ExportedProgram, inputs: tuple) -> int:
-    gm = ep.module()
-    opt = torch.optim.AdamW(list(gm.parameters()), foreach=True)
-
-    def step() -> None:
-        loss = _first_output(gm(*inputs)).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    step()   # warm-up: creates AdamW's state and the .grad buffers
-    step()
-    return profiler_peak_bytes(step)
-
-
 def _predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, db: str) -> int:
     options = ProgramOptions(True, "adamw", target_kind="cpu", resident_grads=True)
     return predicted_peak(ep, inputs, options, db)[0]
@@ -136,7 +114,7 @@ def test_cpu_peak_matches_profiler_with_resident_grads(name: str, tmp_path: Path
     model.train(True)
     ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     predicted = _predicted_peak(ep, inputs, str(tmp_path / "cpu.db"))
-    real = _real_peak(ep, inputs)
+    real = real_peak(ep, inputs, True, set_to_none=False)
     assert real > 0
     assert abs(predicted - real) <= TOLERANCE * real, (
         f"{name}: predicted peak above start {predicted} B vs profiler {real} B ({predicted / real - 1:+.2%})")
