@@ -21,6 +21,9 @@ PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
 PHASE_OPTIMIZER = "optimizer"
 PHASE_RECOMPUTE = "recompute"
+# Node meta flag: the op runs eagerly, outside the compiled graphs of its phase (the autograd engine's
+# AccumulateGrad copy of a gradient that came out in another layout): one kernel, never fused.
+META_EAGER = "boomfx.eager"
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,11 @@ class Program:
 
     def phase_of(self, node: torch.fx.Node) -> str:
         return self.phases.get(node.name, PHASE_FORWARD)
+
+    def runs_eagerly(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` runs outside torch.compile's graphs: the optimizer step (``torch.compile(model)``
+        leaves it eager) and nodes flagged ``META_EAGER``."""
+        return self.phase_of(node) == PHASE_OPTIMIZER or bool(node.meta.get(META_EAGER))
 
     def copied_graph(self) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node]]:
         """A copy of the graph to rewrite (node names kept) and the map from this graph's nodes to it."""

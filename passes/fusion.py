@@ -20,7 +20,8 @@ relative to ``torch/_inductor``):
    Nodes whose value nothing uses are dropped (Inductor's dead-code elimination): no group.
 2. **Phases.** Inductor compiles the forward and the backward graph separately: groups never cross a
    phase boundary. ``torch.compile(model)`` leaves the optimizer step eager: its ops stay one kernel
-   each (kind "separate").
+   each (kind "separate"), as does the autograd engine's AccumulateGrad copy of a gradient the graph
+   returned in another layout (``Program.runs_eagerly``).
 3. **Stored or inlined.** A pointwise value is *inlined* (an unrealised ``ir.Pointwise``: every
    consumer kernel recomputes it) unless Inductor stores it (graph.py ``GraphLowering.run_node``,
    ir.py ``StorageBox.should_realize_on_reuse`` / ``has_exceeded_max_reads``): a consumer is no
@@ -92,7 +93,7 @@ from boomfx.passes.aliasing import MAYBE_COPY_OPS, is_view_node
 from boomfx.passes.kernels import _NO_KERNEL, OP_CLASS_MEMORY, op_class
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import to_sympy
-from boomfx.program import PHASE_OPTIMIZER, Program
+from boomfx.program import Program
 
 aten = torch.ops.aten
 
@@ -404,15 +405,15 @@ def _stays_virtual(program: Program, node: torch.fx.Node, cls_of: Mapping[torch.
         return False
     consumers = _consumers(node, cls_of)
     phase = program.phase_of(node)
-    if not consumers or phase == PHASE_OPTIMIZER:
+    if not consumers or program.runs_eagerly(node):
         return False
     for c in consumers:
         if c.op == "call_function" and _cat_inputs(c) is not None and _concat_kernel(c, cls_of, backend):
             if node in _cat_inputs(c):
                 return False    # computed straight into its slice of the concat buffer: a kernel of its own
             continue            # a view of it is copied into the slice by a kernel that inlines it
-        if c.op != "call_function" or program.phase_of(c) != phase or cls_of.get(c) not in (
-                CLASS_POINTWISE, CLASS_REDUCTION):
+        if c.op != "call_function" or program.phase_of(c) != phase or program.runs_eagerly(c) or cls_of.get(
+                c) not in (CLASS_POINTWISE, CLASS_REDUCTION):
             return False
     if n_reads > _ACC_READS[backend]:
         return False
@@ -611,8 +612,8 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
         if node.op != "call_function" or cls == CLASS_NONE or node in virtual or node in dead:
             continue
         phase = program.phase_of(node)
-        if phase == PHASE_OPTIMIZER and cls in FUSIBLE:
-            cls = CLASS_SCATTER       # rule 2: the optimizer step runs eagerly, one kernel per op
+        if program.runs_eagerly(node) and cls in FUSIBLE:
+            cls = CLASS_SCATTER       # rule 2: the optimizer step (and AccumulateGrad) run eagerly, one kernel per op
         space = _space(node, cls)
         target_group: Optional[int] = None
         if cls in FUSIBLE:

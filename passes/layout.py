@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from boomfx.passes.specs import to_sympy
-from boomfx.program import PHASE_FORWARD, PHASE_OPTIMIZER, Program
+from boomfx.program import META_EAGER, PHASE_FORWARD, PHASE_OPTIMIZER, Program
 
 _aten = torch.ops.aten
 _FORWARD_CONVS = (_aten.convolution.default, _aten.conv2d.default)
@@ -207,7 +207,9 @@ def _propagate_layouts(graph: torch.fx.Graph, sources: set[torch.fx.Node], phase
 def _contiguous_gradients(graph: torch.fx.Graph, phases: dict[str, str], grad_nodes: dict[str, str]) -> dict[str, str]:
     """A weight gradient that came out channels-last is copied into the parameter's (contiguous) layout
     before the optimizer reads it: AccumulateGrad's ``clone_obey_contract`` (torch/csrc/autograd/
-    functions/accumulate_grad.h) when ``.grad`` is None. The copy is the gradient the step holds."""
+    functions/accumulate_grad.h) when ``.grad`` is None. The copy is the gradient the step holds; the
+    engine makes it eagerly, after the compiled backward returned (``META_EAGER``: one aten copy, never
+    fused; on the dev CPU 9 ResNet weight copies took 1.5 ms in a 29 ms compiled step)."""
     by_name = {n.name: n for n in graph.nodes}
     out: dict[str, str] = {}
     for name, fqn in grad_nodes.items():
@@ -218,6 +220,7 @@ def _contiguous_gradients(graph: torch.fx.Graph, phases: dict[str, str], grad_no
             continue
         with graph.inserting_after(node):
             copy = _copy(graph, node, torch.contiguous_format, node, phases)
+        copy.meta[META_EAGER] = True
         for user in list(node.users):
             if user is not copy and (user.op == "output" or phases.get(user.name) == PHASE_OPTIMIZER):
                 user.replace_input_with(node, copy)

@@ -132,3 +132,22 @@ def test_layouts_follow_the_copies():
     assert grad.meta["val"].is_contiguous() and program.phase_of(grad) == "backward"
     assert not grad.args[0].meta["val"].is_contiguous()              # convolution_backward's own output
     assert all(program.phase_of(u) == "optimizer" for u in grad.users)
+
+
+def test_accumulate_grad_copy_runs_eagerly():
+    """AccumulateGrad's copy of a channels-last weight gradient runs in the autograd engine after the
+    compiled backward returned: one eager aten copy of its own, in no fused group (it was fused into an
+    Inductor kernel before, priced as one)."""
+    from boomfx.passes.fusion import fusion_groups
+    program = channels_last_convolutions(_program(ConvNet(), torch.randn(2, 3, 12, 12), train=True), "cpu")
+    by_fqn = {fqn: name for name, fqn in program.grad_nodes.items()}
+    copy = by_fqn["a.weight"]
+    assert program.runs_eagerly(next(n for n in program.graph.nodes if n.name == copy))
+    info = fusion_groups(program, "cpu")
+    group = info.groups[info.group_of[copy]]
+    assert group.kind == "separate" and set(group.members) == {copy}
+    compiled = capture(torch.export.export(ConvNet(), (torch.randn(2, 3, 12, 12),)),
+                       options=ProgramOptions(train=True, compile=True, target_kind="cpu"))
+    grads = {fqn: name for name, fqn in compiled.grad_nodes.items()}
+    node = next(n for n in compiled.graph.nodes if n.name == grads["a.weight"])
+    assert node.target is torch.ops.aten.clone.default and compiled.runs_eagerly(node)   # not a fused node
