@@ -168,6 +168,7 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
         sources[k.source] = sources.get(k.source, 0.0) + k.time_ns
     total = sum(sources.values()) or 1.0
     return {"time_ns": report.time.total_ns, "peak_bytes": report.memory.peak_live_bytes,
+            "graph_entry_ns": report.time.graph_entry_ns, "graph_entry_source": report.time.graph_entry_source,
             "sources": {k: round(v / total, 3) for k, v in sources.items()},
             "fused_failed": len(fused.failed), "kernels": len(report.kernels),
             "fused_kernels": sum(1 for k in report.kernels if "fused" in str(getattr(k, "op", ""))),
@@ -259,13 +260,23 @@ NOTES: list[str] = [
     "Suite: the tiny examples/models.py models (mlp, gpt, llama) and the transformers suite of "
     "benchmarks/cpu_accuracy.py (hf-*: GPT-2, BERT, Llama, ViT, ResNet at the same configs and shapes), "
     "exported static.",
-    "Not modelled (remaining gaps): host time outside kernels in training (AdamW's Python, ~3.7 us per "
-    "parameter + ~70 us here, AccumulateGrad, zero_grad, the AOTAutograd wrapper); kernels run slower in situ "
-    "than isolated (a phase breakdown of hf-resnet training: forward -11%, backward with AccumulateGrad -18%, "
-    "the eager AdamW step -25..-45% vs their measured kernels), so training rows are still mostly under; the "
-    "compiled graph's own per-call cost (dynamo guards, AOT/Inductor wrappers: ~35 us for a one-kernel graph "
-    "here). Fused groups are timed as the compiled callable itself since this run (before: through the "
-    "boomfx::fused op, whose Python dispatch and run_fused lookup added 5-9 us per group; GPT/Llama-tiny "
+    "Entering the compiled graphs (dynamo's cache lookup and guards on every parameter, AOTAutograd's "
+    "wrappers, the backward graph's call and gradient hand-over) is priced since this run "
+    "(kernels_db/host_overheads.py: measured here by collect_compiled as the difference between a real "
+    "compiled call and its kernels timed as the database times them; graph_entry_ns in the JSON): ~30 us per "
+    "inference call, ~130 us + ~2 us per parameter for a training forward + backward, 0.2-1.7% of these "
+    "steps. The AdamW step's own Python is NOT a gap: replaying the ATen calls a real step makes (recorded "
+    "with a dispatch mode) costs all but 20-45 us of it for 8-64 parameters; what the earlier estimate "
+    "(~3.7 us/parameter) saw was the foreach kernels running slower in situ than measured. "
+    "AccumulateGrad's copies of channels-last weight gradients (hf-resnet: 9 copies, 1.5 ms in the profile "
+    "of a real step) are eager ATen copies after the compiled backward since this run; they were priced as "
+    "Inductor kernels fused into the backward. Remaining gaps: kernels run slower in situ than isolated "
+    "(profile of a real hf-resnet training step against its prediction: convolution_backward 11.4 ms vs "
+    "9.6 ms, the AdamW foreach ops 5.4 vs 3.7 ms, Inductor's fused kernels ~3.5 vs 2.75 ms; ~1800 minor "
+    "page faults per step, ~0.55 us each here, that isolated kernels never take), so training rows are "
+    "still mostly under. Fused groups are timed as the compiled callable itself (since the previous run; "
+    "before: through the boomfx::fused op, whose Python dispatch and run_fused lookup added 5-9 us per "
+    "group; GPT/Llama-tiny "
     "inference, 18-38 kernels, were +9..+15%). "
     "Compiled training memory: GPT-2's tied wte/lm_head gradient is one addmm at the end of the backward "
     "(passes/post_grad.py; +8.6% -> +6.1%); the rest of that row's excess is in the backward (our peak "

@@ -5,7 +5,8 @@
    through the GPU kernel model (labelled "transferred");
 3. for CUDA targets, the GPU kernel model fitted on public measurements (labelled "model");
 4. the datasheet roofline (labelled "roofline").
-Every price carries its source; the report totals the share of time each source priced.
+Every price carries its source; the report totals the share of time each source priced. A compiled
+step also pays for entering its graphs (dynamo, AOTAutograd: ``compiled_call_costs``).
 """
 from __future__ import annotations
 
@@ -115,6 +116,14 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
         transfer = _TransferModel(KernelPricer(Store(src_path), src_device), src_device, gpu_model)
     inner = KernelPricer(store, device, model=transfer, model_source=PriceSource.TRANSFERRED)
     return _ModelBackedPricer(inner, gpu_model, device)
+
+
+def compiled_call_costs(pricer: Any) -> Any:
+    """The host cost of entering a compiled step's graphs (``kernels_db/host_overheads.py``): the rows the
+    database measured on its host, else the development CPU's defaults."""
+    from boomfx.kernels_db.host_overheads import CompiledCallCosts
+    inner = getattr(pricer, "inner", pricer)
+    return CompiledCallCosts.from_records(list(getattr(inner, "host_records", {}).values()))
 
 
 def db_label(db: Optional[str]) -> Optional[str]:

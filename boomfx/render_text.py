@@ -57,6 +57,9 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
     out.append(f"Predicted step time: {fmt_time(t.total_ns)}  ({bound}: device busy {fmt_time(t.device_busy_ns)}, "
                f"host issue {fmt_time(t.host_busy_ns)})")
     out.append(f"  {t.kernels} kernels, {fmt_flops(t.flops)}, {fmt_bytes(t.bytes_moved)} moved")
+    if t.graph_entry_ns:
+        out.append(f"  entering the compiled graphs: {fmt_time(t.graph_entry_ns)} of host time "
+                   f"(dynamo guards, AOTAutograd wrappers; {t.graph_entry_source})")
     prov = ", ".join(f"{g.name} {100 * g.share:.1f}%" for g in report.by_source)
     out.append(f"  time priced by: {prov or 'nothing'}")
     if report.unmodelled_ops:

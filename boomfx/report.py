@@ -103,6 +103,8 @@ class TimeReport:
     kernels: int
     flops: float
     bytes_moved: int
+    graph_entry_ns: float = 0.0               # --compile: host time entering the compiled graphs
+    graph_entry_source: str = ""              # "measured" (database rows) or "default"
 
 
 @dataclass

@@ -50,6 +50,7 @@ import torch
 
 from boomfx.devices import DeviceSpec
 from boomfx.kernels_db.blocks_db import BLOCK_OP  # block mode
+from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json
@@ -274,11 +275,15 @@ class KernelPricer:
         self.model = model
         self.model_source = PriceSource(model_source)
         self._exact: dict[str, KernelRecord] = {}
+        self.host_records: dict[str, KernelRecord] = {}
         self._memo: dict[str, KernelPrice] = {}
         if store is not None:
             with store:
                 for rec in store.records(fingerprint):  # oldest first: newer rows overwrite
                     if rec.key.op == BLOCK_OP:  # whole-block rows price blocks, not kernels (blocks_db.py)
+                        continue
+                    if rec.key.op == HOST_OP:   # compiled-graph entry costs, not kernels (host_overheads.py)
+                        self.host_records[rec.key.key_hash] = rec
                         continue
                     self._exact[rec.key.key_hash] = rec
         by_sig: dict[str, tuple[list[_Point], list[KernelRecord]]] = {}
