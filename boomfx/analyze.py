@@ -195,7 +195,7 @@ class Analysis:
         cost came from ("measured" or "default")."""
         if not self.program.options.compile or not kernels:
             return scheduled, set(), ""
-        costs = compiled_call_costs(self.pricer)
+        costs = compiled_call_costs(self.pricer, self.device)
         inputs = sum(1 for n in self._nodes if n.op == "placeholder"
                      and self.program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
         forward_ns = costs.step_ns(False, inputs)

@@ -118,12 +118,12 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     return _ModelBackedPricer(inner, gpu_model, device)
 
 
-def compiled_call_costs(pricer: Any) -> Any:
+def compiled_call_costs(pricer: Any, device: DeviceSpec) -> Any:
     """The host cost of entering a compiled step's graphs (``kernels_db/host_overheads.py``): the rows the
-    database measured on its host, else the development CPU's defaults."""
+    database measured on its host, else the development CPU's defaults for ``device``'s kind."""
     from boomfx.kernels_db.host_overheads import CompiledCallCosts
     inner = getattr(pricer, "inner", pricer)
-    return CompiledCallCosts.from_records(list(getattr(inner, "host_records", {}).values()))
+    return CompiledCallCosts.from_records(list(getattr(inner, "host_records", {}).values()), device.kind)
 
 
 def db_label(db: Optional[str]) -> Optional[str]:

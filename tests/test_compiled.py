@@ -18,7 +18,10 @@ def test_api_compile_flag(exported):
     _, path = exported("gpt")
     eager = boomfx.analyze(path, device="a100-80gb", batch=2, seq=16)
     compiled = boomfx.analyze(path, device="a100-80gb", batch=2, seq=16, compile=True)
-    assert compiled.time.total_ns < eager.time.total_ns
+    # fusion saves kernels and their host issue; entering the compiled graph (dynamo's guards) costs
+    # host time that this tiny host-bound step then pays on top
+    assert compiled.time.total_ns - compiled.time.graph_entry_ns < eager.time.total_ns
+    assert compiled.time.graph_entry_ns > 0 and eager.time.graph_entry_ns == 0
     assert any(k.op == "boomfx.fused.default" for k in compiled.kernels)
 
 

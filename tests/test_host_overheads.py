@@ -54,12 +54,16 @@ def test_keys_name_their_event():
 def test_costs_need_every_event_else_defaults(tmp_path):
     with Store(_db(tmp_path)) as store:
         records = list(store.records())
-    costs = CompiledCallCosts.from_records(records)
+    costs = CompiledCallCosts.from_records(records, "cpu")
     assert costs.source == "measured" and costs.values == VALUES
     assert costs.step_ns(False, 5) == 40_000 + 5 * 1_000
     assert costs.step_ns(True, 5) == 200_000 + 5 * 3_000
-    partial = CompiledCallCosts.from_records([r for r in records if event_of(r.key) != TRAIN_CALLS])
-    assert partial.source == "default" and partial.values == DEFAULT_NS
+    partial = [r for r in records if event_of(r.key) != TRAIN_CALLS]
+    for kind in ("cpu", "cuda"):
+        costs = CompiledCallCosts.from_records(partial, kind)
+        assert costs.source == "default" and costs.values == DEFAULT_NS[kind]
+    # a CPU target's entry follows its own kernels on the same core (in situ), a GPU host's does not
+    assert DEFAULT_NS["cpu"][GRAPH_CALL] > DEFAULT_NS["cuda"][GRAPH_CALL]
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -90,8 +94,11 @@ def test_compiled_step_pays_for_entering_its_graphs(tmp_path, train):
 def test_default_costs_without_a_database():
     analysis = _analysis(False)
     report = analysis.evaluate(resolve_bindings(analysis.program, {})).report
+    cpu = DEFAULT_NS["cpu"]
     assert report.time.graph_entry_source == "default"
-    assert report.time.graph_entry_ns == pytest.approx(DEFAULT_NS[GRAPH_CALL] + 5 * DEFAULT_NS[GRAPH_CALL_PER_INPUT])
+    assert report.time.graph_entry_ns == pytest.approx(cpu[GRAPH_CALL] + 5 * cpu[GRAPH_CALL_PER_INPUT])
+    gpu = Analysis(analysis.program, get_device("a100-80gb")).evaluate(resolve_bindings(analysis.program, {})).report
+    assert gpu.time.graph_entry_ns == pytest.approx(DEFAULT_NS["cuda"][GRAPH_CALL] + 5 * DEFAULT_NS["cuda"][GRAPH_CALL_PER_INPUT])
 
 
 def test_measured_on_this_cpu_and_stored(tmp_path):
@@ -99,10 +106,10 @@ def test_measured_on_this_cpu_and_stored(tmp_path):
     and read back by the pricer (not a timing assertion: the values only have to be valid times)."""
     path = tmp_path / "m.sqlite"
     with Store(path) as store:
-        assert sorted(collect_compiled_call_overheads(store, Measurer("cpu", target_s=0.02))) == sorted(EVENTS)
+        assert sorted(collect_compiled_call_overheads(store, Measurer("cpu"), pairs=5)) == sorted(EVENTS)
         records = list(store.records())
     assert sorted(event_of(r.key) for r in records) == sorted(EVENTS)
     assert all(r.median_ns >= 0 for r in records)
-    assert CompiledCallCosts.from_records(records).values[TRAIN_CALLS] > 0     # a backward is never free
+    assert CompiledCallCosts.from_records(records, "cpu").values[TRAIN_CALLS] > 0     # a backward is never free
     analysis = _analysis(False, path)
     assert analysis.evaluate(resolve_bindings(analysis.program, {})).report.time.graph_entry_source == "measured"
