@@ -17,7 +17,7 @@ from boomfx.alloc_config import AllocatorConfig
 from boomfx.capture import capture, resolve_bindings
 from boomfx.devices import DeviceSpec, get_device
 from boomfx.errors import OptionError
-from boomfx.kernels_db.blocks_db import apply_block_measurements  # block mode
+from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED, apply_block_measurements  # block mode
 from boomfx.memory_outside import OutsideMemory
 from boomfx.memory_replay import AllocEvent, ReplayResult, replay
 from boomfx.modules import layer_of, module_path
@@ -28,12 +28,13 @@ from boomfx.passes.liveness import LivenessInfo, liveness_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
-from boomfx.pricing import compiled_call_costs, make_pricer
+from boomfx.pricing import host_costs, make_pricer
 from boomfx.program import (PHASE_BACKWARD, PHASE_OPTIMIZER, ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
 from boomfx.report import (
     AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
 )
+from boomfx.host_time import with_cold_starts, with_graph_entries
 from boomfx.simulate import ScheduledKernel, Timeline, simulate
 from boomfx.passes.compiled import CUDAGRAPH_POOL_STREAM, CUDAGRAPH_REPLAY_HOST_NS  # --cudagraphs
 
@@ -171,9 +172,15 @@ class Analysis:
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
+        # host time outside the prices (boomfx/host_time.py): a CPU's cold starts, compiled graphs' entries
+        costs = host_costs(self.pricer, self.device)
+        added = [0.0] * len(scheduled)
+        if self.device.kind == "cpu":
+            scheduled, added = with_cold_starts(kernels, scheduled, costs, bool(self.program.options.compile))
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
         kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
-        scheduled, entries, entry_source = self._with_graph_entries(kernels, scheduled)
+        cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
+        scheduled, entries = self._graph_entries(kernels, scheduled, costs)
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
         for k, span in zip(kernels, spans):
@@ -181,39 +188,21 @@ class Analysis:
         memory, rep, events = self._memory(ev, workspace_at, record_trace, exact_total=not memory_only)
         report = self._report(bindings, kernels, timeline, memory)
         report.time.graph_entry_ns = sum(scheduled[i].host_ns + scheduled[i].device_ns for i in entries)
-        report.time.graph_entry_source = entry_source
+        report.time.cold_start_ns = cold_ns
+        report.time.host_costs_source = costs.source if (entries or cold_ns) else ""
         report.warnings.extend(self.program.warnings)
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 
-    def _with_graph_entries(self, kernels: list[KernelReport],
-                            scheduled: list[ScheduledKernel]) -> tuple[list[ScheduledKernel], set[int], str]:
-        """``--compile``: the host work of entering the compiled forward (dynamo guards, AOTAutograd's
-        wrappers) before its first kernel and, in training, of the backward graph call and gradient
-        hand-over before the first backward kernel (``kernels_db/host_overheads.py``). Returns the
-        schedule, the indices of those host-only entries (no kernel, no report row) and where their
-        cost came from ("measured" or "default")."""
-        if not self.program.options.compile or not kernels:
-            return scheduled, set(), ""
-        costs = compiled_call_costs(self.pricer, self.device)
+    def _graph_entries(self, kernels: list[KernelReport], scheduled: list[ScheduledKernel],
+                       costs: Any) -> tuple[list[ScheduledKernel], set[int]]:
+        """``--compile``: the compiled graphs' entries (``boomfx/host_time.py``) and their indices."""
+        if not self.program.options.compile:
+            return scheduled, set()
         inputs = sum(1 for n in self._nodes if n.op == "placeholder"
                      and self.program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
-        forward_ns = costs.step_ns(False, inputs)
-        backward_ns = max(costs.step_ns(True, inputs) - forward_ns, 0.0) if self.program.options.train else 0.0
-        at = {0: ("compiled forward call", forward_ns)}
-        first_backward = next((i for i, k in enumerate(kernels) if k.phase == PHASE_BACKWARD), None)
-        if backward_ns and first_backward is not None:
-            at[first_backward] = ("compiled backward call", backward_ns)
-        cpu = self.device.kind == "cpu"
-        out: list[ScheduledKernel] = []
-        entries: set[int] = set()
-        for i, sk in enumerate(scheduled):
-            if i in at:
-                name, ns = at[i]
-                entries.add(len(out))
-                out.append(ScheduledKernel(name, 0.0 if cpu else ns, ns if cpu else 0.0))
-            out.append(sk)
-        return out, entries, costs.source
+        return with_graph_entries(kernels, scheduled, costs, bool(self.program.options.train), inputs,
+                                  self.device.kind == "cpu")
 
     # -- memory --------------------------------------------------------------------------------
     def _events(self, ev: Evaluator, workspace_at: Mapping[int, int]) -> list[AllocEvent]:

@@ -76,6 +76,7 @@ def _collect(args: argparse.Namespace) -> int:
         if threads < 1:
             raise OptionError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
+    measurer = protocol_measurer(device)   # after the thread count: it picks the clock
     if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
         raise OptionError("--blocks needs --for FILE.pt2")
     if args.compile and (not args.for_file or args.blocks):
@@ -99,7 +100,7 @@ def _collect(args: argparse.Namespace) -> int:
             return 0
         if args.compile:   # fused groups compiled with Inductor and timed as its graph calls them, then the rest
             from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled
-            fused, result = collect_compiled(Store(path), analysis, bindings, protocol_measurer(device),
+            fused, result = collect_compiled(Store(path), analysis, bindings, measurer,
                                              protocol_measurer(device, FusedMeasurer), budget, progress)
             print(f"compiled groups of {args.for_file}: measured {fused.measured}, already present "
                   f"{fused.skipped}, failed {len(fused.failed)}, left for later {fused.pending} "
@@ -107,14 +108,17 @@ def _collect(args: argparse.Namespace) -> int:
             what = f"the library kernels of {args.for_file}"
         else:
             calls = analysis.kernel_calls(bindings)
-            result = collect_calls(Store(path), calls, device, budget, progress, measurer=protocol_measurer(device))
+            result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
             what = f"{len(calls)} kernels of {args.for_file}"
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None
         result = collect_sweep(Store(path), device, families=families, dtypes=dtypes, budget_s=budget,
-                               progress=progress, measurer=protocol_measurer(device))
+                               progress=progress, measurer=measurer)
         what = "the sweep grid"
+    if device.type == "cpu" and not args.blocks:   # the host's cold-start cost (kernels_db/host_overheads.py)
+        from boomfx.kernels_db.host_overheads import collect_host_costs
+        collect_host_costs(Store(path), measurer, compiled=bool(args.compile))
     print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "
           f"failed {len(result.failed)}, left for later {result.pending} ({result.elapsed_s:.1f} s)")
     for key, why in result.failed[:10]:

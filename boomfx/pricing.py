@@ -5,8 +5,8 @@
    through the GPU kernel model (labelled "transferred");
 3. for CUDA targets, the GPU kernel model fitted on public measurements (labelled "model");
 4. the datasheet roofline (labelled "roofline").
-Every price carries its source; the report totals the share of time each source priced. A compiled
-step also pays for entering its graphs (dynamo, AOTAutograd: ``compiled_call_costs``).
+Every price carries its source; the report totals the share of time each source priced. Host time
+outside the prices (a compiled step's graph entries, a CPU's cold starts) comes from ``host_costs``.
 """
 from __future__ import annotations
 
@@ -118,12 +118,12 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     return _ModelBackedPricer(inner, gpu_model, device)
 
 
-def compiled_call_costs(pricer: Any, device: DeviceSpec) -> Any:
-    """The host cost of entering a compiled step's graphs (``kernels_db/host_overheads.py``): the rows the
-    database measured on its host, else the development CPU's defaults for ``device``'s kind."""
-    from boomfx.kernels_db.host_overheads import CompiledCallCosts
+def host_costs(pricer: Any, device: DeviceSpec) -> Any:
+    """The host costs outside kernel prices (``kernels_db/host_overheads.py``: compiled graphs' entries,
+    cold starts): the rows the database measured on its host, else the defaults for ``device``'s kind."""
+    from boomfx.kernels_db.host_overheads import HostCosts
     inner = getattr(pricer, "inner", pricer)
-    return CompiledCallCosts.from_records(list(getattr(inner, "host_records", {}).values()), device.kind)
+    return HostCosts.from_records(list(getattr(inner, "host_records", {}).values()), device.kind)
 
 
 def db_label(db: Optional[str]) -> Optional[str]:

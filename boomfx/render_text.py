@@ -59,7 +59,10 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
     out.append(f"  {t.kernels} kernels, {fmt_flops(t.flops)}, {fmt_bytes(t.bytes_moved)} moved")
     if t.graph_entry_ns:
         out.append(f"  entering the compiled graphs: {fmt_time(t.graph_entry_ns)} of host time "
-                   f"(dynamo guards, AOTAutograd wrappers; {t.graph_entry_source})")
+                   f"(dynamo guards, AOTAutograd wrappers; {t.host_costs_source})")
+    if t.cold_start_ns:
+        out.append(f"  cold starts: {fmt_time(t.cold_start_ns)} (host code after kernels that evicted the L2; "
+                   f"{t.host_costs_source})")
     prov = ", ".join(f"{g.name} {100 * g.share:.1f}%" for g in report.by_source)
     out.append(f"  time priced by: {prov or 'nothing'}")
     if report.unmodelled_ops:

@@ -104,7 +104,8 @@ class TimeReport:
     flops: float
     bytes_moved: int
     graph_entry_ns: float = 0.0               # --compile: host time entering the compiled graphs
-    graph_entry_source: str = ""              # "measured" (database rows) or "default"
+    cold_start_ns: float = 0.0                # CPU targets: host code run from caches a kernel evicted
+    host_costs_source: str = ""               # of the two above: "measured", "partly measured" or "default"
 
 
 @dataclass

@@ -27,7 +27,7 @@ import sympy
 import torch
 
 from boomfx.kernels_db.collect import CollectResult, collect_calls
-from boomfx.kernels_db.host_overheads import EVENTS, collect_compiled_call_overheads, host_key
+from boomfx.kernels_db.host_overheads import collect_host_costs
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key
 from boomfx.kernels_db.measure import Measurer
 from boomfx.kernels_db.schema import KernelKey
@@ -107,14 +107,10 @@ def collect_compiled(
 ) -> tuple[CollectResult, CollectResult]:
     """Everything a compiled program runs, the store lacks: its fused groups (``fused_measurer``), then
     its library kernels (matmuls, convolutions, attention, the eager optimizer step: ``measurer``) in
-    what is left of ``budget_s``. On a CPU it also measures, once per database, the host cost of entering
-    compiled graphs (``host_overheads``). Returns (fused, library) results."""
+    what is left of ``budget_s``. On a CPU it also measures, once per database, the host costs of entering
+    compiled graphs and of cold starts (``host_overheads``). Returns (fused, library) results."""
     if torch.device(measurer.device).type == "cpu":
-        fingerprint = measurer.fingerprint()
-        with store:
-            have = store.key_hashes(fingerprint)
-        if not all(host_key(e).key_hash in have for e in EVENTS):
-            collect_compiled_call_overheads(store, measurer)
+        collect_host_costs(store, measurer)       # graph entry and cold starts, once per database
     fused = collect_fused(store, analysis, bindings, budget_s=budget_s, progress=progress, measurer=fused_measurer)
     if budget_s is not None:
         budget_s = max(budget_s - fused.elapsed_s, 1.0)

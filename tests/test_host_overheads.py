@@ -1,5 +1,6 @@
-"""The host cost of entering compiled graphs (kernels_db/host_overheads.py): stored like kernels, read by
-the pricer, added to a compiled step before its forward and its backward, and measured on this CPU."""
+"""Host time outside kernel prices (kernels_db/host_overheads.py, boomfx/host_time.py): compiled graphs'
+entries and a CPU's cold starts, stored like kernels, read by the pricer, placed in the schedule, and
+measured on this CPU."""
 from __future__ import annotations
 
 import pytest
@@ -8,14 +9,17 @@ import torch
 from boomfx.analyze import Analysis, AnalyzeOptions
 from boomfx.capture import capture, resolve_bindings
 from boomfx.devices import get_device
-from boomfx.kernels_db.host_overheads import (DEFAULT_NS, EVENTS, GRAPH_CALL, GRAPH_CALL_PER_INPUT, HOST_OP,
-                                              TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, CompiledCallCosts,
-                                              collect_compiled_call_overheads, event_of, host_key)
-from boomfx.kernels_db.measure import Measurement, Measurer
+from boomfx.kernels_db.host_overheads import (DEFAULT_NS, EVENTS, GRAPH_CALL, GRAPH_CALL_COLD, GRAPH_CALL_PER_INPUT,
+                                              HOST_OP, OP_COLD, TRAIN_CALLS, TRAIN_CALLS_COLD,
+                                              TRAIN_CALLS_PER_INPUT, HostCosts, collect_host_costs, event_of,
+                                              host_key)
+from boomfx.kernels_db.measure import Measurement, Measurer, l2_cache_bytes
 from boomfx.kernels_db.store import Store
 from boomfx.program import ProgramOptions
 
-VALUES = {GRAPH_CALL: 40_000.0, GRAPH_CALL_PER_INPUT: 1_000.0, TRAIN_CALLS: 200_000.0, TRAIN_CALLS_PER_INPUT: 3_000.0}
+VALUES = {GRAPH_CALL: 40_000.0, GRAPH_CALL_PER_INPUT: 1_000.0, GRAPH_CALL_COLD: 100_000.0,
+          TRAIN_CALLS: 200_000.0, TRAIN_CALLS_PER_INPUT: 3_000.0, TRAIN_CALLS_COLD: 300_000.0, OP_COLD: 20_000.0}
+WARM_ONLY = {**VALUES, GRAPH_CALL_COLD: 0.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0}
 
 
 class TwoLayer(torch.nn.Module):
@@ -28,20 +32,36 @@ class TwoLayer(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _db(tmp_path, values=VALUES):
+class MatmulChain(torch.nn.Module):
+    """x @ w, relu, sum over 256 x 256 floats: 768 KiB, 512 KiB and 256 KiB + 4 bytes moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w).sum()
+
+
+def _db(path, values):
     measurer = Measurer("cpu")
     fp = measurer.fingerprint()
-    path = tmp_path / "host.sqlite"
-    with Store(path) as store:
+    path.mkdir(exist_ok=True)
+    with Store(path / "host.sqlite") as store:
         store.put_many([Measurement(v, v, v, 1, v, 0, "measured:cpu").record(fp, host_key(e))
                         for e, v in values.items()])
-    return path
+    return path / "host.sqlite"
 
 
-def _analysis(train: bool, db=None, compile: bool = True) -> Analysis:
-    ep = torch.export.export(TwoLayer(), (torch.randn(4, 8),))
-    program = capture(ep, options=ProgramOptions(train=train, compile=compile, target_kind="cpu"))
-    return Analysis(program, get_device("cpu"), AnalyzeOptions("cpu", db=str(db) if db else None))
+def _analysis(model: torch.nn.Module, x: torch.Tensor, train: bool = False, db=None, compile: bool = True,
+              device: str = "cpu") -> Analysis:
+    program = capture(torch.export.export(model, (x,)),
+                      options=ProgramOptions(train=train, compile=compile, target_kind=get_device(device).kind))
+    return Analysis(program, get_device(device), AnalyzeOptions(device, db=str(db) if db else None))
+
+
+def _report(analysis: Analysis):
+    return analysis.evaluate(resolve_bindings(analysis.program, {})).report
 
 
 def test_keys_name_their_event():
@@ -51,19 +71,28 @@ def test_keys_name_their_event():
         host_key("nonsense")
 
 
-def test_costs_need_every_event_else_defaults(tmp_path):
-    with Store(_db(tmp_path)) as store:
+def test_costs_by_hand(tmp_path):
+    """Rows win, missing events take the target kind's defaults; the cold terms scale with the bytes the
+    kernel before moved, up to the L2 (1 MiB here)."""
+    with Store(_db(tmp_path, VALUES)) as store:
         records = list(store.records())
-    costs = CompiledCallCosts.from_records(records, "cpu")
+    costs = HostCosts.from_records(records, "cpu", l2_bytes=1 << 20)
     assert costs.source == "measured" and costs.values == VALUES
-    assert costs.step_ns(False, 5) == 40_000 + 5 * 1_000
-    assert costs.step_ns(True, 5) == 200_000 + 5 * 3_000
-    partial = [r for r in records if event_of(r.key) != TRAIN_CALLS]
+    assert costs.entry_ns(False, 5) == 40_000 + 5 * 1_000
+    assert costs.entry_ns(False, 5, previous_bytes=512 << 10) == 45_000 + 100_000 / 2
+    assert costs.entry_ns(True, 5, previous_bytes=8 << 20) == 200_000 + 5 * 3_000 + 300_000
+    assert costs.cold_start_ns(256 << 10, 50_000, measured=True) == 20_000 / 4
+    assert costs.cold_start_ns(4 << 20, 50_000, measured=True) == 20_000
+    # a measured price of >= 100 us followed a cache flush: it holds a full cold start already
+    assert costs.cold_start_ns(256 << 10, 200_000, measured=True) == 20_000 / 4 - 20_000
+    assert costs.cold_start_ns(256 << 10, 200_000, measured=False) == 20_000 / 4
+    partial = HostCosts.from_records([r for r in records if event_of(r.key) != OP_COLD], "cpu")
+    assert partial.source == "partly measured" and partial.values[OP_COLD] == DEFAULT_NS["cpu"][OP_COLD]
     for kind in ("cpu", "cuda"):
-        costs = CompiledCallCosts.from_records(partial, kind)
+        costs = HostCosts.from_records([], kind)
         assert costs.source == "default" and costs.values == DEFAULT_NS[kind]
-    # a CPU target's entry follows its own kernels on the same core (in situ), a GPU host's does not
-    assert DEFAULT_NS["cpu"][GRAPH_CALL] > DEFAULT_NS["cuda"][GRAPH_CALL]
+    # a GPU host only issues kernels: nothing evicts its caches between them
+    assert DEFAULT_NS["cuda"][OP_COLD] == DEFAULT_NS["cuda"][GRAPH_CALL_COLD] == 0 < DEFAULT_NS["cpu"][OP_COLD]
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -71,15 +100,12 @@ def test_compiled_step_pays_for_entering_its_graphs(tmp_path, train):
     """Inputs: two weights, two biases and x. Inference: one forward entry of 40 + 5 x 1 us before the
     first kernel. Training: that entry, and the rest of the training cost (200 + 5 x 3 - 45 us) before
     the first backward kernel; kernels, their prices and memory are unchanged."""
-    db = _db(tmp_path)
-    analysis = _analysis(train, db)
-    bindings = resolve_bindings(analysis.program, {})
-    report = analysis.evaluate(bindings).report
+    x = torch.randn(4, 8)
+    report = _report(_analysis(TwoLayer(), x, train, _db(tmp_path / "warm", WARM_ONLY)))
     forward_ns, total_ns = 45_000.0, (215_000.0 if train else 45_000.0)
     assert report.time.graph_entry_ns == pytest.approx(total_ns)
-    assert report.time.graph_entry_source == "measured"
-    (tmp_path / "free").mkdir()
-    free = _analysis(train, _db(tmp_path / "free", {e: 0.0 for e in EVENTS})).evaluate(bindings).report
+    assert report.time.host_costs_source == "measured"
+    free = _report(_analysis(TwoLayer(), x, train, _db(tmp_path / "free", {e: 0.0 for e in EVENTS})))
     assert report.time.total_ns == pytest.approx(free.time.total_ns + total_ns)
     assert [k.time_ns for k in report.kernels] == [k.time_ns for k in free.kernels]
     assert report.memory.peak_live_bytes == free.memory.peak_live_bytes
@@ -87,18 +113,28 @@ def test_compiled_step_pays_for_entering_its_graphs(tmp_path, train):
     if train:
         first_bwd = next(i for i, k in enumerate(report.kernels) if k.phase == "backward")
         assert report.kernels[first_bwd].start_ns == pytest.approx(free.kernels[first_bwd].start_ns + total_ns)
-    eager = _analysis(train, db, compile=False).evaluate(bindings).report
+    eager = _report(_analysis(TwoLayer(), x, train, _db(tmp_path / "warm", WARM_ONLY), compile=False))
     assert eager.time.graph_entry_ns == 0 and eager.kernels[0].start_ns == 0
 
 
-def test_default_costs_without_a_database():
-    analysis = _analysis(False)
-    report = analysis.evaluate(resolve_bindings(analysis.program, {})).report
-    cpu = DEFAULT_NS["cpu"]
-    assert report.time.graph_entry_source == "default"
-    assert report.time.graph_entry_ns == pytest.approx(cpu[GRAPH_CALL] + 5 * cpu[GRAPH_CALL_PER_INPUT])
-    gpu = Analysis(analysis.program, get_device("a100-80gb")).evaluate(resolve_bindings(analysis.program, {})).report
-    assert gpu.time.graph_entry_ns == pytest.approx(DEFAULT_NS["cuda"][GRAPH_CALL] + 5 * DEFAULT_NS["cuda"][GRAPH_CALL_PER_INPUT])
+def test_cold_starts_on_a_cpu(tmp_path):
+    """Eager mm -> relu -> sum: each kernel pays op_cold x min(1, bytes before / L2), the first one after
+    the step's last kernel (a loop); roofline prices hold no cold start. A GPU target pays none."""
+    x = torch.randn(256, 256)
+    report = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / "cold", VALUES), compile=False))
+    moved = [k.bytes_moved for k in report.kernels]
+    assert moved == [3 * 256 * 1024, 2 * 256 * 1024, 256 * 1024 + 4]      # by hand: fp32 256 x 256
+    l2 = l2_cache_bytes()
+    expected = sum(20_000 * min(1.0, b / l2) for b in (moved[2], moved[0], moved[1]))
+    assert report.time.cold_start_ns == pytest.approx(expected)
+    free = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / "free", {e: 0.0 for e in EVENTS}), compile=False))
+    assert report.time.total_ns == pytest.approx(free.time.total_ns + expected)
+    assert free.time.cold_start_ns == 0
+    compiled = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / "cold", VALUES)))
+    entry = 40_000 + 2 * 1_000 + 100_000 * min(1.0, compiled.kernels[-1].bytes_moved / l2)
+    assert compiled.time.graph_entry_ns == pytest.approx(entry)    # after the step's last kernel
+    gpu = _report(_analysis(MatmulChain(), x, compile=False, device="a100-80gb"))
+    assert gpu.time.cold_start_ns == 0
 
 
 def test_measured_on_this_cpu_and_stored(tmp_path):
@@ -106,10 +142,11 @@ def test_measured_on_this_cpu_and_stored(tmp_path):
     and read back by the pricer (not a timing assertion: the values only have to be valid times)."""
     path = tmp_path / "m.sqlite"
     with Store(path) as store:
-        assert sorted(collect_compiled_call_overheads(store, Measurer("cpu"), pairs=5)) == sorted(EVENTS)
+        assert collect_host_costs(store, Measurer("cpu"), pairs=5, compiled=False) == [OP_COLD]
+        assert sorted(collect_host_costs(store, Measurer("cpu"), pairs=5)) == sorted(EVENTS)
+        assert collect_host_costs(store, Measurer("cpu"), pairs=5) == []          # present: not again
         records = list(store.records())
-    assert sorted(event_of(r.key) for r in records) == sorted(EVENTS)
+    assert sorted(event_of(r.key) for r in records) == sorted(EVENTS)       # one row each
     assert all(r.median_ns >= 0 for r in records)
-    assert CompiledCallCosts.from_records(records, "cpu").values[TRAIN_CALLS] > 0     # a backward is never free
-    analysis = _analysis(False, path)
-    assert analysis.evaluate(resolve_bindings(analysis.program, {})).report.time.graph_entry_source == "measured"
+    assert HostCosts.from_records(records, "cpu").values[TRAIN_CALLS] > 0     # a backward is never free
+    assert _report(_analysis(TwoLayer(), torch.randn(4, 8), db=path)).time.host_costs_source == "measured"
