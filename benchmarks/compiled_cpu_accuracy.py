@@ -169,7 +169,8 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
         sources[k.source] = sources.get(k.source, 0.0) + k.time_ns
     total = sum(sources.values()) or 1.0
     return {"time_ns": report.time.total_ns, "peak_bytes": report.memory.peak_live_bytes,
-            "graph_entry_ns": report.time.graph_entry_ns, "graph_entry_source": report.time.graph_entry_source,
+            "graph_entry_ns": report.time.graph_entry_ns, "cold_start_ns": report.time.cold_start_ns,
+            "host_costs_source": report.time.host_costs_source,
             "sources": {k: round(v / total, 3) for k, v in sources.items()},
             "fused_failed": len(fused.failed), "kernels": len(report.kernels),
             "fused_kernels": sum(1 for k in report.kernels if "fused" in str(getattr(k, "op", ""))),
@@ -270,16 +271,21 @@ NOTES: list[str] = [
     "Suite: the tiny examples/models.py models (mlp, gpt, llama) and the transformers suite of "
     "benchmarks/cpu_accuracy.py (hf-*: GPT-2, BERT, Llama, ViT, ResNet at the same configs and shapes), "
     "exported static.",
-    "Entering the compiled graphs (dynamo's cache lookup and guards on every parameter, AOTAutograd's "
-    "wrappers, the backward graph's call and gradient hand-over) is priced since this run "
-    "(kernels_db/host_overheads.py, graph_entry_ns in the JSON): collect_compiled measures it on this CPU as "
-    "the median difference between a real compiled step of a calibration module and its Inductor graphs "
-    "called directly, each sample after ~2 ms of matmuls. That Python runs ~10x slower after real kernels "
-    "than in a warm loop (a compiled call of a tiny module: 47 us warm, 169 us after a 64 MiB data fill, "
-    "289-570 us after the matmuls, run to run), and in steady-state loops of the real tiny models the entry "
-    "(compiled call minus its graph called directly) was 210-364 us for inference and 800-1000 us for a "
-    "small training step: 2-10% of the tiny models' steps. Warm, it would have been 46 us and 140 us (the "
-    "defaults now used for GPU targets, whose host only issues kernels). "
+    "Host time outside the kernels' prices is priced since this run (kernels_db/host_overheads.py, "
+    "boomfx/host_time.py; graph_entry_ns and cold_start_ns in the JSON), measured on this CPU by "
+    "collect_compiled for each database: (1) entering the compiled graphs (dynamo's cache lookup and guards on "
+    "every parameter, AOTAutograd's wrappers, the backward call and gradient hand-over): a real compiled step "
+    "of a calibration module minus its recorded Inductor graphs called directly, ~47 us + 0.3 us per input "
+    "warm for inference, ~148 us + 6.5 us per input for training; (2) cold starts: host code run right after "
+    "a kernel that streamed the L2 finds the interpreter's and dispatcher's code and data evicted (a "
+    "one-element add: 2 us warm, 24-33 us after 3-64 MB kernels, 10 us after 768 KiB, none after 48 KiB), "
+    "so each kernel pays op_cold x min(1, bytes of the kernel before / L2), net of the cold start a flushed "
+    ">= 100 us measurement already holds (often a net saving: a long kernel after short ones), and the entry "
+    "pays its own cold extra (70-85 us inference, 100-180 us training, after a fill of four L2s). Tried first: "
+    "the entry measured after ~2-8 ms of matmuls, which leave dynamo's Python slower than a fill does "
+    "(290-570 us, unsteady from run to run, against 210-364 us measured in steady-state loops of the real tiny "
+    "models): three rounds gave median |time error| 7.1/8.0/8.6%, worst 24.6% (Llama-tiny inference +25%); "
+    "with the warm entry only, one round: 8.2%/20.0%. "
     "The AdamW step's own Python is NOT a gap: replaying the ATen calls a real step makes (recorded "
     "with a dispatch mode) costs all but 20-45 us of it for 8-64 parameters; what the earlier estimate "
     "(~3.7 us/parameter) saw was the foreach kernels running slower in situ than measured. "

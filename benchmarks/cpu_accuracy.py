@@ -184,6 +184,7 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
     from boomfx.capture import capture, resolve_bindings
     from boomfx.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
+    from boomfx.kernels_db.host_overheads import collect_host_costs
     from boomfx.kernels_db.measure import Measurer
     from boomfx.kernels_db.store import Store
     from boomfx.program import ProgramOptions
@@ -195,6 +196,7 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
     calls = unpriced.kernel_calls(bindings)
     measurer = Measurer("cpu", cpu_clock=clock, cpu_flush_bytes=flush_bytes)
     collected = collect_calls(Store(db), calls, "cpu", progress=progress, measurer=measurer)
+    collect_host_costs(Store(db), measurer, compiled=False)    # cold starts, as kernels collect does
     t1 = time.perf_counter()
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
     report = analysis.evaluate(bindings).report
@@ -209,6 +211,7 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
         "workspace_at_peak_bytes": report.memory.workspace_bytes,
         "peak_node": report.memory.peak_step_node,
         "kernels": len(report.kernels),
+        "cold_start_s": report.time.cold_start_ns / 1e9, "host_costs_source": report.time.host_costs_source,
         "time_by_source_s": {k: v / 1e9 for k, v in sources.items()},
         "collect": {"measured": collected.measured, "present": collected.skipped, "failed": len(collected.failed),
                     "seconds": round(t1 - t0, 1), "flush_bytes": flush_bytes},
@@ -390,6 +393,17 @@ NOTES = [
     "loss's division 0.45-0.96 of their cold (flushed) price; ~2% of the step outside aten ops (autograd "
     "engine, Python); ~4000 minor page faults per step (16 MiB of fresh pages) that isolated kernels never "
     "take. Training steps therefore come out 5-13% under.",
+    "Cold starts are priced since this run (kernels_db/host_overheads.py, boomfx/host_time.py; cold_start_s in "
+    "the JSON): an op run right after a kernel that streamed the L2 finds the interpreter's and dispatcher's "
+    "code and data evicted (a one-element add: 2 us warm, 24-33 us after 3-64 MB kernels here), so each "
+    "kernel pays op_cold x min(1, bytes of the kernel before / L2), net of the cold start that a flushed "
+    ">= 100 us measurement already holds. op_cold is measured per database (collect_host_costs, ~25 us). "
+    "Totals per step: -0.2..+1.6 ms (the largest on Llama training, many small ops after large ones); "
+    "the gap of training rows is not that.",
+    "Flush fixed at 64 MiB (--flush-mib 64, as benchmarks/compiled_cpu_accuracy.py): in the run just before "
+    "the table above, effective_cache_bytes() found 32 MiB and the same code gave median |time error| "
+    "14.5%, worst 24.2%, every row under (kernels measured with data a step has evicted from the VM's "
+    "effective cache read warm). The knee is load-dependent (8-128 MiB across searches).",
     "Tried and reverted: pricing every kernel between a warm and a cold measurement by the reuse distance of "
     "its inputs (hot = still in the 2 MiB L2). It moved per-op ratios the right way on Llama (mul 2.0 -> "
     "1.28, pow 4.2 -> 1.35) but priced data that a real step finds in the shared L3 as DRAM-cold: ResNet "
