@@ -31,12 +31,11 @@ Known limitations:
 - In-place members are never fused (optimizer ``_foreach_*_`` ops stay one kernel each, as in an
   eager optimizer step); ``torch.compile`` of the optimizer step is not modelled.
 - A view whose size arguments are computed inside the group is still materialised as a fresh tensor.
-- Host overhead of the compiled wrappers is not modelled: a fused kernel is measured as the compiled
-  callable of its group (``kernels_db/collect_fused.py``: ~3.8 us for a one-element group on the 2-vCPU
-  dev VM, about what Inductor's wrapper pays per kernel plus its buffer allocation), but the per-call
-  cost of the compiled graph itself (dynamo guards and the AOT/Inductor wrappers: ~35 us for a
-  one-kernel graph there) and a *training* forward's AOTAutograd Function (saving tensors: ~0.2 ms more
-  per step on GPT-tiny, measured with 1-element sizes) are not added.
+- Host time: a fused kernel is measured as the compiled callable of its group
+  (``kernels_db/collect_fused.py``: ~3.8 us for a one-element group on the 2-vCPU dev VM, more than the
+  ~1 us Inductor's wrapper pays per kernel inside a graph: small groups come out a little high). The
+  cost of entering the compiled graphs (dynamo guards, AOTAutograd's wrappers and Function, the backward
+  call) is added by ``boomfx/host_time.py`` (measured by ``kernels_db/host_overheads.py``).
 """
 from __future__ import annotations
 
