@@ -103,6 +103,10 @@ class Analysis:
         self._node_module = _module_paths(self._nodes)  # scale: one lookup per module-stack object
         # --cudagraphs (passes/compiled.py): host replay cost, and the graph's private memory pool
         self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
+        # host time outside the prices (boomfx/host_time.py): read once, not per evaluated point
+        self._host_costs = host_costs(self.pricer, device)
+        self._graph_inputs = sum(1 for n in self._nodes if n.op == "placeholder"
+                                 and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
 
     # -- pricing -------------------------------------------------------------------------------
     def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
@@ -173,14 +177,17 @@ class Analysis:
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
         # host time outside the prices (boomfx/host_time.py): a CPU's cold starts, compiled graphs' entries
-        costs = host_costs(self.pricer, self.device)
+        costs = self._host_costs
         added = [0.0] * len(scheduled)
         if self.device.kind == "cpu":
             scheduled, added = with_cold_starts(kernels, scheduled, costs, bool(self.program.options.compile))
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
         kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
         cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
-        scheduled, entries = self._graph_entries(kernels, scheduled, costs)
+        entries: set[int] = set()
+        if self.program.options.compile:
+            scheduled, entries = with_graph_entries(kernels, scheduled, costs, bool(self.program.options.train),
+                                                    self._graph_inputs, self.device.kind == "cpu")
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
         for k, span in zip(kernels, spans):
@@ -193,16 +200,6 @@ class Analysis:
         report.warnings.extend(self.program.warnings)
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
-
-    def _graph_entries(self, kernels: list[KernelReport], scheduled: list[ScheduledKernel],
-                       costs: Any) -> tuple[list[ScheduledKernel], set[int]]:
-        """``--compile``: the compiled graphs' entries (``boomfx/host_time.py``) and their indices."""
-        if not self.program.options.compile:
-            return scheduled, set()
-        inputs = sum(1 for n in self._nodes if n.op == "placeholder"
-                     and self.program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
-        return with_graph_entries(kernels, scheduled, costs, bool(self.program.options.train), inputs,
-                                  self.device.kind == "cpu")
 
     # -- memory --------------------------------------------------------------------------------
     def _events(self, ev: Evaluator, workspace_at: Mapping[int, int]) -> list[AllocEvent]:

@@ -21,6 +21,7 @@ from boomfx.simulate import ScheduledKernel
 
 _MEASURED = ("measured", "interpolated")     # report sources priced from database rows
 
+
 def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
                      compiled: bool) -> tuple[list[ScheduledKernel], list[float]]:
     """``scheduled`` (index-aligned with ``kernels``, KernelReports) with each kernel's cold start added

@@ -76,7 +76,6 @@ def _collect(args: argparse.Namespace) -> int:
         if threads < 1:
             raise OptionError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    measurer = protocol_measurer(device)   # after the thread count: it picks the clock
     if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
         raise OptionError("--blocks needs --for FILE.pt2")
     if args.compile and (not args.for_file or args.blocks):
@@ -98,6 +97,7 @@ def _collect(args: argparse.Namespace) -> int:
             blocks = collect_blocks(Store(path), analysis, bindings, device, budget, progress)
             print(blocks.summary(args.for_file, path))
             return 0
+        measurer = protocol_measurer(device)   # after the thread count (it picks the clock); not for blocks
         if args.compile:   # fused groups compiled with Inductor and timed as its graph calls them, then the rest
             from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled
             fused, result = collect_compiled(Store(path), analysis, bindings, measurer,
@@ -113,10 +113,11 @@ def _collect(args: argparse.Namespace) -> int:
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None
+        measurer = protocol_measurer(device)
         result = collect_sweep(Store(path), device, families=families, dtypes=dtypes, budget_s=budget,
                                progress=progress, measurer=measurer)
         what = "the sweep grid"
-    if device.type == "cpu" and not args.blocks:   # the host's cold-start cost (kernels_db/host_overheads.py)
+    if device.type == "cpu":   # the host's cold-start cost (kernels_db/host_overheads.py)
         from boomfx.kernels_db.host_overheads import collect_host_costs
         collect_host_costs(Store(path), measurer, compiled=bool(args.compile))
     print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "

@@ -25,7 +25,7 @@ a real compiled step of a calibration module (tiny Linear layers, at two depths 
 and the Inductor graphs it compiled, recorded and called directly, warm and after ``_Polluter`` (a fill
 of four L2s); ``op_cold`` as a one-element ``add`` after the polluter minus warm. ``boomfx kernels
 collect`` on a CPU stores them as rows of op ``HOST_OP`` next to the kernels; ``Analysis`` adds them to
-the step (``Analysis._host_time``), or ``DEFAULT_NS`` of the target's kind without them.
+the step (``boomfx/host_time.py``), or ``DEFAULT_NS`` of the target's kind without them.
 
 Known limitations:
 - One backward per forward, no graph breaks (each break is another graph call; boomfx traces one graph).
@@ -59,8 +59,8 @@ TRAIN_CALLS = "train_calls"
 TRAIN_CALLS_PER_INPUT = "train_calls_per_input"
 TRAIN_CALLS_COLD = "train_calls_cold"
 OP_COLD = "op_cold"
-ENTRY_EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD)
-EVENTS = ENTRY_EVENTS + (OP_COLD,)
+EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD,
+          OP_COLD)
 
 # Measured on the development CPU (measure_host_costs, thread CPU time), three runs each: graph_call
 # 47.0/46.6/47.2 us, per input 0.40/0.29/0.32 us, cold extra 85/71/43 us; train_calls 151/148/145 us, per

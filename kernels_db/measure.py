@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -439,8 +440,9 @@ def effective_cache_bytes(probe_bytes: int = 4 << 20, start_bytes: int = 4 << 20
     return size
 
 
+@lru_cache(maxsize=None)
 def l2_cache_bytes() -> int:
-    """This core's private L2 size (sysfs), 2 MiB if unknown."""
+    """This core's private L2 size (sysfs, read once), 2 MiB if unknown."""
     try:
         for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
             if (index / "level").read_text().strip() == "2":

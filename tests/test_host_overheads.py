@@ -16,20 +16,11 @@ from boomfx.kernels_db.host_overheads import (DEFAULT_NS, EVENTS, GRAPH_CALL, GR
 from boomfx.kernels_db.measure import Measurement, Measurer, l2_cache_bytes
 from boomfx.kernels_db.store import Store
 from boomfx.program import ProgramOptions
+from test_api import TwoLayer
 
 VALUES = {GRAPH_CALL: 40_000.0, GRAPH_CALL_PER_INPUT: 1_000.0, GRAPH_CALL_COLD: 100_000.0,
           TRAIN_CALLS: 200_000.0, TRAIN_CALLS_PER_INPUT: 3_000.0, TRAIN_CALLS_COLD: 300_000.0, OP_COLD: 20_000.0}
 WARM_ONLY = {**VALUES, GRAPH_CALL_COLD: 0.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0}
-
-
-class TwoLayer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 16)
-        self.b = torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
 
 
 class MatmulChain(torch.nn.Module):
@@ -100,7 +91,7 @@ def test_compiled_step_pays_for_entering_its_graphs(tmp_path, train):
     """Inputs: two weights, two biases and x. Inference: one forward entry of 40 + 5 x 1 us before the
     first kernel. Training: that entry, and the rest of the training cost (200 + 5 x 3 - 45 us) before
     the first backward kernel; kernels, their prices and memory are unchanged."""
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 32)
     report = _report(_analysis(TwoLayer(), x, train, _db(tmp_path / "warm", WARM_ONLY)))
     forward_ns, total_ns = 45_000.0, (215_000.0 if train else 45_000.0)
     assert report.time.graph_entry_ns == pytest.approx(total_ns)
@@ -149,4 +140,4 @@ def test_measured_on_this_cpu_and_stored(tmp_path):
     assert sorted(event_of(r.key) for r in records) == sorted(EVENTS)       # one row each
     assert all(r.median_ns >= 0 for r in records)
     assert HostCosts.from_records(records, "cpu").values[TRAIN_CALLS] > 0     # a backward is never free
-    assert _report(_analysis(TwoLayer(), torch.randn(4, 8), db=path)).time.host_costs_source == "measured"
+    assert _report(_analysis(TwoLayer(), torch.randn(4, 32), db=path)).time.host_costs_source == "measured"
