@@ -180,7 +180,7 @@ class Analysis:
         if self.device.kind == "cpu":
             scheduled, added = with_cold_starts(kernels, scheduled, costs, bool(self.program.options.compile))
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
-        kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
+        kernels, scheduled = apply_block_measurements(self, self.options.db, bindings, kernels, scheduled)
         cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
         entries: set[int] = set()
         if self.program.options.compile:
