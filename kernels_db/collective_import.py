@@ -46,7 +46,7 @@ _DTYPE_NAMES = {"half": "float16", "float": "float32", "double": "float64"}
 _RANK_LINE = re.compile(r"#\s*Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.+)$")
 _OP_LINE = re.compile(r"Collective test starting:\s*(\w+?)_perf")
 _NCCL_VERSION = re.compile(r"NCCL version\s+(\S+)")
-_ITERS = re.compile(r"\biters:\s*(\d+)")
+_ITERS = re.compile(r"(warmup |agg )?iters:\s*(\d+)")
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,9 @@ def parse_nccl_tests(path: Union[str, os.PathLike], op: Optional[str] = None,
                 found_op = canonical_op(m.group(1))
             elif (m := _NCCL_VERSION.search(stripped)) is not None:
                 nccl_version = m.group(1)
-            if (m := _ITERS.search(stripped)) is not None:
-                iters = int(m.group(1))
+            for prefix, value in _ITERS.findall(stripped):   # "warmup iters: 5 iters: 20 agg iters: 1"
+                if not prefix:
+                    iters = int(value)
             continue
         if header is not None and stripped[0].isdigit():
             raw_rows.append((line_no, stripped.split()))

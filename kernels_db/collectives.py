@@ -28,7 +28,8 @@ Example::
 Known limitations:
 - No interpolation across world sizes or ranks-per-node: a group size that was not measured is priced by
   the model, even when neighbouring group sizes were measured.
-- Rows of any dtype price a size (time depends on bytes; reductions of int8 were measured ~5% slower).
+- Rows of any dtype price a size (time depends on bytes; int8 reductions were measured ~3-10% slower), the
+  caller's dtype first when rows of several dtypes exist (``DTYPE_PREFERENCE`` otherwise).
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ from boomfx.kernels_db.schema import KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
 
 MAX_NEIGHBOUR_RATIO = 4.0
+# Rows of several dtypes at one size (the public table has half and int8): the caller's dtype, else the first of
+# these (training collectives move floats; int8 reductions were measured a few % slower), else by name.
+DTYPE_PREFERENCE = ("bfloat16", "float16", "float32", "float64")
 
 
 def backend_for(device: DeviceSpec) -> str:
@@ -112,23 +116,27 @@ class CollectivePricer:
         self.backend = backend_for(device)
         self.calibration = calibration
         names = {device.name, *device.aliases}
-        self._rows: dict[tuple[str, int, int, str], dict[int, KernelRecord]] = {}
+        self._rows: dict[tuple[str, int, int, str], dict[int, dict[str, KernelRecord]]] = {}
         if store is not None:
             with store:
                 for rec in store.records(op=COLLECTIVE_OP):   # oldest first: newer rows overwrite
                     if rec.fingerprint.device_name not in names:
                         continue
                     op, nbytes, world, per_node, backend = key_fields(rec.key)
-                    self._rows.setdefault((op, world, per_node, backend), {})[nbytes] = rec
+                    group = self._rows.setdefault((op, world, per_node, backend), {})
+                    group.setdefault(nbytes, {})[rec.key.dtype] = rec
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._rows.values())
+        return sum(len(recs) for by_size in self._rows.values() for recs in by_size.values())
 
-    def price(self, op: str, message_bytes: int, group: CollectiveGroup) -> CollectivePrice:
+    def price(self, op: str, message_bytes: int, group: CollectiveGroup,
+              dtype: Optional[str] = None) -> CollectivePrice:
+        """Price one collective; ``dtype`` (torch's name, e.g. "bfloat16") picks among rows of several dtypes."""
         name = _validate(op, message_bytes, group)
         model = model_time(name, message_bytes, group, self.device, self.calibration)
-        rows = self._rows.get((name, group.world, group.ranks_per_node, self.backend))
-        if rows:
+        by_size = self._rows.get((name, group.world, group.ranks_per_node, self.backend))
+        if by_size:
+            rows = {nbytes: _pick(recs, dtype) for nbytes, recs in by_size.items()}
             rec = rows.get(message_bytes)
             if rec is not None:
                 return CollectivePrice(rec.median_ns, PriceSource.MEASURED, model.algorithm, model.protocol,
@@ -140,6 +148,15 @@ class CollectivePricer:
                                        model.bus_bytes, f"between measured {lo} and {hi} bytes")
         return CollectivePrice(model.time_ns, PriceSource.MODEL, model.algorithm, model.protocol, model.bus_bytes,
                                model.detail)
+
+
+def _pick(records: dict[str, KernelRecord], dtype: Optional[str]) -> KernelRecord:
+    if dtype in records:
+        return records[dtype]
+    for name in DTYPE_PREFERENCE:
+        if name in records:
+            return records[name]
+    return records[min(records)]
 
 
 def _interpolate(rows: dict[int, KernelRecord], message_bytes: int) -> Optional[tuple[float, int, int]]:
@@ -160,7 +177,7 @@ def _interpolate(rows: dict[int, KernelRecord], message_bytes: int) -> Optional[
 
 
 def price_collective(op: str, message_bytes: int, group: CollectiveGroup, device: DeviceSpec,
-                     store: Optional[Store] = None) -> CollectivePrice:
+                     store: Optional[Store] = None, dtype: Optional[str] = None) -> CollectivePrice:
     """Time of one collective ``op`` of ``message_bytes`` (nccl-tests' size: the whole buffer, see the module
     docstring) over ``group`` on ``device``; ``store``'s collective rows of this device price it when they can.
 
@@ -168,7 +185,7 @@ def price_collective(op: str, message_bytes: int, group: CollectiveGroup, device
     A caller pricing many collectives should keep one ``CollectivePricer`` (the store is read once per pricer).
     """
     pricer = CollectivePricer(store, device)
-    return pricer.price(op, message_bytes, group)
+    return pricer.price(op, message_bytes, group, dtype)
 
 
 __all__ = ["COLLECTIVE_OP", "CollectiveGroup", "CollectivePrice", "CollectivePricer", "bus_factor",
