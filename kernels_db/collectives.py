@@ -16,7 +16,8 @@ Message size convention (nccl-tests' ``size`` column, and the ``message_bytes`` 
 the *whole* buffer of the collective, i.e. all-reduce: the tensor (input = output); all-gather: the gathered
 **output** (world x the per-rank input, ``all_gather_into_tensor``'s output tensor); reduce-scatter: the
 **input** (world x the per-rank output, ``reduce_scatter_tensor``'s input tensor); all-to-all: one rank's
-send buffer; broadcast: the tensor; send/recv: the tensor sent.
+send buffer; broadcast: the tensor; send/recv: the tensor each rank sends to its peer (nccl-tests' sendrecv:
+every rank sends to the next and receives from the previous at once).
 
 Example::
 
@@ -42,6 +43,7 @@ from boomfx.devices import DeviceSpec
 from boomfx.errors import CollectiveError
 from boomfx.kernels_db.collective_model import (
     COLLECTIVE_OP,
+    ClusterTopology,
     CollectiveCalibration,
     CollectiveGroup,
     bus_factor,
@@ -102,8 +104,6 @@ def _validate(op: str, message_bytes: int, group: CollectiveGroup) -> str:
         raise CollectiveError(f"{name}: message_bytes must be >= 0, got {message_bytes}")
     if not isinstance(group, CollectiveGroup):
         raise CollectiveError(f"{name}: group must be a CollectiveGroup, got {type(group).__name__}")
-    if name == "send_recv" and group.world != 2:
-        raise CollectiveError(f"send_recv is between two ranks, the group has {group.world}")
     return name
 
 
@@ -188,5 +188,5 @@ def price_collective(op: str, message_bytes: int, group: CollectiveGroup, device
     return pricer.price(op, message_bytes, group, dtype)
 
 
-__all__ = ["COLLECTIVE_OP", "CollectiveGroup", "CollectivePrice", "CollectivePricer", "bus_factor",
+__all__ = ["COLLECTIVE_OP", "ClusterTopology", "CollectiveGroup", "CollectivePrice", "CollectivePricer", "bus_factor",
            "collective_key", "price_collective"]

@@ -139,7 +139,7 @@ def test_every_protocol_has_fitted_numbers():
     lambda: price_collective("all_shuffle", 1024, CollectiveGroup.of(2), NODE),           # unknown op
     lambda: price_collective("all_reduce", -1, CollectiveGroup.of(2), NODE),              # negative bytes
     lambda: price_collective("all_reduce", 1.5, CollectiveGroup.of(2), NODE),             # not an integer
-    lambda: price_collective("send_recv", 1024, CollectiveGroup.of(4), NODE),             # send/recv is 2 ranks
+    lambda: CollectiveGroup.of(0),                                                        # no ranks
     lambda: CollectiveGroup.of(8, ranks_per_node=3),                                      # 8 ranks, nodes of 3
     lambda: CollectiveGroup((0, 1, 1), ClusterTopology(1, 8)),                            # a rank twice
     lambda: CollectiveGroup((0, 9), ClusterTopology(1, 8)),                               # outside the cluster
