@@ -164,7 +164,7 @@ def collect_blocks(store: Store, analysis: Any, bindings: Mapping[sympy.Symbol, 
 # ---------------------------------------------------------------------------------------------------
 def measured_block_times(analysis: Any, bindings: Mapping[sympy.Symbol, int]) -> dict[int, KernelRecord]:
     """class index -> the block row measured for it at ``bindings`` on the analysis' device (if any)."""
-    from boomfx.pricing import resolve_db_path
+    from boomfx.kernels_db.pricing import resolve_db_path
     if not analysis.blocks.classes:
         return {}
     path = resolve_db_path(analysis.options.db, analysis.device)

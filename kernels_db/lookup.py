@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db.blocks_db import BLOCK_OP  # block mode
 from boomfx.kernels_db.collective_model import COLLECTIVE_OP
 from boomfx.kernels_db.host_overheads import HOST_OP

@@ -4,8 +4,8 @@ classes of isomorphic subgraphs, so each unique block can be priced once and rep
 Two ways to find the instances, then one exact check that groups them:
 
 1. **Module metadata** (``nn_module_stack``, also copied onto backward/recompute nodes by
-   ``boomfx.training``): a node belongs to the list entry of its module path (``h.3``,
-   ``model.layers.7``, ``encoder.layer.2``; see ``boomfx.modules.layer_of``). In a training graph the
+   ``boomfx.training.trace``): a node belongs to the list entry of its module path (``h.3``,
+   ``model.layers.7``, ``encoder.layer.2``; see ``boomfx.core.layers.layer_of``). In a training graph the
    forward, recompute and backward nodes of one layer therefore form one instance.
 2. **Structure** (no metadata, or metadata without list entries): the graph's value nodes, in their
    topological order, are labelled by (phase, op, output dtype/shape/stride). A layer stack shows up
@@ -57,11 +57,11 @@ import numpy as np
 import torch
 import torch.fx
 
-from boomfx.modules import layer_of, layer_pattern, module_stack
+from boomfx.core.layers import layer_of, layer_pattern, module_stack
 from boomfx.passes.errors import node_error
 from boomfx.passes.opcall import spec_of
-from boomfx.program import Program
-from boomfx.report import BlockReport, KernelReport
+from boomfx.core.program import Program
+from boomfx.report.model import BlockReport, KernelReport
 
 METHOD_MODULES = "modules"
 METHOD_STRUCTURE = "structure"

@@ -25,7 +25,7 @@ from boomfx.passes.aliasing import output_aliases
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
-from boomfx.program import (
+from boomfx.core.program import (
     PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
     ROLE_OPT_STATE, ROLE_PARAM, Program,
 )
@@ -154,7 +154,7 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                   uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None) -> LivenessInfo:
     """``uses``: for the nodes it names, the nodes they keep alive in place of ``all_input_nodes``
-    (boomfx/analyze.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
+    (boomfx/analysis/analysis.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
     the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments."""
     graph = program.graph
     inputs_of = _inputs_of(uses)
@@ -187,7 +187,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                 val = getattr(program.gm, str(node.target), None)
             role = program.input_roles.get(node.name, ROLE_PARAM if node.op == "get_attr" else ROLE_INPUT)
             if isinstance(val, torch.Tensor):
-                # synthesised layers (boomfx/training_expand.py) share fake values but not storages
+                # synthesised layers (boomfx/training/expand.py) share fake values but not storages
                 key = node.meta.get("boomfx.storage_key") or _storage_key(val)
                 if key is not None and key in resident_by_storage:     # tied weights: one storage
                     out_sids[node] = [resident_by_storage[key]]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.collectors import build_call, spec
 from boomfx.kernels_db.keys import kernel_key
 from boomfx.kernels_db.lookup import KernelPricer, PriceSource
