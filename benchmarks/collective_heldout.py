@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.collective_import import PublicCollectiveRow, iter_public_collectives
 from boomfx.kernels_db.collective_model import (
     CALIBRATION_PATH,

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from boomfx.errors import CollectiveError
+from boomfx.core.errors import CollectiveError
 from boomfx.kernels_db.collective_import import CollectiveRow, record_of
 from boomfx.kernels_db.collective_model import (
     ALL_GATHER,

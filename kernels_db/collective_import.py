@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from boomfx.errors import CollectiveError
+from boomfx.core.errors import CollectiveError
 from boomfx.kernels_db.collective_model import canonical_op
 from boomfx.kernels_db.collectives import collective_key
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelRecord

@@ -48,9 +48,9 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from boomfx.devices import DeviceSpec
-from boomfx.errors import CollectiveError
-from boomfx.networks import NetworkSpec, get_network
+from boomfx.core.devices import DeviceSpec
+from boomfx.core.errors import CollectiveError
+from boomfx.core.networks import NetworkSpec, get_network
 
 CALIBRATION_PATH = Path(__file__).parent / "data" / "collective_calibration.json"
 COLLECTIVE_OP = "boomfx::collective"   # KernelKey.op of collective rows (collectives.py); kernel lookups skip them

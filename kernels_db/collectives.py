@@ -10,7 +10,7 @@ analysis calls. It returns a ``CollectivePrice`` whose ``source`` is a ``PriceSo
    log-log between the two neighbours (the kernel pricer interpolates throughput the same way), only when
    the nearer neighbour is within ``MAX_NEIGHBOUR_RATIO`` (x4) of the size.
 3. **model**: ``collective_model.model_time``: NCCL-style ring/tree x LL/LL128/Simple on the device's
-   interconnect (``boomfx/devices.py``) and network (``boomfx/networks.py``), calibrated on public data.
+   interconnect (``boomfx/core/devices.py``) and network (``boomfx/core/networks.py``), calibrated on public data.
 
 Message size convention (nccl-tests' ``size`` column, and the ``message_bytes`` of every function here):
 the *whole* buffer of the collective, i.e. all-reduce: the tensor (input = output); all-gather: the gathered
@@ -21,7 +21,7 @@ every rank sends to the next and receives from the previous at once).
 
 Example::
 
-    >>> from boomfx.devices import get_device
+    >>> from boomfx.core.devices import get_device
     >>> price = price_collective("all_reduce", 64 << 20, CollectiveGroup.of(8), get_device("h100-sxm"))
     >>> price.source.value, price.algorithm, price.protocol
     ('model', 'ring', 'Simple')
@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from boomfx.devices import DeviceSpec
-from boomfx.errors import CollectiveError
+from boomfx.core.devices import DeviceSpec
+from boomfx.core.errors import CollectiveError
 from boomfx.kernels_db.collective_model import (
     COLLECTIVE_OP,
     ClusterTopology,

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.collective_import import CollectiveRow, PublicCollectiveRow
 from boomfx.kernels_db.collective_model import (
     ALL_GATHER,

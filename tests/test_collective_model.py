@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from boomfx.devices import get_device
-from boomfx.errors import BoomfxError, CollectiveError
+from boomfx.core.devices import get_device
+from boomfx.core.errors import BoomfxError, CollectiveError
 from boomfx.kernels_db.collective_model import (
     PROTOCOLS,
     ClusterTopology,
@@ -20,7 +20,7 @@ from boomfx.kernels_db.collective_model import (
     model_time,
 )
 from boomfx.kernels_db.collectives import price_collective
-from boomfx.networks import UnknownNetworkError, get_network
+from boomfx.core.networks import UnknownNetworkError, get_network
 
 # A made-up calibration with round numbers, so every time below is arithmetic on the page.
 CAL = CollectiveCalibration(

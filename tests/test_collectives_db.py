@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from boomfx.cli import main
-from boomfx.devices import get_device
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.collective_import import CollectiveRow, parse_nccl_tests, write_nccl_tests
 from boomfx.kernels_db.collective_model import CollectiveGroup, model_time
 from boomfx.kernels_db.collectives import CollectivePricer, price_collective

@@ -33,7 +33,7 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPU intra-op threads while measuring (default: torch's); match the runs you predict, "
                         "and use 1 on a machine shared with other jobs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--collectives", action="store_true",  # boomfx/cli_collectives.py
+    c.add_argument("--collectives", action="store_true",  # boomfx/cli/collectives.py
                    help="measure collectives (gloo on cpu, NCCL on cuda) with --world local ranks")
     c.add_argument("--world", type=int, default=2, help="with --collectives: local ranks (default 2)")
     i = ksub.add_parser("import", help="import CSV measurements (boomfx CSV or the public GPU data set)")

@@ -70,8 +70,8 @@ def _collect(args: argparse.Namespace) -> int:
     budget = parse_budget(args.budget)
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if args.collectives:   # collectives with local ranks (boomfx/cli_collectives.py)
-        from boomfx.cli_collectives import collect
+    if args.collectives:   # collectives with local ranks (boomfx/cli/collectives.py)
+        from boomfx.cli.collectives import collect
         return collect(args, spec.name, path)
     progress = False if args.quiet else None
     threads = args.threads
@@ -164,7 +164,7 @@ def _import(args: argparse.Namespace) -> int:
     if not source.exists():
         raise OptionError(f"nothing to import at {source}")
     if source.is_file():
-        from boomfx.cli_collectives import try_import   # nccl-tests tables, the public NCCL table
+        from boomfx.cli.collectives import try_import   # nccl-tests tables, the public NCCL table
         done = try_import(source, args, _db_path)
         if done is not None:
             return done

@@ -1,6 +1,6 @@
 """What ``boomfx kernels collect --collectives`` and ``boomfx kernels import`` of collective files do.
 
-The parser lives in ``cli_kernels``; ``kernels_cli_impl`` calls ``collect`` and ``try_import`` here.
+The parser lives in ``cli/kernels.py``; ``cli/kernels_impl.py`` calls ``collect`` and ``try_import`` here.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 
 
 def collect(args: argparse.Namespace, spec_name: str, path: Path) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from boomfx.errors import BoomfxError
+from boomfx.core.errors import BoomfxError
 
 GBIT = 1e9 / 8   # bytes per second in one Gb/s
 
