@@ -19,7 +19,7 @@
    would imply 2.4 TB/s of bus bandwidth).
 
 Known limitations:
-- One table per file; a file with several runs (several ``size`` headers) keeps the last row of each size.
+- Within one run, a size printed twice keeps its last row.
 - nccl-tests' ``-g`` (several GPUs per thread) and ``-t`` rank lines are counted the same way (one per GPU).
 """
 from __future__ import annotations
@@ -115,19 +115,46 @@ def _op_from_name(text: str) -> Optional[str]:
     return None
 
 
+def parse_nccl_tests_runs(path: Union[str, os.PathLike], op: Optional[str] = None,
+                          ranks_per_node: Optional[int] = None) -> list[NcclTestsTable]:
+    """Every run in an nccl-tests output file (logs of several ``*_perf`` runs concatenated are split at each
+    run's ``Collective test starting`` / ``# nThread`` line). Raises CollectiveError naming the line."""
+    path = Path(path)
+    segments: list[list[tuple[int, str]]] = [[]]
+    has_table = False
+    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        stripped = line.strip()
+        starts_run = stripped.startswith("# nThread") or _OP_LINE.search(stripped) is not None
+        if starts_run and has_table:
+            segments.append([])
+            has_table = False
+        has_table = has_table or _header_tokens(stripped) is not None
+        segments[-1].append((line_no, stripped))
+    runs = [seg for seg in segments if any(_header_tokens(text) is not None for _, text in seg)]
+    if not runs:
+        raise CollectiveError(f"{path}: no nccl-tests table (a '#  size  count  type ... time  algbw  busbw' header)")
+    file_op = _op_from_name(path.name) if len(runs) == 1 else None
+    return [_parse_run(path, seg, op, ranks_per_node, file_op) for seg in runs]
+
+
 def parse_nccl_tests(path: Union[str, os.PathLike], op: Optional[str] = None,
                      ranks_per_node: Optional[int] = None) -> NcclTestsTable:
-    """Read one nccl-tests output file. Raises CollectiveError (naming the line) on anything malformed."""
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    """The one run of an nccl-tests output file (``parse_nccl_tests_runs`` for files with several)."""
+    runs = parse_nccl_tests_runs(path, op, ranks_per_node)
+    if len(runs) != 1:
+        raise CollectiveError(f"{path}: {len(runs)} nccl-tests runs in one file; read them with parse_nccl_tests_runs")
+    return runs[0]
+
+
+def _parse_run(path: Path, lines: list[tuple[int, str]], op: Optional[str], ranks_per_node: Optional[int],
+               file_op: Optional[str]) -> NcclTestsTable:
     header: Optional[list[str]] = None
     ranks: dict[int, tuple[str, str]] = {}
     found_op = canonical_op(op) if op else None
     nccl_version = ""
     iters = 1
     raw_rows: list[tuple[int, list[str]]] = []
-    for line_no, line in enumerate(lines, start=1):
-        stripped = line.strip()
+    for line_no, stripped in lines:
         if not stripped:
             continue
         if stripped.startswith("#"):
@@ -147,20 +174,19 @@ def parse_nccl_tests(path: Union[str, os.PathLike], op: Optional[str] = None,
             continue
         if header is not None and stripped[0].isdigit():
             raw_rows.append((line_no, stripped.split()))
-    if header is None:
-        raise CollectiveError(f"{path}: no nccl-tests table (a '#  size  count  type ... time  algbw  busbw' header)")
+    assert header is not None   # runs are chosen by their header
+    found_op = found_op or file_op
+    where = f"{path}:{lines[0][0]}"
     if found_op is None:
-        found_op = _op_from_name(path.name)
-    if found_op is None:
-        raise CollectiveError(f"{path}: cannot tell which collective this is; pass --op")
+        raise CollectiveError(f"{where}: cannot tell which collective this is; pass --op")
     world = len(ranks)
     if world < 1:
-        raise CollectiveError(f"{path}: no '#  Rank N Group G Pid P on HOST device D [..] GPU' lines: "
+        raise CollectiveError(f"{where}: no '#  Rank N Group G Pid P on HOST device D [..] GPU' lines: "
                               "the world size is unknown")
     hosts = tuple(sorted({host for host, _ in ranks.values()}))
     per_node = ranks_per_node or world // len(hosts)
     if per_node < 1 or world % per_node:
-        raise CollectiveError(f"{path}: {world} ranks do not split into nodes of {per_node}")
+        raise CollectiveError(f"{where}: {world} ranks do not split into nodes of {per_node}")
     time_cols = [i for i, t in enumerate(header) if t == "time"]
     size_col, type_col = header.index("size"), header.index("type")
     by_size: dict[int, CollectiveRow] = {}
@@ -169,20 +195,28 @@ def parse_nccl_tests(path: Union[str, os.PathLike], op: Optional[str] = None,
             raise CollectiveError(f"{path}:{line_no}: {len(tokens)} columns, the header has {len(header)}")
         try:
             size = int(tokens[size_col])
-            times_us = [float(tokens[i]) for i in time_cols if i < len(tokens)]
+            oop_us = float(tokens[time_cols[0]])
         except ValueError as exc:
             raise CollectiveError(f"{path}:{line_no}: not a number ({exc})") from None
-        if size < 0 or any(t < 0 for t in times_us):
+        others_us = [float(tokens[i]) for i in time_cols[1:] if i < len(tokens) and _is_number(tokens[i])]
+        if size < 0 or oop_us < 0 or any(t < 0 for t in others_us):
             raise CollectiveError(f"{path}:{line_no}: negative size or time")
-        oop_ns = times_us[0] * 1e3
-        all_ns = [t * 1e3 for t in times_us]
-        by_size[size] = CollectiveRow(found_op, size, world, per_node, dtype_name(tokens[type_col]), oop_ns,
+        all_ns = [t * 1e3 for t in [oop_us] + others_us]   # in-place may print N/A
+        by_size[size] = CollectiveRow(found_op, size, world, per_node, dtype_name(tokens[type_col]), oop_us * 1e3,
                                       min(all_ns), max(all_ns), iters)
     if not by_size:
-        raise CollectiveError(f"{path}: the nccl-tests table has no rows")
+        raise CollectiveError(f"{where}: the nccl-tests table has no rows")
     gpu_names = sorted({gpu for _, gpu in ranks.values()})
     return NcclTestsTable(found_op, tuple(by_size[s] for s in sorted(by_size)), gpu_names[0] if gpu_names else "",
                           hosts, nccl_version)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def nccl_tests_records(table: NcclTestsTable, device_name: str, source_file: str) -> list[KernelRecord]:

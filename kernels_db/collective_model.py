@@ -67,7 +67,7 @@ BROADCAST = "broadcast"
 SEND_RECV = "send_recv"
 OPS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, SEND_RECV)
 OP_ALIASES: Mapping[str, str] = {
-    "allreduce": ALL_REDUCE, "all_reduce_": ALL_REDUCE,
+    "allreduce": ALL_REDUCE,
     "allgather": ALL_GATHER, "all_gather_into_tensor": ALL_GATHER, "_allgather_base": ALL_GATHER,
     "reducescatter": REDUCE_SCATTER, "reduce_scatter_tensor": REDUCE_SCATTER, "_reduce_scatter_base": REDUCE_SCATTER,
     "alltoall": ALL_TO_ALL, "all_to_all_single": ALL_TO_ALL, "alltoall_base": ALL_TO_ALL,
@@ -78,8 +78,16 @@ RING, TREE, P2P = "ring", "tree", "p2p"
 
 
 def canonical_op(op: str) -> str:
-    """The model's name of a collective ('all_gather_into_tensor' -> 'all_gather'); raises CollectiveError."""
-    key = op.strip().lower().replace("-", "_")
+    """The model's name of a collective; raises CollectiveError.
+
+    Accepts the model's names, torch.distributed's ('all_gather_into_tensor', 'reduce_scatter_tensor',
+    'all_to_all_single'), nccl-tests' ('alltoall', 'sendrecv') and graph targets of the functional collectives
+    ('_c10d_functional.all_reduce_.default' -> 'all_reduce').
+    """
+    key = str(op).strip().lower().replace("-", "_")
+    for suffix in (".default",):
+        key = key[: -len(suffix)] if key.endswith(suffix) else key
+    key = key.rsplit(".", 1)[-1].rstrip("_")   # namespace ('_c10d_functional.'), in-place marker ('all_reduce_')
     key = OP_ALIASES.get(key, key)
     if key not in OPS:
         raise CollectiveError(f"unknown collective '{op}' (known: {', '.join(OPS)})")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -98,7 +99,7 @@ class CollectivePrice:
 
 def _validate(op: str, message_bytes: int, group: CollectiveGroup) -> str:
     name = canonical_op(op)
-    if not isinstance(message_bytes, (int,)) or isinstance(message_bytes, bool):
+    if not isinstance(message_bytes, numbers.Integral) or isinstance(message_bytes, bool):
         raise CollectiveError(f"{name}: message_bytes must be an integer, got {message_bytes!r}")
     if message_bytes < 0:
         raise CollectiveError(f"{name}: message_bytes must be >= 0, got {message_bytes}")
@@ -133,6 +134,7 @@ class CollectivePricer:
               dtype: Optional[str] = None) -> CollectivePrice:
         """Price one collective; ``dtype`` (torch's name, e.g. "bfloat16") picks among rows of several dtypes."""
         name = _validate(op, message_bytes, group)
+        message_bytes = int(message_bytes)   # numpy / sympy integers
         model = model_time(name, message_bytes, group, self.device, self.calibration)
         by_size = self._rows.get((name, group.world, group.ranks_per_node, self.backend))
         if by_size:

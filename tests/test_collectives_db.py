@@ -144,3 +144,23 @@ def test_bad_collective_files_exit_2(tmp_path: Path, capsys) -> None:
     assert "pass --op" in capsys.readouterr().err
     assert main(["kernels", "import", str(unnamed), "--db", str(tmp_path / "x.sqlite"), "--op", "all_gather"]) == 0
     assert main(["kernels", "collect", "--collectives", "--world", "1", "--db", str(tmp_path / "y.sqlite")]) == 2
+
+
+def test_concatenated_runs_are_split_and_in_place_na_is_ignored(tmp_path: Path, capsys) -> None:
+    first = "# Collective test starting: all_reduce_perf\n" + NCCL_TESTS_OUTPUT
+    second = ("# Collective test starting: alltoall_perf\n"
+              + NCCL_TESTS_OUTPUT.replace("    20.90    0.05    0.04      0", "      N/A     N/A     N/A    N/A"))
+    path = tmp_path / "cluster.log"
+    path.write_text(first + second)
+    from boomfx.kernels_db.collective_import import parse_nccl_tests_runs
+    runs = parse_nccl_tests_runs(path)
+    assert [r.op for r in runs] == ["all_reduce", "all_to_all"]
+    a2a_first = runs[1].rows[0]
+    assert (a2a_first.time_ns, a2a_first.p10_ns, a2a_first.p90_ns) == (21_500.0, 21_500.0, 21_500.0)
+    db = tmp_path / "h100.sqlite"
+    assert main(["kernels", "import", str(path), "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce, 4 ranks" in out and "all_to_all, 4 ranks" in out
+    group = CollectiveGroup.of(4, ranks_per_node=2)
+    price = price_collective("_c10d_functional.all_reduce_.default", 16384, group, get_device("h100-sxm"), Store(db))
+    assert (price.source, price.time_ns) == (PriceSource.MEASURED, 24_000.0)

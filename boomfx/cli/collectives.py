@@ -51,13 +51,13 @@ def try_import(source: Path, args: argparse.Namespace, db_path) -> Optional[int]
     if not ci.is_nccl_tests_output(source):
         return None
     from boomfx.kernels_db.measure import registry_device_name
-    table = ci.parse_nccl_tests(source, op=args.op, ranks_per_node=args.ranks_per_node)
-    device = args.device or registry_device_name(table.gpu_name)
-    if device is None:
-        raise OptionError(f"{source}: GPU '{table.gpu_name}' is not in the device registry; pass --device NAME")
-    path = db_path(args.db, device)
-    with Store(path) as store:
-        n = store.put_many(ci.nccl_tests_records(table, device, str(source)))
-    print(f"{source}: {table.op}, {table.rows[0].world} ranks ({table.rows[0].ranks_per_node} per node) on "
-          f"{device}: {n} rows into {path}")
+    for table in ci.parse_nccl_tests_runs(source, op=args.op, ranks_per_node=args.ranks_per_node):
+        device = args.device or registry_device_name(table.gpu_name)
+        if device is None:
+            raise OptionError(f"{source}: GPU '{table.gpu_name}' is not in the device registry; pass --device NAME")
+        path = db_path(args.db, device)
+        with Store(path) as store:
+            n = store.put_many(ci.nccl_tests_records(table, device, str(source)))
+        print(f"{source}: {table.op}, {table.rows[0].world} ranks ({table.rows[0].ranks_per_node} per node) on "
+              f"{device}: {n} rows into {path}")
     return 0
