@@ -328,10 +328,11 @@ class IntraLink:
 
 
 def intra_link(device: DeviceSpec, ranks_per_node: int) -> IntraLink:
-    """NVLink when the node has NVSwitch (or a bridged pair of two ranks), else the PCIe host link."""
+    """NVLink when it joins every rank of the node (NVSwitch, a mesh such as DGX-1's, or a bridged pair of two
+    ranks), else the PCIe host link. NB: a mesh's rings are priced at the full per-GPU NVLink rate."""
     if device.kind == "cpu":
         return IntraLink(0.0, "loopback", "host")
-    nvlink_reaches_all = device.nvswitch or ranks_per_node <= 2
+    nvlink_reaches_all = device.nvswitch or not device.nvlink_bridge or ranks_per_node <= 2
     if device.nvlink_bytes_per_s > 0 and nvlink_reaches_all:
         return IntraLink(device.nvlink_bytes_per_s, f"nvlink{device.nvlink_generation}", "nvlink")
     gen = device.pcie_generation or 4

@@ -92,6 +92,7 @@ def test_pcie_boards_use_pcie_without_ll128_and_bridges_join_pairs_only():
     assert (link.kind, link.family, link.bandwidth_bytes_per_s) == ("pcie", "pcie4", 31.5e9)
     assert intra_link(get_device("a100-pcie-80gb"), 2).kind == "nvlink"       # a bridged pair
     assert intra_link(get_device("a100-pcie-80gb"), 4).kind == "pcie"         # bridges do not join four
+    assert intra_link(get_device("v100-32gb"), 8).family == "nvlink2"        # DGX-1's mesh rings span 8
     for size in (1 << 10, 1 << 20, 1 << 28):
         assert model_time("all_reduce", size, CollectiveGroup.of(4), l4, CAL).protocol != "LL128"
     est = model_time("all_reduce", 1 << 28, CollectiveGroup.of(4), l4, CAL)

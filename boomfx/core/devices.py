@@ -58,6 +58,8 @@ class DeviceSpec:
     nvlink_bytes_per_s: float = 0.0
     nvlink_generation: int = 0                  # 0: no NVLink
     nvswitch: bool = False                      # all GPUs of a node reach each other at full NVLink rate
+    nvlink_bridge: bool = False                 # NVLink only joins pairs of boards (PCIe cards with a bridge);
+                                                # neither flag: a mesh whose NVLink rings span the board (DGX-1)
     pcie_generation: int = 0                    # host link of the board (x16)
     gpus_per_node: int = 1                      # GPUs of the usual server / board this part sits in
 
@@ -184,15 +186,15 @@ _INTERCONNECT: Mapping[str, tuple[dict, str]] = {
                   "6 NVSwitches; PCIe Gen4"),
     "a100-80gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvswitch=True, pcie_generation=4,
                        gpus_per_node=8), f"as a100-40gb: NVLink3 300 {_GBPS_DIR}, NVSwitch, PCIe Gen4"),
-    "a100-pcie-40gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, pcie_generation=4, gpus_per_node=8),
+    "a100-pcie-40gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=8),
                        f"{_NV} A100 PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen4"),
-    "a100-pcie-80gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, pcie_generation=4, gpus_per_node=8),
+    "a100-pcie-80gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=8),
                        f"{_NV} A100 80GB PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen4"),
     "h100-sxm": (dict(nvlink_bytes_per_s=450 * GBPS, nvlink_generation=4, nvswitch=True, pcie_generation=5,
                       gpus_per_node=8),
                  f"{_NV} H100 SXM: NVLink4 18 links, 900 GB/s bidirectional = 450 {_GBPS_DIR}; HGX H100: 4 "
                  "third-generation NVSwitches; PCIe Gen5"),
-    "h100-pcie": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=4, pcie_generation=5, gpus_per_node=8),
+    "h100-pcie": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=4, nvlink_bridge=True, pcie_generation=5, gpus_per_node=8),
                   f"{_NV} H100 PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen5"),
     "h200": (dict(nvlink_bytes_per_s=450 * GBPS, nvlink_generation=4, nvswitch=True, pcie_generation=5,
                   gpus_per_node=8), f"{_NV} H200 SXM: NVLink4 900 GB/s bidirectional = 450 {_GBPS_DIR}; HGX "
@@ -200,7 +202,7 @@ _INTERCONNECT: Mapping[str, tuple[dict, str]] = {
     "b200": (dict(nvlink_bytes_per_s=900 * GBPS, nvlink_generation=5, nvswitch=True, pcie_generation=5,
                   gpus_per_node=8), f"{_NV} B200: NVLink5 18 links, 1.8 TB/s bidirectional = 900 {_GBPS_DIR}; "
                                     "HGX B200: 2 NVLink5 switch chips; PCIe Gen5"),
-    "rtx-3090": (dict(nvlink_bytes_per_s=56.25 * GBPS, nvlink_generation=3, pcie_generation=4, gpus_per_node=4),
+    "rtx-3090": (dict(nvlink_bytes_per_s=56.25 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=4),
                  "NVIDIA GeForce RTX 3090: NVLink bridge for two cards, 112.5 GB/s bidirectional; PCIe Gen4"),
     "rtx-4090": (dict(pcie_generation=4, gpus_per_node=4), "NVIDIA GeForce RTX 4090: PCIe Gen4 x16, no NVLink"),
 }
