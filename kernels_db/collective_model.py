@@ -344,7 +344,8 @@ def intra_link(device: DeviceSpec, ranks_per_node: int) -> IntraLink:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def protocol_efficiency(cal: CollectiveCalibration, protocol: str, op: str, n: "np.ndarray | int") -> "np.ndarray | float":
+def protocol_efficiency(cal: CollectiveCalibration, protocol: str, op: str,
+                        n: "np.ndarray | int") -> "np.ndarray | float":
     """Achieved fraction of the link's bandwidth by a protocol for ``op`` on n ranks."""
     if protocol == "Simple":
         simple = cal.simple_for(op)
