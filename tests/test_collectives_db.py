@@ -108,6 +108,7 @@ def test_public_table_import_prices_its_rows(tmp_path: Path, monkeypatch, capsys
     assert "h200: 0 new collective rows" in capsys.readouterr().out          # idempotent
 
 
+@pytest.mark.slow   # two spawned processes import torch: ~5-13 s on a loaded 2-core machine
 def test_gloo_measurement_with_two_processes_prices_as_measured(tmp_path: Path) -> None:
     from boomfx.kernels_db.collective_bench import collect_collectives
     db = tmp_path / "cpu.sqlite"
