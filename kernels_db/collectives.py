@@ -51,7 +51,7 @@ from boomfx.kernels_db.collective_model import (
     canonical_op,
     model_time,
 )
-from boomfx.kernels_db.lookup import PriceSource
+from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.schema import KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
 

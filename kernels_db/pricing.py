@@ -13,41 +13,32 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
 from boomfx.passes.costs.registry import Cost, OpCall
 
-AUTO_DB = "auto"
-NO_DB = "none"
+from boomfx.kernels_db.db_path import AUTO_DB, NO_DB, resolve_db_path
+from boomfx.kernels_db.price import KernelPrice, Pricer, PriceSource
+from boomfx.kernels_db.schema import KernelRecord
 
+if TYPE_CHECKING:
+    from boomfx.kernels_db.gpu_model import GpuKernelModel
+    from boomfx.kernels_db.host_overheads import HostCosts
 
-def resolve_db_path(db: Optional[str], device: DeviceSpec) -> Optional[Path]:
-    """``None``/"none": no database; "auto": the user-cache database of ``device`` if one exists;
-    "default": that path (it must exist); anything else is a path that must exist."""
-    from boomfx.kernels_db.store import default_db_path
-    if db is None or db == NO_DB:
-        return None
-    if db == AUTO_DB:
-        path = default_db_path(device.name)
-        return path if path.exists() else None
-    path = default_db_path(device.name) if db == "default" else Path(db)
-    if not path.exists():
-        raise OptionError(f"no kernel database at {path} (collect one with `boomfx kernels collect`)")
-    return path
+__all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "db_label"]
 
 
 @dataclass
 class _TransferModel:
     """Prices a call on the target from the source GPU's database: source price x model ratio."""
 
-    source_pricer: Any
+    source_pricer: Pricer
     source: DeviceSpec
-    gpu_model: Any
+    gpu_model: "GpuKernelModel"
 
     def __call__(self, call: OpCall, target: DeviceSpec) -> Optional[float]:
-        from boomfx.kernels_db.lookup import PriceSource
         from boomfx.kernels_db.roofline import roofline_ns
         price = self.source_pricer.price(call, _call_cost(call))
         if price.source not in (PriceSource.MEASURED, PriceSource.INTERPOLATED):
@@ -79,13 +70,16 @@ def _source_device(store_path: Path) -> DeviceSpec:
 class _ModelBackedPricer:
     """A database pricer whose roofline answers are replaced by the GPU kernel model's, when it has one."""
 
-    def __init__(self, inner: Any, gpu_model: Any, device: DeviceSpec) -> None:
+    def __init__(self, inner: Pricer, gpu_model: "GpuKernelModel", device: DeviceSpec) -> None:
         self.inner = inner
         self.gpu_model = gpu_model
         self.device = device
 
-    def price(self, call: OpCall, cost: Cost) -> Any:
-        from boomfx.kernels_db.lookup import KernelPrice, PriceSource
+    @property
+    def host_records(self) -> Mapping[str, KernelRecord]:
+        return self.inner.host_records
+
+    def price(self, call: OpCall, cost: Cost) -> KernelPrice:
         price = self.inner.price(call, cost)
         if price.source != PriceSource.ROOFLINE:
             return price
@@ -95,9 +89,9 @@ class _ModelBackedPricer:
         return KernelPrice(float(time_ns), self.device.host_issue_ns, 0, PriceSource.MODEL, "GPU kernel model")
 
 
-def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Optional[str] = None) -> Any:
+def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Optional[str] = None) -> Pricer:
     """The pricer for ``device`` with the database, transfer and model hooks that apply."""
-    from boomfx.kernels_db.lookup import KernelPricer, PriceSource
+    from boomfx.kernels_db.lookup import KernelPricer
     from boomfx.kernels_db.store import Store
     path = resolve_db_path(db_path, device)
     store = Store(path) if path is not None else None
@@ -118,12 +112,11 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     return _ModelBackedPricer(inner, gpu_model, device)
 
 
-def host_costs(pricer: Any, device: DeviceSpec) -> Any:
+def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":
     """The host costs outside kernel prices (``kernels_db/host_overheads.py``: compiled graphs' entries,
     cold starts): the rows the database measured on its host, else the defaults for ``device``'s kind."""
     from boomfx.kernels_db.host_overheads import HostCosts
-    inner = getattr(pricer, "inner", pricer)
-    return HostCosts.from_records(list(getattr(inner, "host_records", {}).values()), device.kind)
+    return HostCosts.from_records(list(pricer.host_records.values()), device.kind)
 
 
 def db_label(db: Optional[str]) -> Optional[str]:

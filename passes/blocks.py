@@ -61,7 +61,6 @@ from boomfx.core.layers import layer_of, layer_pattern, module_stack
 from boomfx.passes.errors import node_error
 from boomfx.passes.opcall import spec_of
 from boomfx.core.program import Program
-from boomfx.report.model import BlockReport, KernelReport
 
 METHOD_MODULES = "modules"
 METHOD_STRUCTURE = "structure"
@@ -495,27 +494,3 @@ def representatives(info: BlockInfo) -> dict[str, str]:
             for i, name in enumerate(names):
                 reps[name] = first[i]
     return reps
-
-
-def block_reports(info: BlockInfo, kernels: Sequence[KernelReport], liveness: Any,
-                  evaluator: Any) -> list[BlockReport]:
-    """One BlockReport per class: time per instance (mean over instances of the summed kernel time of
-    its nodes) and activation bytes per instance (mean over instances of the ACT storages its nodes
-    create; zero for inference graphs, which keep no activations for a backward pass)."""
-    from boomfx.passes.liveness import Category
-
-    time_ns = {k.node: k.time_ns for k in kernels}
-    act_bytes: dict[str, int] = {}
-    for iv in liveness.intervals:
-        if iv.category == Category.ACT:
-            act_bytes[iv.node] = act_bytes.get(iv.node, 0) + int(evaluator(iv.nbytes))
-    reports = []
-    for cls in info.classes:
-        times = [sum(time_ns.get(n, 0.0) for n in names) for names in cls.nodes]
-        acts = [sum(act_bytes.get(n, 0) for n in names) for names in cls.nodes]
-        reports.append(BlockReport(
-            name=cls.name, instances=len(cls.instances), instance_names=list(cls.instances),
-            time_ns_per_instance=sum(times) / len(times),
-            activation_bytes_per_instance=round(sum(acts) / len(acts))))
-    return reports
-

@@ -17,8 +17,9 @@ from torch.export import Dim
 from models import GPT, GPTBlock, Llama
 
 from boomfx.frontend.capture import capture, export_param_names, export_roles
+from boomfx.analysis.build_report import block_reports
 from boomfx.passes.blocks import (
-    METHOD_MODULES, METHOD_STRUCTURE, BlockInfo, block_pass, block_reports, is_value_node, representatives,
+    METHOD_MODULES, METHOD_STRUCTURE, BlockInfo, block_pass, is_value_node, representatives,
 )
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.evaluate import Evaluator

@@ -13,7 +13,8 @@ from boomfx.core.devices import get_device
 from boomfx.kernels_db.collective_import import CollectiveRow, parse_nccl_tests, write_nccl_tests
 from boomfx.kernels_db.collective_model import CollectiveGroup, model_time
 from boomfx.kernels_db.collectives import CollectivePricer, price_collective
-from boomfx.kernels_db.lookup import KernelPricer, PriceSource
+from boomfx.kernels_db.lookup import KernelPricer
+from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.store import Store
 
 PUBLIC_CSV = (Path(__file__).resolve().parents[2] / "shared" / "data" / "collective-measurements"

@@ -5,7 +5,6 @@ point, so sweeps and max-batch searches never re-trace.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -17,29 +16,29 @@ from boomfx.memory.config import AllocatorConfig
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
-from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED, apply_block_measurements  # block mode
+from boomfx.analysis.block_mode import apply_block_measurements
+from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED
 from boomfx.memory.outside import OutsideMemory
-from boomfx.memory.replay import AllocEvent, ReplayResult, replay
-from boomfx.core.layers import layer_of, module_path
-from boomfx.passes.blocks import block_pass, block_reports, representatives
+from boomfx.memory.replay import AllocEvent, ReplayResult
+from boomfx.core.layers import module_path
+from boomfx.passes.blocks import block_pass, representatives
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.kernels import kernel_pass
-from boomfx.passes.liveness import LivenessInfo, liveness_pass
+from boomfx.passes.liveness import LivenessInfo, step_liveness_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.pricing import host_costs, make_pricer
-from boomfx.core.program import (PHASE_BACKWARD, PHASE_OPTIMIZER, ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
+from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
-from boomfx.report.model import (
-    AllocatorReport, GroupTime, KernelReport, MemoryReport, Report, SymbolReport, TimeReport,
-)
+from boomfx.report.model import KernelReport, Report
+from boomfx.analysis.build_report import block_reports, build_report
+from boomfx.analysis.memory_events import memory_report
 from boomfx.analysis.host_time import with_cold_starts, with_graph_entries
 from boomfx.simulate.timeline import ScheduledKernel, Timeline, simulate
-from boomfx.passes.compiled import CUDAGRAPH_POOL_STREAM, CUDAGRAPH_REPLAY_HOST_NS  # --cudagraphs
+from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS  # --cudagraphs
 
 aten = torch.ops.aten
-_UNBOUNDED_BYTES = 1 << 62
 _HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
 
 
@@ -90,8 +89,7 @@ class Analysis:
         self.am = AnalysisManager(program, device, reuse_blocks=reuse_blocks)
         self.kernels = self.am.get(kernel_pass)
         self.costs = self.am.get(cost_pass)
-        base_liveness = _eager_autograd_liveness(program) if program.options.train else self.am.get(liveness_pass)
-        self.liveness: LivenessInfo = _grads_held_to_step_end(base_liveness, program)
+        self.liveness: LivenessInfo = self.am.get(step_liveness_pass)   # passes/liveness.py owns every rule
         self.blocks = self.am.get(block_pass)
         # depth-free pricing: each node of a repeated block's instance k is priced as its counterpart
         # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
@@ -182,7 +180,7 @@ class Analysis:
         if self.device.kind == "cpu":
             scheduled, added = with_cold_starts(kernels, scheduled, costs, bool(self.program.options.compile))
         # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
-        kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
+        kernels, scheduled = apply_block_measurements(self, self.options.db, bindings, kernels, scheduled)
         cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
         entries: set[int] = set()
         if self.program.options.compile:
@@ -192,8 +190,11 @@ class Analysis:
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
         for k, span in zip(kernels, spans):
             k.start_ns = span.start_ns
-        memory, rep, events = self._memory(ev, workspace_at, record_trace, exact_total=not memory_only)
-        report = self._report(bindings, kernels, timeline, memory)
+        memory, rep, events = memory_report(self.liveness, ev, workspace_at, self.device, self.outside,
+                                            self.alloc_config, self.options.alloc_conf, self._node_module,
+                                            self._cudagraphs, record_trace, exact_total=not memory_only)
+        report = build_report(self.program, self.device, self.options, bindings, kernels, timeline, memory,
+                              self.costs.unmodelled_ops())
         report.time.graph_entry_ns = sum(scheduled[i].host_ns + scheduled[i].device_ns for i in entries)
         report.time.cold_start_ns = cold_ns
         report.time.host_costs_source = costs.source if (entries or cold_ns) else ""
@@ -201,184 +202,7 @@ class Analysis:
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 
-    # -- memory --------------------------------------------------------------------------------
-    def _events(self, ev: Evaluator, workspace_at: Mapping[int, int]) -> list[AllocEvent]:
-        events: list[AllocEvent] = []
-        for iv in self.liveness.intervals:
-            if iv.resident:
-                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node,
-                                         ((self._node_module.get(iv.node, ""), 0, iv.node),)))
-        next_id = len(self.liveness.intervals)
-        for label, size in self.outside.allocator_sizes():
-            events.append(AllocEvent("alloc", next_id, size, 0, label, (("", 0, label),)))
-            next_id += 1
-        last_step = -1
-        for step, kind, iv in self.liveness.events():
-            if step != last_step:
-                last_step = step
-            frames = ((self._node_module.get(iv.node, ""), 0, iv.node),)
-            pool = CUDAGRAPH_POOL_STREAM if self._cudagraphs else 0   # --cudagraphs: private pool
-            if kind == "alloc":
-                events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
-                ws = workspace_at.get(step, 0)
-                if ws and iv.node == self.liveness.order[step]:
-                    events.append(AllocEvent("alloc", next_id, ws, 0, iv.node + ":workspace", frames))
-                    events.append(AllocEvent("free", next_id, ws, 0, iv.node + ":workspace", frames))
-                    next_id += 1
-            else:
-                events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
-        return events
-
-    def _memory(self, ev: Evaluator, workspace_at: Mapping[int, int], record_trace: bool,
-                exact_total: bool = True) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
-        timeline = self.liveness.timeline(ev)
-        combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
-        peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
-        point = self.liveness.peak(ev)
-        capacity = self.device.memory_bytes
-        outside = {item.name: item.nbytes for item in self.outside.items()} if self.device.kind == "cuda" else {}
-        rep: Optional[ReplayResult] = None
-        events: list[AllocEvent] = []
-        oom_node = oom_module = None
-        allocator = None
-        if self.device.kind == "cuda":
-            events = self._events(ev, workspace_at)
-            rep = replay(events, self.alloc_config, capacity - self.outside.total_bytes, record_trace=record_trace)
-            allocator = AllocatorReport(
-                rep.peak_allocated_bytes, rep.peak_reserved_bytes, rep.peak_active_bytes,
-                rep.fragmentation_at_peak_bytes, rep.largest_free_block_at_peak_bytes, rep.num_segments_at_peak,
-                int(rep.stats.get("num_alloc_retries", 0)), int(rep.stats.get("num_ooms", 0)),
-                self.options.alloc_conf or "(defaults)")
-            if rep.oom is not None:
-                label = rep.oom.label.split(":")[0]
-                oom_node, oom_module = label, self._node_module.get(label, "")
-            total = rep.peak_reserved_bytes + self.outside.total_bytes
-            if rep.oom is not None and exact_total:
-                # what the step would need: the same replay on a device too large to run out
-                unbounded = replay(events, self.alloc_config, _UNBOUNDED_BYTES)
-                total = unbounded.peak_reserved_bytes + self.outside.total_bytes
-        else:
-            total = combined[peak_step] if combined else 0
-        fits = rep.oom is None if rep is not None else total <= capacity
-        memory = MemoryReport(
-            peak_live_bytes=combined[peak_step] if combined else 0,
-            peak_step_node=self.liveness.order[peak_step] if combined else "",
-            by_category_bytes={c.value: b for c, b in sorted(point.by_category.items(), key=lambda kv: -kv[1])},
-            resident_bytes=self.liveness.resident_bytes(ev), workspace_bytes=workspace_at.get(peak_step, 0),
-            allocator=allocator, outside_allocator_bytes=outside, device_capacity_bytes=capacity,
-            total_device_bytes=total, fits=fits, margin_bytes=capacity - total,
-            oom_node=oom_node, oom_module=oom_module)
-        return memory, rep, events
-
-    # -- report --------------------------------------------------------------------------------
-    def _report(self, bindings: Mapping[sympy.Symbol, int], kernels: list[KernelReport], timeline: Timeline,
-                memory: MemoryReport) -> Report:
-        total = timeline.total_ns
-        time_report = TimeReport(total, timeline.device_busy_ns, timeline.host_busy_ns, timeline.host_bound_fraction,
-                                 len(kernels), sum(k.flops for k in kernels), sum(k.bytes_moved for k in kernels))
-        busy = sum(k.time_ns for k in kernels) or 1.0
-        symbols = [SymbolReport(i.name, i.role, i.min_value, i.max_value, bindings.get(i.symbol))
-                   for i in self.program.symbols.values()]
-        opts = self.program.options
-        return Report(
-            source=self.program.source, device=self.device.name, device_description=self.device.description,
-            mode="train" if opts.train else "inference",
-            options={"optimizer": opts.optimizer if opts.train else None, "amp": opts.amp,
-                     "checkpoint": opts.checkpoint,
-                     "checkpoint_layers": list(opts.checkpoint_layers), "alloc_conf": self.options.alloc_conf,
-                     "resident_grads": opts.resident_grads,
-                     "compile": opts.compile, "cudagraphs": opts.cudagraphs,
-                     "db": self.options.db, "from_db": self.options.from_db},
-            symbols=symbols, time=time_report, memory=memory,
-            by_module=_group(kernels, _module_group, busy),
-            by_op=_group(kernels, lambda k: k.op, busy),
-            by_phase=_group(kernels, lambda k: k.phase, busy),
-            by_source=_group(kernels, lambda k: k.source, busy),
-            blocks=[], unmodelled_ops=self.costs.unmodelled_ops(), kernels=kernels)
-
-
-_SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
-
-
-def _eager_autograd_liveness(program: Program) -> LivenessInfo:
-    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): the liveness of a training step as eager autograd
-    frees memory: the liveness pass with two changes to what a node keeps alive:
-
-    1. size queries (``sym_size``/``sym_numel``/...) are not uses: eager reads a size off a live tensor's
-       metadata and never keeps a tensor alive for it, while in the traced graph a backward
-       ``sym_size`` of a forward value extended its life into the backward (Llama: the K/V
-       projections, +1 MiB at the training peak);
-    2. a backward autograd node (the run of backward graph nodes sharing a ``seq_nr``) releases its
-       saved tensors and incoming gradients when it finishes, not at their last use inside it
-       (MmBackward0 keeps its input until both of its mm's are done: the real step's peak).
-    Measured against the profiler peak of real CPU steps (tests/test_cpu_memory_accuracy.py).
-
-    Scale: the changed uses go to ``liveness_pass(uses=...)``; the graph is not copied (an 80-layer
-    training graph's copy and its GraphModule cost seconds)."""
-    uses: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
-
-    def inputs(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
-        hit = uses.get(node)
-        return hit if hit is not None else tuple(node.all_input_nodes)
-
-    def close(nodes: list[torch.fx.Node]) -> None:
-        if len(nodes) > 1:
-            used: dict[torch.fx.Node, None] = {}
-            for n in nodes:
-                if n.target not in _SIZE_QUERIES:
-                    used.update(dict.fromkeys(inputs(n)))
-            last = nodes[-1]
-            own = inputs(last)
-            extra = tuple(u for u in used if u is not last and u not in own)
-            if extra:
-                uses[last] = tuple(dict.fromkeys(own + extra))
-    group: list[torch.fx.Node] = []
-    phases = program.phases
-    for node in program.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in _SIZE_QUERIES:     # a size query reads metadata: not a use of its tensor
-            rest: dict[torch.fx.Node, None] = {}
-            torch.fx.node.map_arg((tuple(node.args[1:]), node.kwargs), lambda a: rest.setdefault(a))
-            uses[node] = tuple(rest)
-        seq = node.meta.get("seq_nr") if phases.get(node.name) == PHASE_BACKWARD else None
-        if group and (seq is None or group[-1].meta.get("seq_nr") != seq):
-            close(group)
-            group = []
-        if seq is not None:
-            group.append(node)
-    close(group)
-    return liveness_pass(program, uses=uses)
-
-
-def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInfo:
-    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): in an eager step (``loss.backward();
-    opt.step(); opt.zero_grad(set_to_none=True)``) every gradient is held by its parameter's
-    ``.grad`` until ``zero_grad``, i.e. to the end of the optimizer phase, not to its last use inside
-    the traced optimizer (AdamW's foreach ``sqrt`` temporaries coexist with all gradients: the
-    profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op.
-    Not with ``resident_grads``: there the ``.grad`` buffers are resident and each new gradient is a
-    temporary that its AccumulateGrad ``add_`` frees (boomfx/training/trace.py)."""
-    if not program.options.train or not program.grad_nodes or program.options.resident_grads:
-        return info
-    from boomfx.passes.liveness import Category
-    opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
-    if not opt_steps:
-        return info
-    end = opt_steps[-1]
-    intervals = tuple(dataclasses.replace(iv, end_step=max(iv.end_step, end))
-                      if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
-    return dataclasses.replace(info, intervals=intervals)
-
-
 DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
-
-
-def _module_group(k: KernelReport) -> str:
-    """The layer a kernel belongs to; the optimizer step and loss have no module of their own."""
-    if not k.module and k.phase == "optimizer":
-        return "(optimizer step)"
-    return layer_of(k.module)
 
 
 def _module_paths(nodes: list) -> dict[str, str]:
@@ -400,16 +224,6 @@ def _module_paths(nodes: list) -> dict[str, str]:
 
 def _source_name(source: Any) -> str:
     return str(getattr(source, "value", source))
-
-
-def _group(kernels: list[KernelReport], key: Callable[[KernelReport], str], busy: float) -> list[GroupTime]:
-    acc: dict[str, list[float]] = {}
-    for k in kernels:
-        slot = acc.setdefault(key(k), [0.0, 0])
-        slot[0] += k.time_ns
-        slot[1] += 1
-    groups = [GroupTime(name, t, int(n), t / busy) for name, (t, n) in acc.items()]
-    return sorted(groups, key=lambda g: -g.time_ns)
 
 
 def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-80gb", train: bool = False,

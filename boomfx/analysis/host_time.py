@@ -17,9 +17,10 @@ import dataclasses
 from typing import Any, Sequence
 
 from boomfx.core.program import PHASE_BACKWARD
+from boomfx.kernels_db.price import DATABASE_SOURCES
 from boomfx.simulate.timeline import ScheduledKernel
 
-_MEASURED = ("measured", "interpolated")     # report sources priced from database rows
+_MEASURED = tuple(source.value for source in DATABASE_SOURCES)   # report sources priced from database rows
 
 
 def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,

@@ -7,7 +7,7 @@ import json
 
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
 from boomfx.frontend.capture import capture, resolve_bindings
-from boomfx.cli.main import _dim, _sweep
+from boomfx.cli.args import parse_dim, parse_sweep
 from boomfx.core.devices import get_device
 from boomfx.core.errors import OptionError
 from boomfx.core.program import ProgramOptions
@@ -18,8 +18,8 @@ from boomfx.core.units import fmt_bytes, fmt_time
 def run_analyze(args: argparse.Namespace) -> int:
     progress = StageProgress(enabled=True if args.verbose else None)
     device = get_device(args.device)
-    dims = dict(_dim(d) for d in args.dim)
-    sweeps = [_sweep(s) for s in args.sweep]
+    dims = dict(parse_dim(d) for d in args.dim)
+    sweeps = [parse_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:
         raise OptionError("--max-batch/--max-seq and --sweep cannot be combined")
     options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=device.kind,

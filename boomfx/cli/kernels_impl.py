@@ -86,14 +86,14 @@ def _collect(args: argparse.Namespace) -> int:
     if args.for_file:
         from boomfx.analysis.analysis import Analysis, AnalyzeOptions
         from boomfx.frontend.capture import capture, resolve_bindings
-        from boomfx.cli.main import _dim
+        from boomfx.cli.args import parse_dim
         from boomfx.core.program import ProgramOptions
         program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
                                                                 target_kind=spec.kind,
                                                                 checkpoint_layers=args.checkpoint_layers,
                                                                 resident_grads=args.resident_grads,
                                                                 compile=args.compile))
-        bindings = resolve_bindings(program, dict(_dim(d) for d in args.dim), args.batch, args.seq)
+        bindings = resolve_bindings(program, dict(parse_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
             from boomfx.kernels_db.blocks_db import collect_blocks

@@ -16,27 +16,6 @@ class _Parser(argparse.ArgumentParser):
         raise BoomfxError(f"{self.prog}: {message}")
 
 
-def _dim(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise BoomfxError(f"--dim expects NAME=VALUE, got '{text}'")
-    try:
-        return name.strip(), int(value)
-    except ValueError:
-        raise BoomfxError(f"--dim {name}: '{value}' is not an integer") from None
-
-
-def _sweep(text: str) -> tuple[str, list[int]]:
-    name, sep, values = text.partition("=")
-    try:
-        parsed = [int(v) for v in values.split(",") if v.strip()]
-    except ValueError:
-        parsed = []
-    if not sep or not name or not parsed:
-        raise BoomfxError(f"--sweep expects NAME=V1,V2,..., got '{text}'")
-    return name.strip(), parsed
-
-
 def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a .pt2 file written by torch.export.save")
     p.add_argument("--device", default="a100-80gb", help="target device (see `boomfx devices`)")

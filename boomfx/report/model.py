@@ -11,10 +11,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from boomfx.kernels_db.price import PriceSource
+
 SCHEMA_VERSION = "1.0"
 
-# Where a time figure came from, best first.
-SOURCES = ("measured", "block-measured", "interpolated", "transferred", "model", "roofline")
+# Where a time figure came from, best first (the one vocabulary: kernels_db/price.py)
+SOURCES = tuple(source.value for source in PriceSource)
 
 
 @dataclass
