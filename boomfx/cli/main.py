@@ -110,6 +110,17 @@ def _user_error_message(exc: BaseException) -> Optional[str]:
     return None
 
 
+def _interconnect(d) -> str:
+    """'NVLink4 450 GB/s, NVSwitch, PCIe 5' (the collective model's facts, boomfx/core/devices.py)."""
+    parts = []
+    if d.nvlink_bytes_per_s:
+        parts.append(f"NVLink{d.nvlink_generation} {d.nvlink_bytes_per_s / 1e9:.0f} GB/s"
+                     + (", NVSwitch" if d.nvswitch else ", bridged pairs" if d.nvlink_bridge else ", mesh"))
+    if d.pcie_generation:
+        parts.append(f"PCIe {d.pcie_generation}")
+    return ", ".join(parts) or "-"
+
+
 def _devices() -> int:
     from boomfx.core.devices import list_devices
     from boomfx.core.units import fmt_bytes
@@ -120,8 +131,9 @@ def _devices() -> int:
         rows.append((d.name, d.description, fmt_bytes(d.memory_bytes), d.memory_type or "-",
                      f"{d.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s",
                      f"{d.peak_flops_per_s[torch.float32] / 1e12:.1f}",
-                     f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-")))
-    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs")
+                     f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-"), _interconnect(d)))
+    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs",
+              "interconnect (per GPU, one direction)")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))

@@ -8,7 +8,7 @@ formula; they are defaults that a measured kernel database supersedes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 import torch
@@ -53,6 +53,15 @@ class DeviceSpec:
     memory_type: str = ""                       # datasheet DRAM technology, e.g. "HBM2e", "GDDR6"
     aliases: tuple[str, ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
+    # Interconnect (collective time model, kernels_db/collective_model.py); sources["interconnect"] says where
+    # each figure comes from. NVLink bandwidth is per GPU and per direction, all links together.
+    nvlink_bytes_per_s: float = 0.0
+    nvlink_generation: int = 0                  # 0: no NVLink
+    nvswitch: bool = False                      # all GPUs of a node reach each other at full NVLink rate
+    nvlink_bridge: bool = False                 # NVLink only joins pairs of boards (PCIe cards with a bridge);
+                                                # neither flag: a mesh whose NVLink rings span the board (DGX-1)
+    pcie_generation: int = 0                    # host link of the board (x16)
+    gpus_per_node: int = 1                      # GPUs of the usual server / board this part sits in
 
     def peak_for(self, dtype: torch.dtype, tensor_op: bool = True) -> float:
         """Dense peak FLOP/s for ``dtype``; low-precision dtypes without a figure fall back to fp32."""
@@ -140,6 +149,11 @@ GPUS: tuple[DeviceSpec, ...] = (
     _gpu("h200", "NVIDIA H200 SXM 141 GB", fp32=66.9, fp16=989.4, bf16=989.4, tf32=494.7, bw_gbps=4800,
          mem=141 * GB, sms=132, l2_mib=50, cc=(9, 0), memory_type="HBM3e", aliases=("h200-sxm",),
          source=f"{_NV} H200: 141 GB HBM3e, 4.8 TB/s; compute as H100 SXM"),
+    _gpu("b200", "NVIDIA B200 SXM 180 GB", fp32=75, fp16=2250, bf16=2250, tf32=1100, bw_gbps=8000,
+         mem=180 * GB, sms=148, l2_mib=126, cc=(10, 0), memory_type="HBM3e", aliases=("b200-sxm",),
+         source=f"{_NV} DGX B200 / HGX B200: 180 GB HBM3e and 8 TB/s per GPU, 4.5 PF fp16/bf16 and 2.2 PF tf32 "
+                "*with sparsity* (halved here), 75 TF fp32; NB: 148 SMs and 126 MB L2 from third-party "
+                "microbenchmark reports, not a datasheet"),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24 GB", fp32=35.6, fp16=71, bf16=71, tf32=35.6, bw_gbps=936,
          mem=24 * GiB, sms=82, l2_mib=6, cc=(8, 6), memory_type="GDDR6X", aliases=("3090", "rtx3090"),
          source="NVIDIA Ampere GA102 whitepaper: 35.6 TF fp32, 71 TF fp16/bf16 tensor with fp32 accumulate "
@@ -150,6 +164,50 @@ GPUS: tuple[DeviceSpec, ...] = (
          source="NVIDIA Ada AD102 whitepaper: 82.6 TF fp32, 165.2 TF fp16/bf16 tensor with fp32 accumulate "
                 "(330 with fp16 accumulate), 1008 GB/s, 128 SMs, 72 MB L2"),
 )
+
+
+_GBPS_DIR = "GB/s per direction"
+# Interconnect per board: NVLink per GPU and direction = links x per-link rate; NVSwitch or not; PCIe host link.
+# NCCL's own per-link figures (src/graph/topo.h: SM80 20.0, SM90 20.6, SM100 40.1 GB/s per link) agree.
+_INTERCONNECT: Mapping[str, tuple[dict, str]] = {
+    "v100-32gb": (dict(nvlink_bytes_per_s=150 * GBPS, nvlink_generation=2, nvswitch=False, pcie_generation=3,
+                       gpus_per_node=8),
+                  f"{_NV} V100 SXM2: NVLink2 6 links, 300 GB/s bidirectional = 150 {_GBPS_DIR}; DGX-1: hybrid "
+                  "cube mesh, no NVSwitch; PCIe Gen3"),
+    "v100-pcie-32gb": (dict(pcie_generation=3, gpus_per_node=8), f"{_NV} V100 PCIe: PCIe Gen3 x16, no NVLink"),
+    "p100": (dict(pcie_generation=3, gpus_per_node=8), f"{_NV} P100 PCIe: PCIe Gen3 x16"),
+    "p4": (dict(pcie_generation=3, gpus_per_node=4), f"{_NV} P4: PCIe Gen3 x16"),
+    "t4": (dict(pcie_generation=3, gpus_per_node=8), f"{_NV} T4: PCIe Gen3 x16, no NVLink"),
+    "a10": (dict(pcie_generation=4, gpus_per_node=4), f"{_NV} A10: PCIe Gen4 x16, no NVLink"),
+    "l4": (dict(pcie_generation=4, gpus_per_node=8), f"{_NV} L4: PCIe Gen4 x16, no NVLink"),
+    "a100-40gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvswitch=True, pcie_generation=4,
+                       gpus_per_node=8),
+                  f"{_NV} A100 SXM4: NVLink3 12 links, 600 GB/s bidirectional = 300 {_GBPS_DIR}; DGX/HGX A100: "
+                  "6 NVSwitches; PCIe Gen4"),
+    "a100-80gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvswitch=True, pcie_generation=4,
+                       gpus_per_node=8), f"as a100-40gb: NVLink3 300 {_GBPS_DIR}, NVSwitch, PCIe Gen4"),
+    "a100-pcie-40gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=8),
+                       f"{_NV} A100 PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen4"),
+    "a100-pcie-80gb": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=8),
+                       f"{_NV} A100 80GB PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen4"),
+    "h100-sxm": (dict(nvlink_bytes_per_s=450 * GBPS, nvlink_generation=4, nvswitch=True, pcie_generation=5,
+                      gpus_per_node=8),
+                 f"{_NV} H100 SXM: NVLink4 18 links, 900 GB/s bidirectional = 450 {_GBPS_DIR}; HGX H100: 4 "
+                 "third-generation NVSwitches; PCIe Gen5"),
+    "h100-pcie": (dict(nvlink_bytes_per_s=300 * GBPS, nvlink_generation=4, nvlink_bridge=True, pcie_generation=5, gpus_per_node=8),
+                  f"{_NV} H100 PCIe: NVLink bridge between pairs, 600 GB/s bidirectional; PCIe Gen5"),
+    "h200": (dict(nvlink_bytes_per_s=450 * GBPS, nvlink_generation=4, nvswitch=True, pcie_generation=5,
+                  gpus_per_node=8), f"{_NV} H200 SXM: NVLink4 900 GB/s bidirectional = 450 {_GBPS_DIR}; HGX "
+                                    "H200 NVSwitch; PCIe Gen5"),
+    "b200": (dict(nvlink_bytes_per_s=900 * GBPS, nvlink_generation=5, nvswitch=True, pcie_generation=5,
+                  gpus_per_node=8), f"{_NV} B200: NVLink5 18 links, 1.8 TB/s bidirectional = 900 {_GBPS_DIR}; "
+                                    "HGX B200: 2 NVLink5 switch chips; PCIe Gen5"),
+    "rtx-3090": (dict(nvlink_bytes_per_s=56.25 * GBPS, nvlink_generation=3, nvlink_bridge=True, pcie_generation=4, gpus_per_node=4),
+                 "NVIDIA GeForce RTX 3090: NVLink bridge for two cards, 112.5 GB/s bidirectional; PCIe Gen4"),
+    "rtx-4090": (dict(pcie_generation=4, gpus_per_node=4), "NVIDIA GeForce RTX 4090: PCIe Gen4 x16, no NVLink"),
+}
+GPUS = tuple(replace(g, **_INTERCONNECT[g.name][0], sources={**g.sources, "interconnect": _INTERCONNECT[g.name][1]})
+             if g.name in _INTERCONNECT else g for g in GPUS)
 
 
 def _host_memory_bytes() -> int:
