@@ -277,15 +277,25 @@ class GpuKernelModel:
             lowp_ns = predict_lowp_ns(call, device, self.lowp, self.attention)
             if lowp_ns is not None:
                 return lowp_ns   # its floor is GPU-side already (CUDA-graph timings): launch_floor not applied
-        if not _fp32_only(call):
+        if _fp32_only(call):
+            gemm = gemm_problem(call)
+            if gemm is not None:
+                return self.predict_gemm_ns(gemm, device, launch_floor)
+            mem = memory_problem(call)
+            if mem is not None:
+                return self.predict_memory_ns(mem, device, launch_floor)
+        if gemm_problem(call) is not None:
+            return None   # a GEMM at a precision neither model covers (e.g. fp32 with TF32 context)
+        return self.predict_bandwidth_class_ns(call, device, launch_floor)
+
+    def predict_bandwidth_class_ns(self, call: OpCall, device: DeviceSpec, launch_floor: bool = False) -> Optional[float]:
+        """A memory-bound kernel at any dtype on its class's fitted curve, by the bytes it moves
+        (``bandwidth_classes.py``: casts, foreach/fused optimizer kernels, fp32 loss softmax, grad scaler)."""
+        from boomfx.kernels_db.bandwidth_classes import bandwidth_problem
+        problem = bandwidth_problem(call)
+        if problem is None:
             return None
-        gemm = gemm_problem(call)
-        if gemm is not None:
-            return self.predict_gemm_ns(gemm, device, launch_floor)
-        mem = memory_problem(call)
-        if mem is not None:
-            return self.predict_memory_ns(mem, device, launch_floor)
-        return None
+        return self.predict_memory_ns(MemoryProblem(*problem), device, launch_floor)
 
     def transfer_ns(self, measured_ns: float, call: OpCall, source: DeviceSpec, target: DeviceSpec) -> float:
         """Carry a measurement on ``source`` to ``target``: ``measured * model(target) / model(source)``.
