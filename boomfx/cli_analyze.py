@@ -8,6 +8,7 @@ import json
 from boomfx.analyze import Analysis, AnalyzeOptions
 from boomfx.capture import capture, resolve_bindings
 from boomfx.cli import _dim, _sweep
+from boomfx.device_spec_file import load_device_spec
 from boomfx.devices import get_device
 from boomfx.errors import OptionError
 from boomfx.program import ProgramOptions
@@ -17,7 +18,7 @@ from boomfx.units import fmt_bytes, fmt_time
 
 def run_analyze(args: argparse.Namespace) -> int:
     progress = StageProgress(enabled=True if args.verbose else None)
-    device = get_device(args.device)
+    device = load_device_spec(args.device_spec) if getattr(args, "device_spec", None) else get_device(args.device)
     dims = dict(_dim(d) for d in args.dim)
     sweeps = [_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:
