@@ -24,7 +24,7 @@ from typing import Mapping
 
 import numpy as np
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db import attention_model as am
 from boomfx.kernels_db import fit_lowp_model as fit
 from boomfx.kernels_db.lowp_data import load_attention, load_gemms

@@ -48,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from boomfx.devices import DeviceSpec, get_device
+from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model_core import MemoryParams
 

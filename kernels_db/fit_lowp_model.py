@@ -28,7 +28,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.fit_gpu_model import K_HALF_GRID, TILE_ALPHA_GRID, fit_gemm_arrays
 from boomfx.kernels_db.gpu_model_core import GemmParams
 from boomfx.kernels_db.lowp_data import DEFAULT_LOWP_DIR, SOURCE, GemmTable, load_gemms

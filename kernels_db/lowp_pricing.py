@@ -19,7 +19,7 @@ import numpy as np
 import sympy
 import torch
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import OpCall
 from boomfx.passes.specs import TensorSpec
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model_core import GemmParams, KernelFamily
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from boomfx.cli import main
-from boomfx.device_spec_file import device_spec_from_dict, device_spec_to_dict, load_device_spec
-from boomfx.devices import GPUS, get_device
-from boomfx.errors import OptionError
+from boomfx.cli.main import main
+from boomfx.core.device_spec_file import device_spec_from_dict, device_spec_to_dict, load_device_spec
+from boomfx.core.devices import GPUS, get_device
+from boomfx.core.errors import OptionError
 
 ISSUE_16_DEVICES = ("l40s", "l40", "a40", "a30", "rtx-a6000", "rtx-6000-ada", "rtx-2080-ti", "rtx-3060",
                     "rtx-3070", "rtx-3080", "rtx-3080-ti", "rtx-4060", "rtx-4070", "rtx-4080", "rtx-5090",

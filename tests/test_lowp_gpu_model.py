@@ -9,7 +9,7 @@ import pytest
 import sympy
 import torch
 
-from boomfx.devices import get_device, list_devices
+from boomfx.core.devices import get_device, list_devices
 from boomfx.kernels_db import attention_model as am
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model import GpuKernelModel
@@ -107,9 +107,9 @@ def test_times_are_positive_finite_and_never_beat_the_roofline(model, gpu):
 
 
 def test_bf16_gemm_on_an_a100_is_priced_by_the_model_not_the_roofline():
-    from boomfx.kernels_db.lookup import PriceSource
+    from boomfx.kernels_db.price import PriceSource
     from boomfx.kernels_db.roofline import roofline_ns
-    from boomfx.pricing import make_pricer
+    from boomfx.kernels_db.pricing import make_pricer
     dev = get_device("a100-80gb")
     call = mm(4096, 4096, 4096)
     price = make_pricer(dev).price(call, price_call(call).cost)
