@@ -382,3 +382,33 @@ def fit_attention(data_dir: Optional[Path | str] = None) -> dict:
     generation = load_attention("attention_generation.csv", data_dir)
     return curves_json({n: fit_device_attention(context, generation, n) for n in sorted(PREFILL_KERNELS)})
 
+
+
+# ---------------------------------------------------------------------------------------------------
+# The serving engine's entry points (one shared, lazily loaded model)
+# ---------------------------------------------------------------------------------------------------
+
+_DEFAULT_MODEL: Optional[AttentionModel] = None
+
+
+def default_attention_model() -> AttentionModel:
+    """The model of the shipped calibration, loaded once."""
+    global _DEFAULT_MODEL
+    if _DEFAULT_MODEL is None:
+        _DEFAULT_MODEL = AttentionModel.load()
+    return _DEFAULT_MODEL
+
+
+def prefill_attention_ns(tokens: Sequence[int], context_lens: Sequence[int], heads: int, kv_heads: int,
+                         head_dim: int, dtype: torch.dtype, device: DeviceSpec,
+                         window_left: Optional[int] = None) -> float:
+    """ns of one varlen prefill attention call: sequence ``i`` adds ``tokens[i]`` new tokens after
+    ``context_lens[i]`` cached ones (causal; ``window_left``: sliding window). See ``AttentionModel.prefill_ns``."""
+    return default_attention_model().prefill_ns(tokens, context_lens, heads, kv_heads, head_dim, dtype, device,
+                                                window_left)
+
+
+def decode_attention_ns(context_lens: Sequence[int], heads: int, kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, device: DeviceSpec, kv_dtype: Optional[torch.dtype] = None) -> float:
+    """ns of one paged-KV decode step (one new token per sequence over ``context_lens[i] + 1`` keys)."""
+    return default_attention_model().decode_ns(context_lens, heads, kv_heads, head_dim, dtype, device, kv_dtype)

@@ -218,3 +218,17 @@ def test_foreach_optimizer_kernel_counts_its_in_place_writes(model):
     expected = float(core.memory_time_ns(33_554_432, 1, bandwidth_bytes_per_s=dev.memory_bandwidth_bytes_per_s,
                                          params=params))
     assert model.predict_ns(call, dev) == pytest.approx(expected)
+
+
+def test_serving_entry_points_match_the_model(model):
+    dev = get_device("h200")
+    assert am.prefill_attention_ns([512, 256], [0, 1024], 32, 8, 128, torch.bfloat16, dev) == pytest.approx(
+        model.attention.prefill_ns([512, 256], [0, 1024], 32, 8, 128, torch.bfloat16, dev))
+    # a cached prefix adds work: 256 new tokens after 1024 cached attend 256*1024 + 256*257/2 pairs
+    assert am.prefill_attention_ns([256], [1024], 32, 8, 128, torch.bfloat16, dev) > am.prefill_attention_ns(
+        [256], [0], 32, 8, 128, torch.bfloat16, dev)
+    assert am.decode_attention_ns([100, 2000], 32, 8, 128, torch.bfloat16, dev) == pytest.approx(
+        model.attention.decode_ns([100, 2000], 32, 8, 128, torch.bfloat16, dev))
+    # an fp8 KV cache reads half the bytes
+    assert am.decode_attention_ns([65535] * 8, 32, 8, 128, torch.bfloat16, dev, torch.float8_e4m3fn) < \
+        am.decode_attention_ns([65535] * 8, 32, 8, 128, torch.bfloat16, dev)
