@@ -221,7 +221,7 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
             cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
-            resident_grads: bool = False) -> Report:
+            resident_grads: bool = False, device_spec: Optional[str] = None) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
@@ -229,6 +229,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
     ``resident_grads=True`` (with ``train``): every ``.grad`` stays allocated between steps
     (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
+    ``device_spec="my_gpu.json"``: an unlisted device described in JSON (``boomfx/core/device_spec_file.py``);
+    it replaces ``device``.
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -239,7 +241,11 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
         >>> report.time.total_ns, report.memory.fits
     """
     started = time.perf_counter()
-    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    if device_spec is not None:
+        from boomfx.core.device_spec_file import load_device_spec
+        spec = load_device_spec(device_spec)
+    else:
+        spec = device if isinstance(device, DeviceSpec) else get_device(device)
     program = capture(source, *example_inputs,
                       options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
                                                      compile=compile or cudagraphs, cudagraphs=cudagraphs,

@@ -19,6 +19,8 @@ class _Parser(argparse.ArgumentParser):
 def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a .pt2 file written by torch.export.save")
     p.add_argument("--device", default="a100-80gb", help="target device (see `boomfx devices`)")
+    p.add_argument("--device-spec", default=None, metavar="FILE.json",
+                   help="an unlisted device described in JSON with DeviceSpec's fields (overrides --device)")
     p.add_argument("--dim", action="append", default=[], type=str, metavar="NAME=VALUE",
                    help="bind a symbolic dimension by symbol name (s0) or role (batch, seq)")
     p.add_argument("--batch", type=int, help="bind the batch dimension")
