@@ -22,7 +22,7 @@ from boomfx.serving.engine import EngineConfig, EngineRules, get_engine
 from boomfx.serving.kv_cache import KVSpec, MemoryPlan, plan_memory
 from boomfx.serving.model import ServingModel, serving_model
 from boomfx.serving.report import ServeReport, StepRow, WorkloadReport, workload_report
-from boomfx.serving.steps import Step, StepPricer, profile_activation_bytes
+from boomfx.serving.steps import HostOverhead, Step, StepPricer, profile_activation_bytes
 from boomfx.serving.workload import Workload, simulate_workload, sustainable
 
 MAX_RATE_PROBES = 7             # bisection steps of the highest-sustainable-rate search
@@ -41,10 +41,11 @@ class ServingSetup:
     kv_dtype: torch.dtype
     plan: MemoryPlan
 
-    def pricer(self, bucket_tokens: int = 1, interpolate: bool = False, kv_write: Optional[str] = None) -> StepPricer:
+    def pricer(self, bucket_tokens: int = 1, interpolate: bool = False, kv_write: Optional[str] = None,
+               host_overhead: Optional[HostOverhead] = None) -> StepPricer:
         return StepPricer(self.analysis, self.model, self.engine, self.config, self.kv_dtype,
                           self.kv.kv_heads_per_rank, kv_write=kv_write, bucket_tokens=bucket_tokens,
-                          interpolate=interpolate)
+                          interpolate=interpolate, host_overhead=host_overhead or HostOverhead())
 
 
 _KV_TORCH_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}

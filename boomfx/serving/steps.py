@@ -26,7 +26,8 @@ included); on a GPU a decode-only batch of at most the largest captured size rep
 layer plus the eager attention calls), the step taking the longer of host issue and device time.
 
 Known limitations:
-- NB: the engine's own per-step host work (scheduler, input preparation, detokenisation) is not priced.
+- NB: the engine's own per-step host work (scheduler, input preparation, detokenisation) is a
+  ``HostOverhead`` given by the caller; zero unless measured (no vLLM values are known here).
 - NB: tensor parallelism is not priced (no all-reduce, weights not split): step times are TP=1.
 - NB: the decode call prices all sequences at their mean context; a paged kernel's split-KV
   imbalance between short and long sequences is not modelled.
@@ -72,6 +73,21 @@ class PartTime:
 
 
 @dataclass(frozen=True)
+class HostOverhead:
+    """Host time of one step outside the priced kernels: the serving framework's own Python (module
+    calls, cache bookkeeping, mask and position logic), ``fixed_ns + per_layer_ns x layers``. Zero by
+    default (not modelled); ``source`` says where measured values came from (benchmarks/serving_cpu.py
+    measures transformers' on this host with a calibration model)."""
+
+    fixed_ns: float = 0.0
+    per_layer_ns: float = 0.0
+    source: str = "not modelled"
+
+    def step_ns(self, layers: int) -> float:
+        return self.fixed_ns + self.per_layer_ns * layers
+
+
+@dataclass(frozen=True)
 class Step:
     """One scheduled step: decode contexts (tokens cached per decoding sequence, the new one included)
     and prefill chunks ``(chunk_tokens, context_tokens_after_the_chunk)``; ``sampled`` sequences sample."""
@@ -111,7 +127,7 @@ class StepPricer:
 
     def __init__(self, analysis: Analysis, model: ServingModel, engine: EngineRules, config: EngineConfig,
                  kv_dtype: torch.dtype, kv_heads_per_rank: int, kv_write: Optional[str] = None,
-                 bucket_tokens: int = 1, interpolate: bool = False) -> None:
+                 bucket_tokens: int = 1, interpolate: bool = False, host_overhead: HostOverhead = HostOverhead()) -> None:
         self.analysis = analysis
         self.model = model
         self.engine = engine
@@ -119,6 +135,7 @@ class StepPricer:
         self.kv_dtype = kv_dtype
         self.kv_heads = kv_heads_per_rank
         self.kv_write = kv_write or engine.kv_write
+        self.host_overhead = host_overhead
         self.site = model.uniform_site()
         self.cpu = analysis.device.kind == "cpu"
         self.graphs = (not self.cpu) and not config.enforce_eager
@@ -296,6 +313,24 @@ class StepPricer:
         sampler = self.sampler_call(step.num_sampled)
         return out + ([sampler] if sampler is not None else [])
 
+    def kernel_calls(self, step: Step) -> list[OpCall]:
+        """Every bound call ``step`` prices: the token-wise nodes at its token count, the logits nodes at
+        its sampled count, and the calls of ``calls`` (the serving form of ``Analysis.kernel_calls``, for
+        collecting a kernel database)."""
+        from boomfx.passes.opcall import bind_call
+        out: list[OpCall] = []
+        for n, names in ((self.graph_batch(step) or step.num_tokens, None), (step.num_sampled, self.model.logits_nodes)):
+            if n <= 0:
+                continue
+            ev = self.analysis.evaluator({self.model.batch.symbol: 1, self.model.seq.symbol: n})
+            for name, nc in self.analysis.costs.by_node.items():
+                if name in self.model.attention_side:
+                    continue
+                if (names is None) == (name in self.model.logits_nodes):
+                    continue
+                out.append(bind_call(nc.call, ev))
+        return out + self.calls(step)
+
     # -- the step ------------------------------------------------------------------------------------
     def graph_batch(self, step: Step) -> Optional[int]:
         """The captured size a decode-only step replays (None: it runs piecewise / eagerly)."""
@@ -343,15 +378,17 @@ class StepPricer:
         }
         parts["sampler"] = self.sampler_part(step.num_sampled)
         device = sum(p.device_ns for p in parts.values())
+        overhead = self.host_overhead.step_ns(layers)   # the framework's host work, before it launches anything
+        parts["host_overhead"] = PartTime(overhead, overhead, (self.host_overhead.source,))
         if self.cpu:
-            return StepTime(device, parts, False, n)
+            return StepTime(device + overhead, parts, False, n)
         if padded is not None:
-            return StepTime(device + CUDAGRAPH_REPLAY_HOST_NS, parts, True, n)
+            return StepTime(overhead + device + CUDAGRAPH_REPLAY_HOST_NS, parts, True, n)
         if self.graphs:   # piecewise: one replay per layer's token-wise pieces, attention eager
             host = (layers + 1) * CUDAGRAPH_REPLAY_HOST_NS + parts["attention"].host_ns + parts["kv_cache_write"].host_ns
         else:
-            host = sum(p.host_ns for p in parts.values())
-        return StepTime(max(device, host), parts, False, n)
+            host = sum(p.host_ns for name, p in parts.items() if name != "host_overhead")
+        return StepTime(overhead + max(device, host), parts, False, n)
 
     def sampler_part(self, n_sampled: int) -> PartTime:
         key = ("sampler", n_sampled)
