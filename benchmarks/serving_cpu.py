@@ -182,24 +182,25 @@ CALIBRATION_LAYERS = (1, 3)       # a Llama of 1 and of 3 layers (the benchmark'
 CALIBRATION_CONTEXT = 32
 
 
+CALIBRATION_ITERS = 21
+
+
 def calibrate_host_overhead(iters: int, tmp: str) -> tuple[Any, list[dict[str, Any]]]:
-    """transformers' Python per decode step on this host: a real step minus its priced kernels, for a
-    calibration Llama of 1 and 3 layers (batch 1, 32 tokens of context) -> fixed + per-layer cost."""
+    """transformers' Python per module call on this host: (real step - its priced kernels) / module calls,
+    summed over calibration Llamas of 1 and 3 layers (batch 1, 32 tokens of context; not benchmark models)."""
     from boomfx.serving.steps import KV_WRITE_CONCAT, HostOverhead, Step
     step = Step((CALIBRATION_CONTEXT,))
-    gaps, rows = [], []
+    rows = []
     for layers in CALIBRATION_LAYERS:
         model = build("llama", layers)
         s, _ = collected_setup(model, [step], str(Path(tmp) / f"calib{layers}.sqlite"))
         pred = s.pricer(kv_write=KV_WRITE_CONCAT).step_time(step).total_ns
-        wall, cpu = real_decode(model, 1, CALIBRATION_CONTEXT, iters)
+        wall, cpu = real_decode(model, 1, CALIBRATION_CONTEXT, max(iters, CALIBRATION_ITERS))
         real = (cpu if torch.get_num_threads() == 1 else wall) * 1e9
-        gaps.append(real - pred)
-        rows.append({"layers": layers, "pred_ns": pred, "real_ns": real, "gap_ns": real - pred})
-    (l1, l2), (g1, g2) = CALIBRATION_LAYERS, gaps
-    per_layer = (g2 - g1) / (l2 - l1)
-    fixed = g1 - per_layer * l1
-    return HostOverhead(fixed, per_layer, "transformers Python, measured on this host (calibration Llama)"), rows
+        rows.append({"layers": layers, "module_calls": s.model.module_calls, "pred_ns": pred, "real_ns": real,
+                     "gap_ns": real - pred})
+    per_call = sum(r["gap_ns"] for r in rows) / sum(r["module_calls"] for r in rows)
+    return HostOverhead(0.0, per_call, "transformers Python per module call, measured here (calibration Llamas)"), rows
 
 
 def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
@@ -232,7 +233,7 @@ def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
                    "equal": real == planned})
     site = s.model.uniform_site()
     return {"rows": rows, "kv": kv, "collect": collected,
-            "facts": {"layers": s.model.num_layers, "q_heads": site.q_heads, "kv_heads": site.kv_heads,
+            "facts": {"layers": s.model.num_layers, "module_calls": s.model.module_calls, "q_heads": site.q_heads, "kv_heads": site.kv_heads,
                       "head_dim": site.head_dim, "kv_bytes_per_token": s.plan.kv_bytes_per_token}}
 
 
@@ -268,16 +269,18 @@ def write(results: dict[str, Any]) -> None:
              f"{results['rows'][0]['clock'] if results['rows'] else '?'} (the database's; wall error also in the JSON), median "
              f"of {results['meta']['iters']} steps after 2 warm-ups; {results['meta']['date']}. Load average at start "
              f"{results['meta']['loadavg_start']}, at end {results['meta']['loadavg_end']} (shared machine).",
-             "", "| model | step | batch | tokens / context | predicted | real | error | price sources |",
+             "", "| model | step | batch | tokens / context | predicted | real | error | error without host overhead |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in rows:  # price sources per row are in the JSON
         size = r.get("tokens", r.get("context"))
         lines.append(f"| {r['model']} | {r['kind']} | {r['batch']} | {size} | {1e3 * r['pred_s']:.2f} ms | "
-                     f"{1e3 * r['real_s']:.2f} ms | {100 * r['err']:+.1f}% | {', '.join(r['sources'])} |")
+                     f"{1e3 * r['real_s']:.2f} ms | {100 * r['err']:+.1f}% | {100 * r['err_without_host_overhead']:+.1f}% |")
     ho = results["meta"]["host_overhead"]
     lines += ["", f"Host overhead per step (transformers' Python outside the kernels), measured on calibration "
                   f"Llamas of {', '.join(str(c['layers']) for c in ho['calibration'])} layers (not the benchmark "
-                  f"models): {ho['fixed_ns'] / 1e3:.0f} us + {ho['per_layer_ns'] / 1e3:.0f} us per layer. "
+                  f"models): {ho['per_module_call_ns'] / 1e3:.1f} us per module call (module calls per forward: "
+                  + ", ".join(f"{m} {v['facts']['module_calls']}" for m, v in results["models"].items())
+                  + "). "
                   "Errors without it are in the JSON (err_without_host_overhead)."]
     lines += ["", "Summary (|error|): " + "; ".join(
         f"{m}: median {100 * v['median']:.1f}%, worst {100 * v['worst']:.1f}%" for m, v in results["summary"].items()),
@@ -316,7 +319,7 @@ def main() -> int:
     rows, kv, per_model = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
         overhead, calibration = calibrate_host_overhead(args.iters, tmp)
-        print(f"host overhead: {overhead.fixed_ns / 1e3:.0f} us + {overhead.per_layer_ns / 1e3:.0f} us/layer", flush=True)
+        print(f"host overhead: {overhead.per_module_call_ns / 1e3:.1f} us per module call", flush=True)
         for name in args.models.split(","):
             res = run_model(name, args.iters, str(Path(tmp) / f"{name}.sqlite"), overhead)
             rows += res["rows"]
@@ -333,7 +336,7 @@ def main() -> int:
     summary["all"] = {"median": statistics.median(errs), "worst": max(errs)}
     simulation = [] if args.no_simulation else simulation_speed()
     meta["loadavg_end"] = os.getloadavg()
-    meta["host_overhead"] = {"fixed_ns": overhead.fixed_ns, "per_layer_ns": overhead.per_layer_ns,
+    meta["host_overhead"] = {"per_module_call_ns": overhead.per_module_call_ns,
                              "calibration": calibration}
     write({"meta": meta, "summary": summary, "models": per_model, "rows": rows, "kv": kv, "simulation": simulation})
     print(json.dumps(summary, indent=1))

@@ -154,6 +154,23 @@ def test_preemption_when_blocks_run_out() -> None:
     assert all(r.output_len == 30 for r in res.requests)
 
 
+def _bucketed(step: Step) -> float:
+    """A step time that grows with the decode batch's mean context in blocks of 16 (as the simulation's
+    pricer buckets it), in whole multiples of 1024 ns so that sums are exact in floating point."""
+    b = len(step.decode_contexts)
+    mean = -(-sum(step.decode_contexts) // b) if b else 0
+    return 1024.0 * (1000 + 3 * (-(-mean // 16)) + 7 * b + step.num_tokens)
+
+
+def test_fast_forward_equals_stepping_one_by_one() -> None:
+    for wl in (Workload(40, 50, 70, request_rate=30.0, seed=2), Workload(30, 20, 90, concurrency=3)):
+        fast = simulate_workload(wl, CFG, 400, _bucketed)
+        slow = simulate_workload(wl, CFG, 400, _bucketed, fast_forward=False)
+        assert fast.requests == slow.requests
+        assert sum(s.count for s in fast.steps) == len(slow.steps)
+        assert len(fast.steps) < len(slow.steps)       # stretches were taken
+
+
 def test_seeded_runs_are_deterministic() -> None:
     wl = Workload(300, 64, 32, request_rate=200.0, seed=7)
     a = simulate_workload(wl, CFG, 2000, constant)

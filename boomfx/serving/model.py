@@ -79,6 +79,7 @@ class ServingModel:
     weights_bytes: int
     batch: SymbolInfo
     seq: SymbolInfo
+    module_calls: int = 0            # distinct nn.Module invocations the export traced (nn_module_stack)
 
     @property
     def num_layers(self) -> int:
@@ -241,4 +242,15 @@ def serving_model(program: Program) -> ServingModel:
                 weights += val.numel() * val.element_size()
     logits = _logits_nodes(graph) - {n.name for n in replaced}
     return ServingModel(program, tuple(sites), frozenset(n.name for n in replaced), frozenset(logits), weights,
-                        batch, seq)
+                        batch, seq, _module_calls(graph))
+
+
+def _module_calls(graph: torch.fx.Graph) -> int:
+    """How many module ``forward`` calls the traced forward made: the distinct entries of every node's
+    ``nn_module_stack`` (each entry is one module instance on the call path; export keys repeated
+    calls of one instance apart with a ``@n`` suffix)."""
+    seen: set[str] = set()
+    for n in graph.nodes:
+        for key in (n.meta.get("nn_module_stack") or {}):
+            seen.add(key)
+    return len(seen)

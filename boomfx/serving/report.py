@@ -83,9 +83,9 @@ def workload_report(workload: "Workload", result: "SimulationResult", ok: bool,
     itl = [x for r in reqs for x in r.itl_ns]
     start = min(r.arrival_ns for r in reqs)
     duration = max(1.0, result.makespan_ns - start)
-    busy = sum(s.duration_ns for s in result.steps) or 1.0
+    busy = sum(s.duration_ns * s.count for s in result.steps) or 1.0
     util = [s.kv_blocks_used / max(1, result.num_blocks) for s in result.steps]
-    mean_util = sum(u * s.duration_ns for u, s in zip(util, result.steps)) / busy
+    mean_util = sum(u * s.duration_ns * s.count for u, s in zip(util, result.steps)) / busy
     stride = max(1, len(result.steps) // KV_TIMELINE_POINTS)
     timeline = [(s.start_ns, u) for s, u in list(zip(result.steps, util))[::stride]]
     return WorkloadReport(
@@ -95,10 +95,10 @@ def workload_report(workload: "Workload", result: "SimulationResult", ok: bool,
         e2e=Summary.of(r.e2e_ns for r in reqs), duration_ns=duration,
         requests_per_s=len(reqs) / (duration / 1e9),
         output_tokens_per_s=sum(r.output_len for r in reqs) / (duration / 1e9),
-        steps=len(result.steps), preemptions=result.preemptions, kv_utilization_mean=mean_util,
+        steps=sum(s.count for s in result.steps), preemptions=result.preemptions, kv_utilization_mean=mean_util,
         kv_utilization_max=max(util) if util else 0.0, kv_utilization_timeline=timeline, sustainable=ok,
         highest_sustainable_rate=best_rate,
-        step_trace=[(s.start_ns, s.duration_ns, s.decode_seqs, s.prefill_tokens) for s in result.steps])
+        step_trace=[(s.start_ns, s.duration_ns * s.count, s.decode_seqs, s.prefill_tokens) for s in result.steps])
 
 
 def build_report(s: "ServingSetup", device: "DeviceSpec", rows: list[StepRow],

@@ -74,17 +74,18 @@ class PartTime:
 
 @dataclass(frozen=True)
 class HostOverhead:
-    """Host time of one step outside the priced kernels: the serving framework's own Python (module
-    calls, cache bookkeeping, mask and position logic), ``fixed_ns + per_layer_ns x layers``. Zero by
-    default (not modelled); ``source`` says where measured values came from (benchmarks/serving_cpu.py
-    measures transformers' on this host with a calibration model)."""
+    """Host time of one step outside the priced kernels: the serving framework's own Python (each
+    module's ``forward``, cache bookkeeping, mask and position logic), ``fixed_ns + per_module_call_ns x``
+    the module calls of a forward (``ServingModel.module_calls``). Zero by default (not modelled);
+    ``source`` says where measured values came from (benchmarks/serving_cpu.py measures transformers'
+    on this host with calibration models that are not among the benchmark's)."""
 
     fixed_ns: float = 0.0
-    per_layer_ns: float = 0.0
+    per_module_call_ns: float = 0.0
     source: str = "not modelled"
 
-    def step_ns(self, layers: int) -> float:
-        return self.fixed_ns + self.per_layer_ns * layers
+    def step_ns(self, module_calls: int) -> float:
+        return self.fixed_ns + self.per_module_call_ns * module_calls
 
 
 @dataclass(frozen=True)
@@ -342,18 +343,30 @@ class StepPricer:
     def _rounded(self, tokens: int) -> int:
         return -(-tokens // self.bucket) * self.bucket
 
-    def _layer_part(self, kind: str, step: Step) -> PartTime:
-        """One layer's attention or KV-write calls, cached by their sizes (contexts bucketed)."""
-        b = len(step.decode_contexts)
-        mean_ctx = self._rounded(math.ceil(sum(step.decode_contexts) / b)) if b else 0
-        prefills = tuple((c, self._rounded(t) if c != t else t) for c, t in step.prefills)
-        key = (kind, b, mean_ctx, prefills, step.num_tokens if kind == "write" else 0)
+    def _cached(self, key: Any, step: Step, kind: str) -> PartTime:
         hit = self._layer_cache.get(key)
         if hit is None:
-            shaped = Step((mean_ctx,) * b, prefills, step.sampled)
-            calls = self.attention_calls(shaped) if kind == "attention" else self.kv_write_calls(shaped)
+            calls = self.attention_calls(step) if kind == "attention" else self.kv_write_calls(step)
             hit = self._layer_cache[key] = sum((self.price(c) for c in calls), PartTime())
         return hit
+
+    def _layer_part(self, kind: str, step: Step) -> PartTime:
+        """One layer's attention or KV-write calls: the decode batch and each prefill chunk priced and
+        cached on their own (sizes rounded up to the bucket), so mixed steps reuse their pieces."""
+        if kind == "write" and self.kv_write == KV_WRITE_PAGED:   # one write of every scheduled token's row
+            n = self._rounded(step.num_tokens)
+            return self._cached((kind, "rows", n), Step((), ((n, n),)), kind)
+        total = PartTime()
+        b = len(step.decode_contexts)
+        if b:
+            mean_ctx = self._rounded(math.ceil(sum(step.decode_contexts) / b))
+            total = total + self._cached((kind, "decode", b, mean_ctx), Step((mean_ctx,) * b), kind)
+        for chunk, context in step.prefills:
+            whole = chunk == context
+            c = self._rounded(chunk)
+            t = c if whole else max(c, self._rounded(context))
+            total = total + self._cached((kind, "prefill", c, t), Step((), ((c, t),)), kind)
+        return total
 
     def step_time(self, step: Step) -> StepTime:
         """The time of ``step`` (see the module docstring for the parts and the host model)."""
@@ -378,7 +391,7 @@ class StepPricer:
         }
         parts["sampler"] = self.sampler_part(step.num_sampled)
         device = sum(p.device_ns for p in parts.values())
-        overhead = self.host_overhead.step_ns(layers)   # the framework's host work, before it launches anything
+        overhead = self.host_overhead.step_ns(self.model.module_calls)   # the framework's host work, before it launches anything
         parts["host_overhead"] = PartTime(overhead, overhead, (self.host_overhead.source,))
         if self.cpu:
             return StepTime(device + overhead, parts, False, n)
