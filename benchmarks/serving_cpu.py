@@ -155,13 +155,13 @@ def real_cache_bytes(model: torch.nn.Module, b: int, tokens: int) -> int:
 def collected_setup(model: torch.nn.Module, steps: list[Any], db: str) -> tuple[Any, dict[str, Any]]:
     """Export ``model``, collect every call ``steps`` price into ``db`` (as ``kernels collect`` does) and
     return the serving setup priced from it."""
-    from boomfx.capture import capture
-    from boomfx.devices import cpu_spec
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.host_overheads import collect_host_costs
     from boomfx.kernels_db.measure import protocol_measurer
     from boomfx.kernels_db.store import Store
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
     from boomfx.serving.serve import setup
     from boomfx.serving.steps import KV_WRITE_CONCAT
     spec = cpu_spec()
@@ -239,9 +239,9 @@ def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
 
 def simulation_speed() -> list[dict[str, Any]]:
     """Wall time of 10,000-request simulations (pricing included) of the Llama model on an H100."""
-    from boomfx.capture import capture
-    from boomfx.devices import get_device
-    from boomfx.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
     from boomfx.serving.serve import run_workload, setup
     from boomfx.serving.workload import Workload
     device = get_device("h100-80gb")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from boomfx.cli import main
-from boomfx.errors import OptionError
+from boomfx.cli.main import main
+from boomfx.core.errors import OptionError
 from boomfx.serving.engine import VLLM_V1, EngineConfig
 from boomfx.serving.kv_cache import KVSpec, kv_bytes_per_token, num_blocks, page_size_bytes, plan_memory
 from boomfx.serving.steps import Step
@@ -184,9 +184,9 @@ def test_seeded_runs_are_deterministic() -> None:
 
 @pytest.fixture(scope="module")
 def llama_setup(examples_dir: Path):
-    from boomfx.capture import capture
-    from boomfx.devices import get_device
-    from boomfx.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
     from boomfx.serving.serve import setup
     device = get_device("h100-80gb")
     program = capture(str(examples_dir / "llama_tiny.pt2"), options=ProgramOptions(target_kind="cuda"))
@@ -223,9 +223,9 @@ def test_dynamic_cache_bytes_equal_the_plan() -> None:
     transformers = pytest.importorskip("transformers")
     from torch.export import Dim
 
-    from boomfx.capture import capture
-    from boomfx.devices import cpu_spec
-    from boomfx.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
     from boomfx.serving.serve import setup
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -5,7 +5,7 @@ import argparse
 import math
 import sys
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,10 +44,10 @@ def _sweep_axes(max_num_seqs: int, max_model_len: int) -> tuple[list[int], list[
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from boomfx.capture import capture
-    from boomfx.devices import get_device
-    from boomfx.program import ProgramOptions
-    from boomfx.progress import StageProgress
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
+    from boomfx.cli.progress import StageProgress
     from boomfx.serving.engine import get_engine
     from boomfx.serving.report import build_report, render_text, write_trace
     from boomfx.serving.serve import run_workload, setup, step_rows

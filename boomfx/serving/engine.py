@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 
 GiB = 1024 ** 3
 

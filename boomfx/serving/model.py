@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.fx
 
-from boomfx.errors import BoomfxError
-from boomfx.program import ROLE_BUFFER, ROLE_CONSTANT, ROLE_PARAM, Program, SymbolInfo
+from boomfx.core.errors import BoomfxError
+from boomfx.core.program import ROLE_BUFFER, ROLE_CONSTANT, ROLE_PARAM, Program, SymbolInfo
 
 aten = torch.ops.aten
 

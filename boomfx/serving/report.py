@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from boomfx.units import fmt_bytes, fmt_time
+from boomfx.core.units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
-    from boomfx.devices import DeviceSpec
+    from boomfx.core.devices import DeviceSpec
     from boomfx.serving.serve import ServingSetup
     from boomfx.serving.workload import SimulationResult, Summary, Workload
 

@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.devices import DeviceSpec, get_device
-from boomfx.errors import OptionError
-from boomfx.program import Program, ProgramOptions
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.core.devices import DeviceSpec, get_device
+from boomfx.core.errors import OptionError
+from boomfx.core.program import Program, ProgramOptions
 from boomfx.serving.engine import EngineConfig, EngineRules, get_engine
 from boomfx.serving.kv_cache import KVSpec, MemoryPlan, plan_memory
 from boomfx.serving.model import ServingModel, serving_model
@@ -165,7 +165,7 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
           concurrency: Optional[int] = None, num_prompts: int = 200, input_len: int = 512, output_len: int = 128,
           seed: int = 0, dataset: Optional[str] = None, simulate: bool = True) -> ServeReport:
     """Plan, price and (with a request rate or concurrency) simulate serving ``source`` (see ``setup``)."""
-    from boomfx.capture import capture
+    from boomfx.frontend.capture import capture
     from boomfx.serving.report import build_report
     from boomfx.serving.workload import read_dataset
     spec = device if isinstance(device, DeviceSpec) else get_device(device)

@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 import sympy
 import torch
 
-from boomfx.analyze import Analysis
+from boomfx.analysis.analysis import Analysis
 from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS
 from boomfx.passes.costs.registry import Cost, OpCall, price_call
 from boomfx.passes.specs import TensorSpec, contiguous_strides

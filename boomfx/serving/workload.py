@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 from boomfx.serving.engine import EngineConfig
 from boomfx.serving.kv_cache import cdiv
 from boomfx.serving.steps import Step
