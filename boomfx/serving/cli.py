@@ -49,8 +49,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from boomfx.core.program import ProgramOptions
     from boomfx.cli.progress import StageProgress
     from boomfx.serving.engine import get_engine
-    from boomfx.serving.report import build_report, render_text, write_trace
-    from boomfx.serving.serve import run_workload, setup, step_rows
+    from boomfx.serving.report import render_text, write_trace
+    from boomfx.serving.serve import build_report, run_workload, setup, step_rows
     from boomfx.serving.workload import Workload, read_dataset
     if args.request_rate is not None and args.concurrency is not None:
         raise OptionError("give one of --request-rate and --concurrency")

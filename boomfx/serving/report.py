@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING, Any, Optional
 from boomfx.core.units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
-    from boomfx.core.devices import DeviceSpec
-    from boomfx.serving.serve import ServingSetup
     from boomfx.serving.workload import SimulationResult, Summary, Workload
 
 SCHEMA_VERSION = 1
@@ -99,24 +97,6 @@ def workload_report(workload: "Workload", result: "SimulationResult", ok: bool,
         kv_utilization_max=max(util) if util else 0.0, kv_utilization_timeline=timeline, sustainable=ok,
         highest_sustainable_rate=best_rate,
         step_trace=[(s.start_ns, s.duration_ns * s.count, s.decode_seqs, s.prefill_tokens) for s in result.steps])
-
-
-def build_report(s: "ServingSetup", device: "DeviceSpec", rows: list[StepRow],
-                 workload: Optional[WorkloadReport]) -> ServeReport:
-    site = s.model.uniform_site()
-    warnings = []
-    if s.config.tensor_parallel_size > 1:
-        warnings.append("tensor parallelism: KV heads per rank and weights / TP follow the engine; step times are "
-                        "priced at TP=1 (no all-reduce)")
-    if s.analysis.costs.unmodelled_ops():
-        warnings.append(f"{len(s.analysis.costs.unmodelled_ops())} op(s) without a cost formula priced by bytes moved")
-    return ServeReport(
-        source=s.model.program.source, device=device.name, engine=s.engine.label,
-        model={"attention_layers": s.model.num_layers, "query_heads": site.q_heads, "kv_heads": site.kv_heads,
-               "head_dim": site.head_dim, "v_head_dim": site.v_head_dim, "dtype": str(site.dtype).replace("torch.", ""),
-               "weights_bytes": s.model.weights_bytes, "exported_seq_range": [s.model.seq.min_value,
-                                                                              s.model.seq.max_value]},
-        options=dataclasses.asdict(s.config), memory=s.plan, steps=rows, workload=workload, warnings=warnings)
 
 
 def _summary_line(name: str, sm: "Summary") -> str:

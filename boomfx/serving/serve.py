@@ -8,6 +8,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -166,7 +167,6 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
           seed: int = 0, dataset: Optional[str] = None, simulate: bool = True) -> ServeReport:
     """Plan, price and (with a request rate or concurrency) simulate serving ``source`` (see ``setup``)."""
     from boomfx.frontend.capture import capture
-    from boomfx.serving.report import build_report
     from boomfx.serving.workload import read_dataset
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     program = capture(source, options=ProgramOptions(target_kind=spec.kind))
@@ -181,3 +181,20 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
         wl = run_workload(s, workload)
     return build_report(s, spec, rows, wl)
 
+
+def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
+                 workload: Optional[WorkloadReport]) -> ServeReport:
+    site = s.model.uniform_site()
+    warnings = []
+    if s.config.tensor_parallel_size > 1:
+        warnings.append("tensor parallelism: KV heads per rank and weights / TP follow the engine; step times are "
+                        "priced at TP=1 (no all-reduce)")
+    if s.analysis.costs.unmodelled_ops():
+        warnings.append(f"{len(s.analysis.costs.unmodelled_ops())} op(s) without a cost formula priced by bytes moved")
+    return ServeReport(
+        source=s.model.program.source, device=device.name, engine=s.engine.label,
+        model={"attention_layers": s.model.num_layers, "query_heads": site.q_heads, "kv_heads": site.kv_heads,
+               "head_dim": site.head_dim, "v_head_dim": site.v_head_dim, "dtype": str(site.dtype).replace("torch.", ""),
+               "weights_bytes": s.model.weights_bytes, "exported_seq_range": [s.model.seq.min_value,
+                                                                              s.model.seq.max_value]},
+        options=dataclasses.asdict(s.config), memory=s.plan, steps=rows, workload=workload, warnings=warnings)
