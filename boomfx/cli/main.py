@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli.kernels import add_kernels_parser
     add_kernels_parser(sub)
+    from boomfx.serving.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 
@@ -80,6 +82,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return run_analyze(args)
         if args.command == "devices":
             return _devices()
+        if args.command == "serve":
+            from boomfx.serving.cli import run_serve
+            return run_serve(args)
         if args.command == "kernels":
             from boomfx.cli.kernels import run_kernels
             return run_kernels(args)
