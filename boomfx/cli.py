@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli_kernels import add_kernels_parser
     add_kernels_parser(sub)
+    from boomfx.validate.cli import add_validate_parser
+    add_validate_parser(sub)
     return parser
 
 
@@ -99,6 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return run_analyze(args)
         if args.command == "devices":
             return _devices()
+        if args.command == "validate":
+            from boomfx.validate.cli import run_validate
+            return run_validate(args)
         if args.command == "kernels":
             from boomfx.cli_kernels import run_kernels
             return run_kernels(args)
