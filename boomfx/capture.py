@@ -21,8 +21,9 @@ from boomfx.program import (
     ROLE_BUFFER, ROLE_CONSTANT, ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions, SymbolInfo,
 )
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "none")   # none: forward + backward only (a micro-batch step)
 AMP_DTYPES = ("bf16", "fp16")
+NO_OPTIMIZER = "none"
 
 
 def validate_options(options: ProgramOptions) -> None:
@@ -161,12 +162,12 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     from boomfx import training
     if options.train:
         # depth-free: trace 4 layers and replicate (boomfx/fast_training.py); None -> full trace
+        # (not without an optimizer: the synthesis extends the optimizer's foreach lists)
         from boomfx.fast_training import build_training_program_fast
-        traced = build_training_program_fast(ep, optimizer=options.optimizer, amp=options.amp,
-                                             checkpoint=options.checkpoint,
-                                             fused_attention=options.target_kind == "cuda",
-                                             checkpoint_layers=options.checkpoint_layers,
-                                             resident_grads=options.resident_grads)
+        traced = None if options.optimizer == NO_OPTIMIZER else build_training_program_fast(
+            ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
+            fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
+            resident_grads=options.resident_grads)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,
