@@ -84,15 +84,19 @@ def materialise(ep: ExportedProgram, bindings: Mapping[str, int], device: torch.
     module = ep.module()
     kinds = {spec.target: spec.kind for spec in ep.graph_signature.input_specs if spec.target is not None}
     with torch.no_grad():
-        for name, tensor in list(module.state_dict(keep_vars=True).items()):
-            _replace(module, name, tensor, device, gen, kinds.get(name, InputKind.BUFFER))
+        # parameters and every buffer, non-persistent ones too (rotary tables are not in the state_dict)
+        named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+        done: dict[int, torch.Tensor] = {}
+        for name, tensor in named:
+            _replace(module, name, tensor, device, gen, kinds.get(name, InputKind.BUFFER), done)
         for name, value in list(vars(module).items()):    # lifted constants held as plain attributes
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 setattr(module, name, _real(name, value, device, gen, InputKind.CONSTANT_TENSOR))
     args, kwargs = _user_inputs(ep, bindings, device, gen)
+    tensors = list(module.parameters()) + list(module.buffers()) + _flat(args, kwargs)
+    tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in list(module.state_dict().values()) + [v for v in _flat(args, kwargs)]
-                if isinstance(t, torch.Tensor)}
+                for t in tensors if isinstance(t, torch.Tensor)}
     return Materialised(module, args, kwargs, sum(resident.values()))
 
 
@@ -103,13 +107,25 @@ def _real(name: str, t: torch.Tensor, device: torch.device, gen: torch.Generator
 
 
 def _replace(module: torch.nn.Module, name: str, tensor: torch.Tensor, device: torch.device,
-             gen: torch.Generator, kind: InputKind) -> None:
+             gen: torch.Generator, kind: InputKind, done: dict[int, torch.Tensor]) -> None:
+    """Put real data under ``name``; a tensor reached under two names (tied weights) stays one tensor."""
     owner_path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_path) if owner_path else module
+    if id(tensor) in done:
+        new = done[id(tensor)]
+        if isinstance(new, torch.nn.Parameter):
+            setattr(owner, leaf, new)
+        else:
+            owner._buffers[leaf] = new
+        return
     data = _real(name, tensor, device, gen, kind)
     if isinstance(tensor, torch.nn.Parameter):
-        setattr(owner, leaf, torch.nn.Parameter(data, requires_grad=tensor.requires_grad))
-    elif leaf in owner._buffers:
+        new = torch.nn.Parameter(data, requires_grad=tensor.requires_grad)
+        done[id(tensor)] = new
+        setattr(owner, leaf, new)
+        return
+    done[id(tensor)] = data
+    if leaf in owner._buffers:
         owner._buffers[leaf] = data
     else:
         setattr(owner, leaf, data)

@@ -23,6 +23,10 @@ class MeasuredTime:
     median_ns: float
     samples_ns: tuple[float, ...]
     threads: int
+    # this thread's CPU time per step (time.thread_time_ns): with one intra-op thread it excludes the
+    # time other processes ran (the one-thread protocol of benchmarks/cpu_accuracy.py); with more it
+    # misses the worker threads' work
+    thread_median_ns: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -66,13 +70,15 @@ def time_step(step: Callable[[], None], repeats: int, warmup: int, device: torch
     for _ in range(warmup):
         step()
     _sync(device)
-    samples = []
+    samples, thread = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         step()
         _sync(device)
         samples.append(float(time.perf_counter_ns() - t0))
-    return MeasuredTime(statistics.median(samples), tuple(samples), torch.get_num_threads())
+        thread.append(float(time.thread_time_ns() - c0))
+    return MeasuredTime(statistics.median(samples), tuple(samples), torch.get_num_threads(),
+                        statistics.median(thread))
 
 
 def peak_memory(step: Callable[[], None], device: torch.device) -> MeasuredMemory:

@@ -53,6 +53,7 @@ class ValidationResult:
     db: Optional[str]
     price_sources: dict[str, float]   # predicted kernel time by price source (measured, roofline, ...)
     load_average: tuple[float, float, float]
+    measured_thread_time_ns: float = 0.0   # this thread's CPU time (meaningful with one thread)
     calibration: Optional[dict[str, Any]] = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -125,7 +125,8 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
         measured_reserved_above_start_bytes=memory.reserved_above_start_bytes, memory_source=memory.source,
         ops=ops, profiled_step_ns=prof.step_ns, measured_outside_ns=prof.outside_ns,
         predicted_outside_ns=max(0.0, report.time.total_ns - kernel_ns),
-        db=_db_label(db, spec), price_sources=sources, load_average=os.getloadavg(), notes=tuple(notes))
+        db=_db_label(db, spec), price_sources=sources, load_average=os.getloadavg(),
+        measured_thread_time_ns=timed.thread_median_ns, notes=tuple(notes))
     if calibrate:
         from boomfx.validate.calibration import store_calibration
         result = store_calibration(result, analysis, db)
