@@ -48,6 +48,8 @@ def validate(source: Any, *, train: bool = False, optimizer: str = "adamw", amp:
     """
     if repeats < 1 or warmup < 0:
         raise OptionError("--repeats must be at least 1 and --warmup at least 0")
+    if calibrate and db in (None, "none"):
+        raise OptionError("--calibrate stores factors in a kernel database: give --db PATH (or default)")
     if threads is not None and threads < 1:
         raise OptionError(f"--threads must be at least 1, got {threads}")
     before = torch.get_num_threads()
