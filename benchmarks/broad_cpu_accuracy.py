@@ -134,7 +134,7 @@ def export_file(name: str, train: bool, directory: Path) -> Path:
 
 def collect(path: Path, db: Path, train: bool, compiled: bool, threads: int | None) -> float:
     """``boomfx kernels collect --for`` at default settings (``--threads`` only for the one-thread protocol)."""
-    from boomfx.cli import main
+    from boomfx.cli.main import main
     args = ["kernels", "collect", "--device", "cpu", "--for", str(path), "--db", str(db), "--quiet"]
     args += ["--train"] if train else []
     args += ["--compile"] if compiled else []
@@ -150,10 +150,10 @@ def collect(path: Path, db: Path, train: bool, compiled: bool, threads: int | No
 
 
 def _nodb_peak_above_start(path: Path, train: bool, compiled: bool) -> int:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import capture
-    from boomfx.devices import cpu_spec
-    from boomfx.program import ProgramOptions
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
     program = capture(str(path), options=ProgramOptions(train, "adamw", target_kind="cpu", compile=compiled))
     memory = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none")).evaluate({}, memory_only=True).report.memory
     return int(memory.peak_live_bytes - memory.resident_bytes)
@@ -223,7 +223,8 @@ def write_results(rows: list[dict[str, Any]], failures: list[dict[str, str]], me
     sep += "---|---|"
     lines = ["# Broad CPU accuracy: architectures nobody tuned for", "",
              f"{meta['cpu']}, torch {meta['torch']}, transformers {meta['transformers']}; default thread count "
-             f"{meta['default_threads']}; {meta['date']}. Command: `{meta['command']}`.", "",
+             f"{meta['default_threads']}; {meta['date']}. Commands (in order; a later one replaces the cells it ran): "
+             + "; ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]])) + ".", "",
              "Default protocol: database from `boomfx kernels collect --for FILE.pt2` at default settings, real step "
              "at torch's default thread count, wall clock (median after warm-up, `boomfx.validate`). One-thread "
              "protocol: `--threads 1` for both, real time in this thread's CPU time. Memory: predicted peak above the "
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exec", default="eager,compiled")
     ap.add_argument("--protocols", default="default,one-thread")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the cells of the existing results file; cells run now replace theirs")
     ap.add_argument("--dir", default=None, help="directory for exports and databases (default: a temp dir)")
     args = ap.parse_args(argv)
     import transformers
@@ -279,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     passes.sort(key=lambda ep: (ep[1] != "default", ep[0] != "eager"))
     files: dict[tuple[str, str], Path] = {}
     by_case: dict[tuple[str, str, str], dict[str, Any]] = {}
+    previous_commands: list[str] = []
+    if args.append and (RESULTS / "broad_cpu_accuracy.json").exists():
+        old = json.loads((RESULTS / "broad_cpu_accuracy.json").read_text())
+        rows = old["rows"]
+        failures = old.get("failures", [])
+        by_case = {(r["model"], r["mode"], r["exec"]): r for r in rows}
+        previous_commands = old["meta"].get("commands", [old["meta"].get("command", "")])
+        load_start = tuple(old["meta"].get("load_start", load_start))
+        protocols = list(dict.fromkeys(old["meta"].get("protocols", protocols) + protocols))
     for ex, protocol in passes:
         for name in names:
             for mode in modes:
@@ -299,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in by_case:
                     by_case[key] = row
                     rows.append(row)
+                failures = [f for f in failures if f["case"] != case]
                 c = row[protocol]
                 print(f"{case:40s} time {_pct(c['time_err'])} ({c['time_pred_ns'] / 1e6:.2f} vs "
                       f"{c['time_real_ns'] / 1e6:.2f} ms), mem {_pct(c['mem_err'])}, no-DB mem "
@@ -309,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load_start,
                         "load_end": os.getloadavg(), "elapsed_s": round(time.perf_counter() - started),
                         "command": "python benchmarks/broad_cpu_accuracy.py " + " ".join(
-                            argv if argv is not None else sys.argv[1:]), "notes": NOTES}
+                            argv if argv is not None else sys.argv[1:]), "notes": NOTES, "protocols": protocols}
+                meta["commands"] = previous_commands + [meta["command"]]
                 write_results(rows, failures, meta, protocols)   # after every cell: a partial run still reports
     print(f"wrote {RESULTS / 'broad_cpu_accuracy.md'} ({time.perf_counter() - started:.0f} s)")
     return 0

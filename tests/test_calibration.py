@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.capture import capture, resolve_bindings
-from boomfx.devices import cpu_spec
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import cpu_spec
 from boomfx.kernels_db.calibration import op_class_of, read_calibration, write_calibration
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 from boomfx.validate import validate
 from boomfx.validate.calibration import calibration_factors
 
@@ -61,6 +61,6 @@ def test_factor_is_in_situ_over_predicted_and_compounds() -> None:
 
 
 def test_calibrate_needs_a_database(capsys) -> None:
-    from boomfx.cli import main
+    from boomfx.cli.main import main
     assert main(["validate", "examples/mlp.pt2", "--db", "none", "--calibrate", "--batch", "4"]) == 2
     assert "--calibrate" in capsys.readouterr().err

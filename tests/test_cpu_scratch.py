@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from boomfx.kernels_db.cpu_scratch import convolution_scratch_bytes
-from boomfx.live_bytes import profiler_peak_bytes
+from boomfx.memory.live_bytes import profiler_peak_bytes
 from boomfx.passes.costs.registry import OpCall
 from boomfx.passes.specs import TensorSpec
 

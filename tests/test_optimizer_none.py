@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.capture import capture, resolve_bindings
-from boomfx.cli import main
-from boomfx.devices import cpu_spec
-from boomfx.live_bytes import profiler_peak_bytes
-from boomfx.program import ProgramOptions
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.cli.main import main
+from boomfx.core.devices import cpu_spec
+from boomfx.memory.live_bytes import profiler_peak_bytes
+from boomfx.core.program import ProgramOptions
 
 from conftest import make_model
 from test_cpu_memory_accuracy import _first_output, predicted_peak

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 from boomfx.validate.result import ValidationResult
 
 MIN_SHARE = 0.01       # op classes under 1% of the measured step are too noisy to calibrate
@@ -31,7 +31,7 @@ def calibration_factors(result: ValidationResult, previous: dict[str, float]) ->
 
 def store_calibration(result: ValidationResult, analysis: Any, db: Optional[str]) -> ValidationResult:
     from boomfx.kernels_db.calibration import read_calibration, write_calibration
-    from boomfx.pricing import resolve_db_path
+    from boomfx.kernels_db.pricing import resolve_db_path
     if db in (None, "none"):
         raise OptionError("--calibrate stores factors in a kernel database: give --db PATH (or default)")
     path = resolve_db_path(db, analysis.device)

@@ -29,7 +29,7 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from boomfx.cli import _dim
+    from boomfx.cli.args import parse_dim as _dim
     from boomfx.validate.render import render_validation
     from boomfx.validate.run import validate
     result = validate(args.file, train=args.train, optimizer=args.optimizer, amp=args.amp, compile=args.compile,

@@ -93,7 +93,7 @@ def peak_memory(step: Callable[[], None], device: torch.device) -> MeasuredMemor
         _sync(device)
         return MeasuredMemory(torch.cuda.max_memory_allocated(device) - start_alloc,
                               torch.cuda.max_memory_reserved(device) - start_reserved, "cuda-allocator")
-    from boomfx.live_bytes import profiler_peak_bytes
+    from boomfx.memory.live_bytes import profiler_peak_bytes
     return MeasuredMemory(profiler_peak_bytes(step))
 
 

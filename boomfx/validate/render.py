@@ -1,7 +1,7 @@
 """Text of ``boomfx validate``: predicted and measured columns, then the op classes that differ most."""
 from __future__ import annotations
 
-from boomfx.units import fmt_bytes, fmt_time
+from boomfx.core.units import fmt_bytes, fmt_time
 from boomfx.validate.result import ValidationResult
 
 

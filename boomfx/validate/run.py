@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 import sympy
 import torch
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 from boomfx.validate.result import OpComparison, ValidationResult
 
 # Sizes are lowered (batch halved) until the predicted step fits in this share of the memory free
@@ -65,9 +65,9 @@ def validate(source: Any, *, train: bool = False, optimizer: str = "adamw", amp:
 def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], compile: bool, resident_grads: bool,
               dims: Optional[Mapping[str, int]], batch: Optional[int], seq: Optional[int], db: Optional[str],
               repeats: int, warmup: int, device: str, calibrate: bool, seed: int) -> ValidationResult:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import capture, to_exported_program
-    from boomfx.program import ProgramOptions
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture, to_exported_program
+    from boomfx.core.program import ProgramOptions
     local = _local_device(device)
     spec = _local_spec(local)
     ep = to_exported_program(source)
@@ -171,7 +171,7 @@ def fitting_bindings(analysis: Any, dims: Mapping[str, int], batch: Optional[int
                      free_bytes: int) -> tuple[dict[sympy.Symbol, int], bool]:
     """Sizes for the real run: the ones given, the export's example sizes for the rest, the batch (else
     the first free symbol) halved until the predicted peak fits ``FIT_FRACTION`` of ``free_bytes``."""
-    from boomfx.capture import resolve_bindings
+    from boomfx.frontend.capture import resolve_bindings
     program = analysis.program
     given = resolve_bindings(program, dims, batch, seq, allow_unbound=True)
     bindings = dict(given)
@@ -204,6 +204,6 @@ def _predicted_ops(report: Any) -> dict[str, tuple[float, int]]:
 
 
 def _db_label(db: Optional[str], spec: Any) -> Optional[str]:
-    from boomfx.pricing import resolve_db_path
+    from boomfx.kernels_db.pricing import resolve_db_path
     path = resolve_db_path(db, spec)
     return str(path) if path is not None else None
