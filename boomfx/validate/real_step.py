@@ -42,18 +42,14 @@ class RealStep:
 
 
 def first_output(out: Any) -> torch.Tensor:
-    """The first floating tensor of a model output (what ``--train``'s loss reduces)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v
-        if isinstance(v, (list, tuple, dict)):
-            try:
-                return first_output(v)
-            except StopIteration:
-                continue
+    """The first floating tensor among the program's flat outputs (what ``--train``'s loss reduces).
+
+    Flat order (pytree leaves: the order of the graph's outputs, which the trace's loss reads), nested
+    containers included.
+    """
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
     raise StopIteration("the program returns no floating tensor to reduce to a loss")
 
 
