@@ -155,7 +155,7 @@ def _nodb_peak_above_start(path: Path, train: bool, compiled: bool) -> int:
     from boomfx.core.devices import cpu_spec
     from boomfx.core.program import ProgramOptions
     program = capture(str(path), options=ProgramOptions(train, "adamw", target_kind="cpu", compile=compiled))
-    memory = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none")).evaluate({}, memory_only=True).report.memory
+    memory = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none")).evaluate({}).report.memory   # (workspace needs prices)
     return int(memory.peak_live_bytes - memory.resident_bytes)
 
 
