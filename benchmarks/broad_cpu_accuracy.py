@@ -257,8 +257,11 @@ NOTES: list[str] = [
     "these runs (per row in the table). With torch's default 2 threads, an OpenMP parallel region waits for a "
     "worker the kernel has descheduled: measured during the run, a 1 MiB add took 30 us at 1 thread and "
     "42-46 ms (median) at 2 threads under load 11. Cells whose database was collected under such load are "
-    "priced from kernels measured 10-100x slow (the first run's OPT/Qwen2/GPTBigCode/Mistral eager rows, "
-    "+97..+1917%); they were rerun (--append) and the JSON keeps the commands in order.",
+    "priced from kernels measured 10-100x slow: the eager default cells of OPT, Qwen2, GPTBigCode and "
+    "Mistral (+97..+1917% in the first run; OPT and Qwen2 rerun with --append at load 10-11, no better: "
+    "+244..+279%, except OPT inference -20.7%). The default-protocol eager summary is therefore dominated by "
+    "load; the later cells (load 1.3-4) are all under, -6..-45%. The one-thread column (thread CPU time) is "
+    "the load-robust one. The JSON keeps the commands in order.",
     "MoE (Mixtral): the expert matmuls' token counts are data-dependent (unbacked symbols from the router's "
     "nonzero); boomfx binds data-dependent sizes to 1 (analysis DATA_DEPENDENT_SCALAR_VALUE), so each expert's "
     "mm is priced for one token instead of tokens x top_k / experts (256 here): the in-situ mm time is "
@@ -267,9 +270,14 @@ NOTES: list[str] = [
     "generated code, the relative-position buckets) and is not in the table; eager T5 ran.",
     "Compiled op table: Inductor's generated kernels run outside aten ops, so in situ they land in "
     "'(outside aten ops)'; the export's linear is priced as one kernel but runs as addmm/mm externs.",
-    "No-DB memory column of the first run predates kernels_db/cpu_scratch.py for the cells not rerun; the "
-    "conv nets were rerun (MobileNetV2, ConvNeXt, ResNet), a check script gave: MobileNetV2 inference "
-    "-13.2% -> 0.0%, training -1.9% -> +0.6%; ConvNeXt training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%.",
+    "No-DB memory column: recomputed with the final code (prediction only, against each cell's measured peak): "
+    "kernels_db/cpu_scratch.py moved MobileNetV2 inference -13.2% -> 0.0%, training -1.9% -> +0.6%; ConvNeXt "
+    "training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%. Mixtral's .pt2 cannot be loaded by boomfx in a "
+    "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
+    "run's own.",
+    "Memory with a database, open: T5 training +44.4% and OPT training +11.6/+12.7% over the profiler peak in "
+    "every protocol (the predicted peak sits in AdamW's foreach ops, gradients + temporaries the size of all "
+    "parameters; not analysed further), Qwen2/Mistral compiled training +8.3/+7.8%.",
 ]
 
 
