@@ -12,7 +12,8 @@ Exported names (each a plain object; the module that defines it is given beside 
 ``analyze`` (function, boomfx/analysis/analysis.py), ``Analysis``, ``AnalyzeOptions``,
 ``capture`` (function, boomfx/frontend/capture.py), ``Report`` and ``SCHEMA_VERSION``
 (boomfx/report/model.py), ``annotate`` (the FX pass, boomfx/integrations/annotate.py),
-``get_device`` and the ``devices`` registry module (boomfx/core/devices.py).
+``get_device`` and the ``devices`` registry module (boomfx/core/devices.py), ``validate`` (predicted vs
+measured on this machine, boomfx/validate/run.py; the package is callable).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "SCHEMA_VERSION": ("boomfx.report.model", "SCHEMA_VERSION"),
     "devices": ("boomfx.core.devices", None),
     "get_device": ("boomfx.core.devices", "get_device"),
+    "validate": ("boomfx.validate", None),     # callable: boomfx.validate(FILE.pt2, ...) (boomfx/validate/run.py)
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -52,6 +52,7 @@ from boomfx.kernels_db.collective_model import COLLECTIVE_OP
 from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
+from boomfx.kernels_db.cpu_scratch import convolution_scratch_bytes
 from boomfx.kernels_db.price import KernelPrice, PriceSource
 from boomfx.kernels_db.schema import BLOCK_OP, DeviceFingerprint, KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
@@ -323,10 +324,12 @@ class KernelPricer:
             if time_ns is not None:
                 return KernelPrice(float(time_ns), self.device.host_issue_ns, 0, self.model_source, why)
         klass = op_class(call.op)
+        # a CPU convolution's oneDNN scratch (kernels_db/cpu_scratch.py): a database measures it, else modelled
+        scratch = convolution_scratch_bytes(call) if self.device.kind == "cpu" else 0
         return KernelPrice(
             roofline_ns(call, cost, self.device, klass),
             self.device.host_issue_ns,
-            0,
+            scratch,
             PriceSource.ROOFLINE,
             f"{klass} roofline ({why})",
         )

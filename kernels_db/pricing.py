@@ -98,7 +98,7 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     if device.kind != "cuda":
         if from_db:
             raise OptionError("--from-db transfers GPU measurements; it needs a CUDA target device")
-        return KernelPricer(store, device)
+        return _calibrated(KernelPricer(store, device), path)
     from boomfx.kernels_db.gpu_model import GpuKernelModel
     gpu_model = GpuKernelModel.load()
     transfer = None
@@ -109,7 +109,14 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
         src_device = _source_device(src_path)
         transfer = _TransferModel(KernelPricer(Store(src_path), src_device), src_device, gpu_model)
     inner = KernelPricer(store, device, model=transfer, model_source=PriceSource.TRANSFERRED)
-    return _ModelBackedPricer(inner, gpu_model, device)
+    return _calibrated(_ModelBackedPricer(inner, gpu_model, device), path)
+
+
+def _calibrated(pricer: Any, path: Optional[Path]) -> Any:
+    """``pricer`` with the database's in-situ factors per op class (``boomfx validate --calibrate``), if any."""
+    from boomfx.kernels_db.calibration import CalibratedPricer, read_calibration
+    factors = read_calibration(path)
+    return CalibratedPricer(pricer, factors) if factors else pricer
 
 
 def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernels_parser(sub)
     from boomfx.serving.cli import add_serve_parser
     add_serve_parser(sub)
+    from boomfx.validate.cli import add_validate_parser
+    add_validate_parser(sub)
     return parser
 
 
@@ -85,6 +87,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             from boomfx.serving.cli import run_serve
             return run_serve(args)
+        if args.command == "validate":
+            from boomfx.validate.cli import run_validate
+            return run_validate(args)
         if args.command == "kernels":
             from boomfx.cli.kernels import run_kernels
             return run_kernels(args)

@@ -24,8 +24,9 @@ from boomfx.frontend.symbols import symbols_of
 __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", "symbols_of", "program_from_traced",
            "to_exported_program", "load_exported", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "none")   # none: forward + backward only (a micro-batch step)
 AMP_DTYPES = ("bf16", "fp16")
+NO_OPTIMIZER = "none"
 
 
 def validate_options(options: ProgramOptions) -> None:
@@ -107,12 +108,12 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     from boomfx.training import trace as training
     if options.train:
         # depth-free: trace 4 layers and replicate (boomfx/training/truncate.py); None -> full trace
+        # (not without an optimizer: the synthesis extends the optimizer's foreach lists)
         from boomfx.training.truncate import build_training_program_fast
-        traced = build_training_program_fast(ep, optimizer=options.optimizer, amp=options.amp,
-                                             checkpoint=options.checkpoint,
-                                             fused_attention=options.target_kind == "cuda",
-                                             checkpoint_layers=options.checkpoint_layers,
-                                             resident_grads=options.resident_grads)
+        traced = None if options.optimizer == NO_OPTIMIZER else build_training_program_fast(
+            ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
+            fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
+            resident_grads=options.resident_grads)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,

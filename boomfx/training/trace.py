@@ -62,6 +62,7 @@ _KIND_ROLE = {
 # Fake tensors live on CPU: autograd on fake CUDA tensors aborts in CPU-only builds (no CUDA device
 # guard). GPU behaviour comes from boomfx.training.amp's explicit policies instead.
 _FAKE_DEVICE = torch.device("cpu")
+NO_OPTIMIZER = "none"     # --optimizer none: forward and backward only
 _OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "sgd": (torch.optim.SGD, ("momentum_buffer",)),
     "adam": (torch.optim.Adam, ("exp_avg", "exp_avg_sq")),
@@ -298,7 +299,9 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     param_pos = [p for p, r in enumerate(roles) if r == ROLE_PARAM]
     # --resident-grads: each parameter's .grad buffer, allocated before the step (zero_grad(set_to_none=False))
     grad_args = _grad_buffers(fake, graph_args, names, roles, fqns, param_pos, device) if resident_grads else []
-    opt_cls, state_keys = _OPTIMIZERS[optimizer] if train else (None, ())
+    # optimizer "none": forward + backward only (a gradient-accumulation micro-batch); the gradients are
+    # outputs of the step, held by .grad to its end as in eager
+    opt_cls, state_keys = _OPTIMIZERS[optimizer] if train and optimizer != NO_OPTIMIZER else (None, ())
     opt_kwargs = {"foreach": True, **optimizer_kwargs}
     if optimizer == "sgd" and opt_kwargs.get("momentum", 0) == 0:
         state_keys = ()
@@ -367,6 +370,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             grads = torch.autograd.grad(loss_val, params, materialize_grads=True)
             grad_names.extend(get_proxy_slot(g, tracer).proxy.node.name for g in grads)
         recorder.close(PHASE_BACKWARD)
+        if opt_cls is None:
+            return (loss_val.detach(), *([] if resident_grads else grads))
         recorder.phase = PHASE_OPTIMIZER
         with torch.no_grad():
             if scaler:
@@ -519,7 +524,8 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
 
     Args:
         ep: an inference export (meta-device weights are fine); its symbols are kept.
-        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``foreach=True``, as eager on GPU).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``foreach=True``, as eager on GPU), or
+            ``"none"``: forward and backward only (the gradients are outputs of the step).
         amp: ``None``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights; fp16 adds
             GradScaler's unscale and update kernels).
         checkpoint: checkpoint each instance of the model's main layer list.
@@ -542,7 +548,7 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         ``exp_avg_p_...``/``exp_avg_sq_p_...``/``step_p_...`` (Adam) or ``momentum_buffer_p_...``
         (and ``grad_p_...`` with ``resident_grads``).
     """
-    if optimizer not in _OPTIMIZERS:
+    if optimizer not in _OPTIMIZERS and optimizer != NO_OPTIMIZER:
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
     if loss not in ("auto", "mean", "cross_entropy", "output"):
         raise ValueError(f"unknown loss {loss!r}")

@@ -1,0 +1,359 @@
+"""Broad CPU accuracy: architectures nobody tuned for, run the way people run them.
+
+Twelve-plus ``transformers`` architectures built from small configs (random weights, no download) that
+neither the tests nor the other benchmarks use: decoders with MHA (OPT), GQA (Qwen2), MQA (GPTBigCode),
+a sliding window (Mistral), MoE (Mixtral), parallel attention (GPT-NeoX); encoders (RoBERTa, DistilBERT),
+an encoder-decoder (T5); vision transformers (DeiT, Swin); convolutional nets (ConvNeXt, ResNet with
+bottlenecks, MobileNetV2). For each case (inference / training with AdamW, eager / ``--compile``):
+
+1. export it (static shapes, ``strict=False``) and save the ``.pt2``;
+2. collect its database with ``boomfx kernels collect --for FILE.pt2 [--train] [--compile] --db PATH``
+   at default settings (the command itself, in this process);
+3. ``boomfx.validate(FILE.pt2, db=PATH)``: the prediction and the real step (torch's default thread
+   count, wall-clock median, profiler peak), the default protocol;
+4. the one-thread protocol as a second column: the same with ``--threads 1`` for the collection and
+   the real step, the real time read in this thread's CPU time (as benchmarks/cpu_accuracy.py);
+5. memory without a database: the same prediction with ``db="none"``.
+
+The host is a shared 2-vCPU VM: every row records the load average at its end.
+Writes ``benchmarks/results/broad_cpu_accuracy.{json,md}``. Usage::
+
+    python benchmarks/broad_cpu_accuracy.py [--models opt,qwen2,...] [--modes inference,train]
+        [--exec eager,compiled] [--protocols default,one-thread] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TEXT_BATCH, TEXT_SEQ, VOCAB = 4, 128, 4096
+IMAGE_BATCH = 8
+
+
+def _no_dropout(cfg: Any) -> Any:
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                 "attention_dropout", "dropout", "classifier_dropout", "dropout_rate", "activation_dropout",
+                 "drop_path_rate", "hidden_dropout", "classifier_dropout_prob", "seq_classif_dropout", "qa_dropout",
+                 "attention_probs_dropout_prob"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 0.0)
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False
+    return cfg
+
+
+def _decoder(tf: Any, name: str) -> torch.nn.Module:
+    common = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=VOCAB,
+                  max_position_embeddings=512)
+    if name == "opt":        # MHA, learned positions, ReLU MLP
+        return tf.OPTForCausalLM(_no_dropout(tf.OPTConfig(num_hidden_layers=2, hidden_size=256, ffn_dim=1024,
+                                                          num_attention_heads=4, vocab_size=VOCAB,
+                                                          max_position_embeddings=512, word_embed_proj_dim=256)))
+    if name == "qwen2":      # GQA 4:1, RMSNorm, SwiGLU
+        return tf.Qwen2ForCausalLM(_no_dropout(tf.Qwen2Config(**common, intermediate_size=704, num_key_value_heads=1)))
+    if name == "gptbigcode":  # MQA
+        return tf.GPTBigCodeForCausalLM(_no_dropout(tf.GPTBigCodeConfig(n_layer=2, n_embd=256, n_head=4,
+                                                                         vocab_size=VOCAB, n_positions=512,
+                                                                         multi_query=True)))
+    if name == "mistral":    # GQA + sliding window shorter than the sequence
+        return tf.MistralForCausalLM(_no_dropout(tf.MistralConfig(**common, intermediate_size=704,
+                                                                  num_key_value_heads=2, sliding_window=64)))
+    if name == "mixtral":    # MoE: 4 experts, top-2
+        return tf.MixtralForCausalLM(_no_dropout(tf.MixtralConfig(**common, intermediate_size=352,
+                                                                  num_key_value_heads=2, num_local_experts=4,
+                                                                  num_experts_per_tok=2)))
+    if name == "gptneox":    # parallel attention + MLP, partial rotary
+        return tf.GPTNeoXForCausalLM(_no_dropout(tf.GPTNeoXConfig(**common, intermediate_size=1024)))
+    raise KeyError(name)
+
+
+def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """(model, example keyword inputs) of one architecture."""
+    import transformers as tf
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (TEXT_BATCH, TEXT_SEQ))
+    if name in ("opt", "qwen2", "gptbigcode", "mistral", "mixtral", "gptneox"):
+        return _decoder(tf, name), {"input_ids": ids}
+    if name == "roberta":
+        cfg = tf.RobertaConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                               vocab_size=VOCAB, max_position_embeddings=514)
+        return tf.RobertaModel(_no_dropout(cfg), add_pooling_layer=False), {"input_ids": ids}
+    if name == "distilbert":
+        cfg = tf.DistilBertConfig(n_layers=2, dim=256, n_heads=4, hidden_dim=1024, vocab_size=VOCAB,
+                                  max_position_embeddings=512)
+        return tf.DistilBertModel(_no_dropout(cfg)), {"input_ids": ids}
+    if name == "t5":
+        cfg = tf.T5Config(num_layers=2, num_decoder_layers=2, d_model=256, d_kv=64, num_heads=4, d_ff=1024,
+                          vocab_size=VOCAB, decoder_start_token_id=0)
+        return tf.T5Model(_no_dropout(cfg)), {"input_ids": ids, "decoder_input_ids": ids[:, :TEXT_SEQ // 2]}
+    pixels = torch.randn(IMAGE_BATCH, 3, 64, 64)
+    if name == "deit":
+        cfg = tf.DeiTConfig(image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                            intermediate_size=1024)
+        return tf.DeiTModel(_no_dropout(cfg), add_pooling_layer=False), {"pixel_values": pixels}
+    if name == "swin":
+        cfg = tf.SwinConfig(image_size=64, patch_size=4, embed_dim=48, depths=[2, 2], num_heads=[3, 6], window_size=4)
+        return tf.SwinModel(_no_dropout(cfg)), {"pixel_values": pixels}
+    if name == "convnext":
+        cfg = tf.ConvNextConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], image_size=64)
+        return tf.ConvNextModel(_no_dropout(cfg)), {"pixel_values": pixels}
+    if name == "resnet":     # bottleneck blocks (the other benchmarks use basic ones)
+        cfg = tf.ResNetConfig(embedding_size=32, hidden_sizes=[64, 128, 256, 512], depths=[1, 1, 1, 1],
+                              layer_type="bottleneck")
+        return tf.ResNetModel(cfg), {"pixel_values": pixels}
+    if name == "mobilenetv2":
+        cfg = tf.MobileNetV2Config(image_size=64, depth_multiplier=0.5)
+        return tf.MobileNetV2Model(_no_dropout(cfg)), {"pixel_values": pixels}
+    raise KeyError(name)
+
+
+MODELS = ("opt", "qwen2", "gptbigcode", "mistral", "mixtral", "gptneox", "roberta", "distilbert", "t5", "deit",
+          "swin", "convnext", "resnet", "mobilenetv2")
+
+
+def export_file(name: str, train: bool, directory: Path) -> Path:
+    model, kwargs = build(name)
+    model.train(train)
+    ep = torch.export.export(model, (), kwargs, strict=False)
+    path = directory / f"{name}-{'train' if train else 'infer'}.pt2"
+    torch.export.save(ep, str(path))
+    return path
+
+
+def collect(path: Path, db: Path, train: bool, compiled: bool, threads: int | None) -> float:
+    """``boomfx kernels collect --for`` at default settings (``--threads`` only for the one-thread protocol)."""
+    from boomfx.cli.main import main
+    args = ["kernels", "collect", "--device", "cpu", "--for", str(path), "--db", str(db), "--quiet"]
+    args += ["--train"] if train else []
+    args += ["--compile"] if compiled else []
+    args += ["--threads", str(threads)] if threads else []
+    t0 = time.perf_counter()
+    before = torch.get_num_threads()
+    try:
+        if main(args) != 0:
+            raise RuntimeError(f"kernels collect failed: {' '.join(args)}")
+    finally:
+        torch.set_num_threads(before)
+    return time.perf_counter() - t0
+
+
+def _nodb_peak_above_start(path: Path, train: bool, compiled: bool) -> int:
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
+    program = capture(str(path), options=ProgramOptions(train, "adamw", target_kind="cpu", compile=compiled))
+    memory = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none")).evaluate({}).report.memory   # (workspace needs prices)
+    return int(memory.peak_live_bytes - memory.resident_bytes)
+
+
+def run_cell(path: Path, row: dict[str, Any], protocol: str, directory: Path, repeats: int) -> None:
+    """One (case, protocol) cell: collect, validate, and on the first protocol the no-database memory."""
+    from boomfx.validate import validate
+    train, compiled = row["mode"] == "train", row["exec"] == "compiled"
+    threads = 1 if protocol == "one-thread" else None
+    db = directory / f"{path.stem}-{row['exec']}-{protocol}.db"
+    seconds = collect(path, db, train, compiled, threads)
+    r = validate(str(path), train=train, compile=compiled, db=str(db), threads=threads, repeats=repeats,
+                 device="cpu")
+    real = r.measured_thread_time_ns if protocol == "one-thread" else r.measured_time_ns
+    row[protocol] = {
+        "threads": r.threads, "collect_s": round(seconds, 1),
+        "time_pred_ns": r.predicted_time_ns, "time_real_ns": real, "time_real_wall_ns": r.measured_time_ns,
+        "time_err": r.predicted_time_ns / real - 1.0,
+        "mem_pred_bytes": r.predicted_peak_above_start_bytes, "mem_real_bytes": r.measured_peak_above_start_bytes,
+        "mem_err": r.memory_error, "price_sources": r.price_sources,
+        "largest_op_differences": [{"op": o.op, "pred_ns": o.predicted_ns, "real_ns": o.measured_ns}
+                                   for o in r.largest_differences(5)],
+        "load_average": r.load_average,
+    }
+    if "mem_nodb_err" not in row:     # the same prediction with no database (memory only; same real step)
+        row["mem_nodb_pred_bytes"] = _nodb_peak_above_start(path, train, compiled)
+        row["mem_nodb_err"] = row["mem_nodb_pred_bytes"] / r.measured_peak_above_start_bytes - 1.0
+    row["load_average_end"] = os.getloadavg()
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median_abs": None, "worst_abs": None, "mean_signed": None, "n": 0}
+    return {"median_abs": statistics.median(abs(v) for v in values), "worst_abs": max(abs(v) for v in values),
+            "mean_signed": statistics.fmean(values), "n": len(values)}
+
+
+def summarise(rows: list[dict[str, Any]], protocols: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for protocol in protocols:
+        for ex in ("eager", "compiled"):
+            errs = [r[protocol]["time_err"] for r in rows if r["exec"] == ex and protocol in r]
+            out[f"time_{ex}_{protocol}"] = _stats(errs)
+        out[f"mem_db_{protocol}"] = _stats([r[protocol]["mem_err"] for r in rows if protocol in r
+                                            and r[protocol]["mem_err"] is not None])
+    out["mem_nodb"] = _stats([r["mem_nodb_err"] for r in rows if "mem_nodb_err" in r])
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def write_results(rows: list[dict[str, Any]], failures: list[dict[str, str]], meta: dict[str, Any],
+                  protocols: list[str]) -> None:
+    summary = summarise(rows, protocols)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "broad_cpu_accuracy.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "rows": rows, "failures": failures}, indent=1, default=str))
+    head = "| model | mode | exec |"
+    sep = "|---|---|---|"
+    for p in protocols:
+        head += f" {p}: pred | real | time err | mem err |"
+        sep += "---|---|---|---|"
+    head += " mem err, no DB | load (1 min) |"
+    sep += "---|---|"
+    lines = ["# Broad CPU accuracy: architectures nobody tuned for", "",
+             f"{meta['cpu']}, torch {meta['torch']}, transformers {meta['transformers']}; default thread count "
+             f"{meta['default_threads']}; {meta['date']}. Commands (in order; a later one replaces the cells it ran): "
+             + "; ".join(f"`{c}`" for c in meta.get("commands", [meta["command"]])) + ".", "",
+             "Default protocol: database from `boomfx kernels collect --for FILE.pt2` at default settings, real step "
+             "at torch's default thread count, wall clock (median after warm-up, `boomfx.validate`). One-thread "
+             "protocol: `--threads 1` for both, real time in this thread's CPU time. Memory: predicted peak above the "
+             "step's start vs the profiler peak of the real step. Time and memory errors are signed "
+             "(predicted / real - 1).", "",
+             f"Load average (1, 5, 15 min) at start {meta['load_start']}, at end {meta['load_end']}: the host is a "
+             "shared 2-vCPU VM running other jobs, so wall-clock times are disturbed.", "", head, sep]
+    for r in rows:
+        line = f"| {r['model']} | {r['mode']} | {r['exec']} |"
+        for p in protocols:
+            c = r.get(p)
+            line += (f" {c['time_pred_ns'] / 1e6:.2f} ms | {c['time_real_ns'] / 1e6:.2f} ms | {_pct(c['time_err'])} | "
+                     f"{_pct(c['mem_err'])} |") if c else " - | - | - | - |"
+        line += f" {_pct(r.get('mem_nodb_err'))} | {r['load_average_end'][0]:.1f} |"
+        lines.append(line)
+    lines += ["", "## Summary", "", "| quantity | n | median abs | worst abs | mean signed |", "|---|---|---|---|---|"]
+    for k, s in summary.items():
+        lines.append(f"| {k} | {s['n']} | {_pct(s['median_abs']).lstrip('+')} | {_pct(s['worst_abs']).lstrip('+')} | "
+                     f"{_pct(s['mean_signed'])} |")
+    if failures:
+        lines += ["", "## Cases that did not run", ""] + [f"- {f['case']}: {f['error']}" for f in failures]
+    notes = meta.get("notes") or []
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    (RESULTS / "broad_cpu_accuracy.md").write_text("\n".join(lines) + "\n")
+
+
+NOTES: list[str] = [
+    "Load: the host is a 2-vCPU VM shared with ~8 other agents; the 1-minute load average ranged 1.3-11.7 during "
+    "these runs (per row in the table). With torch's default 2 threads, an OpenMP parallel region waits for a "
+    "worker the kernel has descheduled: measured during the run, a 1 MiB add took 30 us at 1 thread and "
+    "42-46 ms (median) at 2 threads under load 11. Cells whose database was collected under such load are "
+    "priced from kernels measured 10-100x slow: the eager default cells of OPT, Qwen2, GPTBigCode and "
+    "Mistral (+97..+1917% in the first run; OPT and Qwen2 rerun with --append at load 10-11, no better: "
+    "+244..+279%, except OPT inference -20.7%). The default-protocol eager summary is therefore dominated by "
+    "load; the later cells (load 1.3-4) are all under, -6..-45%. The one-thread column (thread CPU time) is "
+    "the load-robust one. The JSON keeps the commands in order.",
+    "MoE (Mixtral): the expert matmuls' token counts are data-dependent (unbacked symbols from the router's "
+    "nonzero); boomfx binds data-dependent sizes to 1 (analysis DATA_DEPENDENT_SCALAR_VALUE), so each expert's "
+    "mm is priced for one token instead of tokens x top_k / experts (256 here): the in-situ mm time is "
+    "6.2 ms against 0.0 ms predicted in inference. Not fixed (needs a model of routed token counts).",
+    "T5 compiled: the Inductor-compiled step aborted the process (C++ 'index out of bounds: 0 <= tmp18 < 32' in "
+    "generated code, the relative-position buckets) and is not in the table; eager T5 ran.",
+    "Compiled op table: Inductor's generated kernels run outside aten ops, so in situ they land in "
+    "'(outside aten ops)'; the export's linear is priced as one kernel but runs as addmm/mm externs.",
+    "No-DB memory column: recomputed with the final code (prediction only, against each cell's measured peak): "
+    "kernels_db/cpu_scratch.py moved MobileNetV2 inference -13.2% -> 0.0%, training -1.9% -> +0.6%; ConvNeXt "
+    "training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%. Mixtral's .pt2 cannot be loaded by boomfx in a "
+    "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
+    "run's own.",
+    "Memory with a database, open: T5 training +44.4% and OPT training +11.6/+12.7% over the profiler peak in "
+    "every protocol (the predicted peak sits in AdamW's foreach ops, gradients + temporaries the size of all "
+    "parameters; not analysed further), Qwen2/Mistral compiled training +8.3/+7.8%.",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--modes", default="inference,train")
+    ap.add_argument("--exec", default="eager,compiled")
+    ap.add_argument("--protocols", default="default,one-thread")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the cells of the existing results file; cells run now replace theirs")
+    ap.add_argument("--dir", default=None, help="directory for exports and databases (default: a temp dir)")
+    args = ap.parse_args(argv)
+    import transformers
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="boomfx_broad_"))
+    directory.mkdir(parents=True, exist_ok=True)
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    load_start = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    failures: list[dict[str, str]] = []
+    started = time.perf_counter()
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    execs = [e.strip() for e in args.exec.split(",") if e.strip()]
+    # passes in order of importance, so a run cut short has the default protocol first
+    passes = [(ex, p) for p in protocols for ex in execs]
+    passes.sort(key=lambda ep: (ep[1] != "default", ep[0] != "eager"))
+    files: dict[tuple[str, str], Path] = {}
+    by_case: dict[tuple[str, str, str], dict[str, Any]] = {}
+    previous_commands: list[str] = []
+    if args.append and (RESULTS / "broad_cpu_accuracy.json").exists():
+        old = json.loads((RESULTS / "broad_cpu_accuracy.json").read_text())
+        rows = old["rows"]
+        failures = old.get("failures", [])
+        by_case = {(r["model"], r["mode"], r["exec"]): r for r in rows}
+        previous_commands = old["meta"].get("commands", [old["meta"].get("command", "")])
+        load_start = tuple(old["meta"].get("load_start", load_start))
+        protocols = list(dict.fromkeys(old["meta"].get("protocols", protocols) + protocols))
+    for ex, protocol in passes:
+        for name in names:
+            for mode in modes:
+                t0 = time.perf_counter()
+                case = f"{name} {mode} {ex} [{protocol}]"
+                key = (name, mode, ex)
+                row = by_case.get(key)
+                try:
+                    if (name, mode) not in files:
+                        files[(name, mode)] = export_file(name, mode == "train", directory)
+                    if row is None:
+                        row = {"model": name, "mode": mode, "exec": ex}
+                    run_cell(files[(name, mode)], row, protocol, directory, args.repeats)
+                except Exception as exc:   # a case that cannot run is reported, not hidden
+                    failures.append({"case": case, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+                    print(f"{case}: FAILED {failures[-1]['error']}", flush=True)
+                    continue
+                if key not in by_case:
+                    by_case[key] = row
+                    rows.append(row)
+                failures = [f for f in failures if f["case"] != case]
+                c = row[protocol]
+                print(f"{case:40s} time {_pct(c['time_err'])} ({c['time_pred_ns'] / 1e6:.2f} vs "
+                      f"{c['time_real_ns'] / 1e6:.2f} ms), mem {_pct(c['mem_err'])}, no-DB mem "
+                      f"{_pct(row.get('mem_nodb_err'))}, load {row['load_average_end'][0]:.1f} "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+                meta = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "default_threads": torch.get_num_threads(),
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load_start,
+                        "load_end": os.getloadavg(), "elapsed_s": round(time.perf_counter() - started),
+                        "command": "python benchmarks/broad_cpu_accuracy.py " + " ".join(
+                            argv if argv is not None else sys.argv[1:]), "notes": NOTES, "protocols": protocols}
+                meta["commands"] = previous_commands + [meta["command"]]
+                write_results(rows, failures, meta, protocols)   # after every cell: a partial run still reports
+    print(f"wrote {RESULTS / 'broad_cpu_accuracy.md'} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""``boomfx validate``: its measured numbers are the real step's, checked against measurements made here.
+
+Memory: the profiler peak of the same step run independently (tests/test_cpu_memory_accuracy.py's
+``real_peak``: the exported program with its own real weights, its own optimizer) must equal validate's
+measured peak above start within 1% (allocation sizes do not depend on the random values validate
+draws; 1% leaves room for a different first-touch order of the AdamW state, none seen). Time: this
+machine is shared by other jobs, so both are read in this thread's CPU time (validate records it beside
+the wall-clock median) with one intra-op thread, and the independent timed loop (median of 15 steps of
+the exported module with its own weights) must agree with validate's median within a factor of 2, wide enough for the noise of a
+loaded host and narrow enough to catch timing the wrong thing (a profiled step is 3-30x slower, a first
+step with AdamW state creation or compilation far more).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from boomfx.cli.main import main
+from boomfx.validate import validate
+
+from test_cpu_memory_accuracy import _first_output, real_peak
+
+MEMORY_TOLERANCE = 0.01
+TIME_FACTOR = 2.0
+ROOT_MLP = "examples/mlp.pt2"
+
+
+def _timed_median_ns(step: Callable[[], None], iters: int = 15, warmup: int = 3) -> float:
+    """Median of this thread's CPU time per step (one intra-op thread: the step's whole work, without
+    the time other processes of this shared host ran, which wall time includes)."""
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(iters):
+        t0 = time.thread_time_ns()
+        step()
+        samples.append(time.thread_time_ns() - t0)
+    return statistics.median(samples)
+
+
+def _eager_step(model: torch.nn.Module, inputs: tuple, train: bool) -> Callable[[], None]:
+    if not train:
+        def infer() -> None:
+            with torch.no_grad():
+                model(*inputs)
+        return infer
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+    def step() -> None:
+        _first_output(model(*inputs)).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()
+    # dense moments as after a long run (validate does the same): AdamW's sqrt runs ~8x slower on the
+    # exact zeros that rows a short warm-up never touched keep (benchmarks/cpu_accuracy.py)
+    for state in opt.state.values():
+        state["exp_avg"].normal_(0, 1e-4)
+        state["exp_avg_sq"].uniform_(1e-10, 1e-8)
+    return step
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_validate_mlp_file_prints_both_columns_and_real_numbers(train, capsys, one_thread) -> None:
+    from boomfx.frontend.capture import load_exported
+    args = ["validate", ROOT_MLP, "--db", "none", "--batch", "64", "--threads", "1", "--repeats", "5"]
+    assert main(args + (["--train"] if train else [])) == 0
+    out = capsys.readouterr().out
+    assert "predicted" in out and "measured" in out and "step time" in out and "peak memory" in out
+    assert main(args + (["--train"] if train else []) + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bindings"] == {"s77": 64} and r["threads"] == 1 and not r["bindings_reduced"]
+    # independent peak: the same graph with real weights of its own (examples/mlp.pt2 has none)
+    ep = load_exported(ROOT_MLP)
+    module = ep.module().to_empty(device="cpu")
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ep_real = torch.export.export(module, (torch.randn(64, 64),), strict=False)
+    real = real_peak(ep_real, (torch.randn(64, 64),), train)
+    assert abs(r["measured_peak_above_start_bytes"] - real) <= MEMORY_TOLERANCE * real, (r, real)
+    indep = _timed_median_ns(_eager_step(ep_real.module(), (torch.randn(64, 64),), train))
+    assert 1 / TIME_FACTOR <= r["measured_thread_time_ns"] / indep <= TIME_FACTOR, (r["measured_thread_time_ns"], indep)
+    assert r["measured_time_ns"] >= r["measured_thread_time_ns"] * 0.95     # wall includes the thread's CPU time
+    # the op table covers the step's matmuls, measured in situ
+    ops = {o["op"]: o for o in r["ops"]}
+    matmul = "mm" if train else "linear"
+    assert ops[matmul]["measured_ns"] > 0 and ops[matmul]["predicted_ns"] > 0
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_validate_small_transformer(train, tmp_path, one_thread) -> None:
+    from conftest import make_model
+    model, inputs, dynamic = make_model("gpt")
+    model.train(train)
+    ep = torch.export.export(model, inputs, dynamic_shapes=dynamic)
+    path = tmp_path / "gpt.pt2"
+    torch.export.save(ep, str(path))
+    r = validate(str(path), train=train, batch=4, seq=32, db="none", threads=1, repeats=7)
+    x = torch.randint(0, 128, (4, 32))
+    real = real_peak(ep, (x,), train)
+    assert abs(r.measured_peak_above_start_bytes - real) <= MEMORY_TOLERANCE * real, (r, real)
+    indep = _timed_median_ns(_eager_step(ep.module(), (x,), train))
+    assert 1 / TIME_FACTOR <= r.measured_thread_time_ns / indep <= TIME_FACTOR, (r.measured_thread_time_ns, indep)
+    assert sorted(r.bindings.values()) == [4, 32]
+    assert r.predicted_time_ns > 0 and r.predicted_peak_above_start_bytes > 0
+    # every op class with a visible share of the prediction (>= 0.5%) appears in situ under its name
+    # (the training trace's lift_fresh_copy of a constant, ~1 ns, runs at trace time only)
+    visible = [o for o in r.ops if o.predicted_ns >= 0.005 * r.predicted_time_ns]
+    assert visible and all(o.measured_calls > 0 for o in visible), [o for o in visible if not o.measured_calls]
+
+
+def test_validate_lowers_sizes_to_fit(monkeypatch) -> None:
+    """Unbound sizes start at the export's example size and are halved until half of the free memory
+    holds the predicted peak."""
+    import boomfx.validate.run as run
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
+    from conftest import make_model
+    model, inputs, dynamic = make_model("mlp")
+    ep = torch.export.export(model, (torch.randn(256, 64),), dynamic_shapes=dynamic)
+    program = capture(ep, options=ProgramOptions(target_kind="cpu"))
+    analysis = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none"))
+    at = {}
+    for b in (256, 128, 64, 32):
+        sym = next(iter(program.symbols.values())).symbol
+        at[b] = analysis.evaluate({sym: b}, memory_only=True).report.memory.peak_live_bytes
+    # free memory such that batch 64 fits in half of it and 128 does not
+    free = int(2 * (at[64] + at[128]) / 2)
+    bindings, reduced = run.fitting_bindings(analysis, {}, None, None, free)
+    assert reduced and list(bindings.values()) == [64]
+    with pytest.raises(Exception, match="does not fit"):
+        run.fitting_bindings(analysis, {}, None, None, 2 * at[32] // 4)   # even batch 1? no: too small
+
+
+@pytest.mark.parametrize("extra,needle", [(["--threads", "0"], "--threads"), (["--repeats", "0"], "--repeats"),
+                                          (["--device", "tpu"], "validate runs on this machine")])
+def test_validate_bad_input_is_one_line_exit_2(extra, needle, capsys) -> None:
+    assert main(["validate", ROOT_MLP, "--db", "none", "--batch", "4"] + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_validate_missing_file_exit_2(capsys, tmp_path) -> None:
+    assert main(["validate", str(tmp_path / "nope.pt2")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
