@@ -425,7 +425,7 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
             cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
-            resident_grads: bool = False) -> Report:
+            resident_grads: bool = False, parallel: Any = None, rank: Optional[int] = None) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
@@ -433,6 +433,10 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
     ``resident_grads=True`` (with ``train``): every ``.grad`` stays allocated between steps
     (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
+
+    ``parallel="dp_shard=8,tp=2"`` (or a ``boomfx.distributed.plan.ParallelConfig`` or a dict of its
+    fields; with ``train``): the report is the worst rank's (``rank=`` another's), ``report.parallel``
+    holds every rank class; ``batch`` is then per data-parallel rank.
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -450,8 +454,16 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
                                                      checkpoint_layers=checkpoint_layers,
                                                      resident_grads=resident_grads),
                       dynamic_shapes=dynamic_shapes, log=log)
-    analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
+    options = AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db)
     bindings = resolve_bindings(program, dims or {}, batch, seq)
-    report = analysis.evaluate(bindings).report
+    if parallel is not None:   # per-rank programs (boomfx/distributed)
+        from boomfx.distributed.analysis import DistributedAnalysis
+        from boomfx.distributed.plan import ParallelConfig
+        if not train:
+            raise OptionError("parallel= needs train=True (the per-rank programs are training steps)")
+        report = DistributedAnalysis(program, ParallelConfig.from_mapping(parallel), spec, options).evaluate(
+            bindings, rank=rank).report
+    else:
+        report = Analysis(program, spec, options, log).evaluate(bindings).report
     report.analysis_seconds = time.perf_counter() - started
     return report
