@@ -26,16 +26,16 @@ def run_analyze(args: argparse.Namespace) -> int:
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
                              resident_grads=args.resident_grads)
+    from boomfx.distributed.cli import parallel_config
+    parallel = parallel_config(args)     # --parallel: checked before the (slow) capture
+    if parallel is not None and not args.train:
+        raise OptionError("--parallel needs --train (the per-rank programs are training steps)")
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=options, log=progress.log if args.verbose else None)
     progress.stage("running the analysis passes")
     analyze_options = AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory, args.db, args.from_db)
-    from boomfx.distributed.cli import parallel_config
-    parallel = parallel_config(args)
     if parallel is not None:   # --parallel: one analysis per rank class (boomfx/distributed)
         from boomfx.distributed.analysis import DistributedAnalysis
-        if not args.train:
-            raise OptionError("--parallel needs --train (the per-rank programs are training steps)")
         if sweeps:
             raise OptionError("--parallel and --sweep cannot be combined yet")
         analysis = DistributedAnalysis(program, parallel, device, analyze_options, reuse_blocks=not args.no_reuse)
