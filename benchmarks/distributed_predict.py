@@ -36,15 +36,15 @@ def export(cfg: truth.TruthConfig) -> torch.export.ExportedProgram:
 
 
 def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None) -> list[int] | None:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import capture, resolve_bindings
-    from boomfx.devices import cpu_spec
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.core.devices import cpu_spec
     from boomfx.distributed.ranks import rank_programs
-    from boomfx.errors import OptionError
+    from boomfx.core.errors import OptionError
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.measure import Measurer
     from boomfx.kernels_db.store import Store
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
 
     spec = cpu_spec()
     program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
 
-from boomfx.cli import main  # noqa: E402
+from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.fsdp import local_shard_shape, padded_shard_shape  # noqa: E402
 
 TOLERANCE = 0.01
@@ -70,9 +70,9 @@ def test_rank_peak_matches_gloo(cfg: truth.TruthConfig, gloo_runs, predicted) ->
 
 
 def _rank_program(cfg: truth.TruthConfig):
-    from boomfx.capture import capture
+    from boomfx.frontend.capture import capture
     from boomfx.distributed.ranks import rank_programs
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
     program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
     return program, rank_programs(program, predict.parallel_config(cfg))
 
@@ -114,10 +114,10 @@ def test_fsdp_padding_and_rank_classes() -> None:
     assert [local_shard_shape([10, 256], 4, r)[0] for r in range(4)] == [len(c) for c in torch.arange(10).chunk(4)]
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import make_model
-    from boomfx.capture import capture
+    from boomfx.frontend.capture import capture
     from boomfx.distributed.plan import ParallelConfig
     from boomfx.distributed.ranks import rank_programs
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
     model, inputs, dims = make_model("mlp", "meta")
     program = capture(torch.export.export(model, inputs, dynamic_shapes=dims), options=ProgramOptions(True))
     classes = rank_programs(program, ParallelConfig(dp_shard=4))
@@ -181,8 +181,8 @@ def test_parallel_report_and_max_batch(capsys) -> None:
     assert par["world"] == 4 and par["global_batch"] == 8 and par["batch_per_rank"] == 2
     assert [c["ranks"] for c in par["classes"]] == [[0, 1, 2, 3]]
     # FSDP2 stores each parameter as ceil(d0 / 4) rows: the sum over llama_tiny's fp32 weights
-    from boomfx.capture import capture
-    from boomfx.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.core.program import ProgramOptions
     program = capture(tiny, options=ProgramOptions(False))
     shapes = [list(n.meta["val"].shape) for n in program.graph.nodes
               if n.op == "placeholder" and program.input_roles.get(n.name) == "param"]

@@ -24,12 +24,12 @@ from typing import Any, Mapping, Optional
 import sympy
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions, PointResult
-from boomfx.devices import DeviceSpec
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions, PointResult
+from boomfx.core.devices import DeviceSpec
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.ranks import RankClass, rank_programs
-from boomfx.errors import OptionError
-from boomfx.program import Program
+from boomfx.core.errors import OptionError
+from boomfx.core.program import Program
 
 _C10D_NAMESPACE = "_c10d_functional"
 
@@ -130,7 +130,7 @@ class DistributedAnalysis:
 
 def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
     """Every collective node of ``program`` in program order, with its buffers' sizes at ``ev``."""
-    from boomfx.modules import module_path
+    from boomfx.core.layers import module_path
     from boomfx.passes.liveness import _compute_nbytes
     out = []
     for node in program.graph.nodes:

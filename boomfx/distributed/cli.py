@@ -6,8 +6,8 @@ import json
 from typing import Any, Optional
 
 from boomfx.distributed.plan import DEFAULT_BUCKET_CAP_MB, SCHEDULES, ParallelConfig
-from boomfx.errors import OptionError
-from boomfx.units import fmt_bytes, fmt_time
+from boomfx.core.errors import OptionError
+from boomfx.core.units import fmt_bytes, fmt_time
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

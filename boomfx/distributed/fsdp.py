@@ -42,10 +42,10 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.fx
 
-from boomfx.checkpointing import find_layer_list, layer_names
+from boomfx.training.checkpointing import find_layer_list, layer_names
 from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, in_unit, meta_tensor, numel
-from boomfx.errors import OptionError
-from boomfx.program import (META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, ROLE_OPT_STATE,
+from boomfx.core.errors import OptionError
+from boomfx.core.program import (META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, ROLE_OPT_STATE,
                             ROLE_PARAM, Program)
 
 aten = torch.ops.aten
@@ -130,7 +130,7 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
 
 def _owned(node: torch.fx.Node, layers: Sequence[str]) -> bool:
     """Whether ``node`` belongs to a module (ops of no module, e.g. gradient sums, have an empty path)."""
-    from boomfx.modules import module_path
+    from boomfx.core.layers import module_path
     return bool(module_path(node))
 
 

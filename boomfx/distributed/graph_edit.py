@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.fx
 
-from boomfx.modules import module_path
+from boomfx.core.layers import module_path
 
 
 def meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

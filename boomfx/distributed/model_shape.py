@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from boomfx.checkpointing import find_layer_list, layer_names
+from boomfx.training.checkpointing import find_layer_list, layer_names
 from boomfx.distributed.plan import ModelShape, ParallelConfig
-from boomfx.program import ROLE_PARAM, Program
+from boomfx.core.program import ROLE_PARAM, Program
 
 COLWISE_NAMES = frozenset({"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
                            "gate", "up", "gate_proj", "up_proj", "fc", "fc1", "c_fc", "w1", "w3"})

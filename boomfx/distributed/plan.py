@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from boomfx.errors import OptionError
+from boomfx.core.errors import OptionError
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from boomfx.distributed.fsdp import ShardSpec, ddp_rank_program, fsdp_rank_program, local_shard_shape
 from boomfx.distributed.plan import ParallelConfig
-from boomfx.errors import OptionError
-from boomfx.program import ROLE_PARAM, Program
+from boomfx.core.errors import OptionError
+from boomfx.core.program import ROLE_PARAM, Program
 
 
 @dataclass(frozen=True)
