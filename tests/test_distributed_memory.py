@@ -32,10 +32,11 @@ from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.fsdp import local_shard_shape, padded_shard_shape  # noqa: E402
 
 TOLERANCE = 0.01
-TWO_RANKS = [truth.TruthConfig(model, parallel, 2, reshard_after_forward=reshard)
+# timed_steps=1: the tests read memory and collectives only (the benchmark records step times)
+TWO_RANKS = [truth.TruthConfig(model, parallel, 2, reshard_after_forward=reshard, timed_steps=1)
              for model in ("llama", "gpt")
              for parallel, reshard in (("ddp", True), ("fsdp", True), ("fsdp", False))]
-FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4) for model in ("llama", "gpt")]
+FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
 
 
