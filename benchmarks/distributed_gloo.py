@@ -52,6 +52,9 @@ def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float)
             lines.append(f"| {row['name']} | {r} | {rank['peak_bytes']} | {pred if pred else '-'} | {err} "
                          f"| {rank['start_param_bytes']} | {rank['start_optimizer_bytes']} "
                          f"| {len(rank['collectives'])} | {rank['step_time_s'] * 1e3:.1f} |")
+    lines += ["", "predicted '-': boomfx does not build that configuration's per-rank program yet (tensor and "
+              "pipeline parallelism); its measurement is recorded for when it does. Step times are wall-clock "
+              "medians on a shared 2-core machine, for the collective time model (not predicted here)."]
     return "\n".join(lines) + "\n"
 
 
