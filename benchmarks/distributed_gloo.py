@@ -11,6 +11,7 @@ are recorded for the collective time model, not asserted anywhere.
 
     python benchmarks/distributed_gloo.py [--only llama-fsdp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,24 +38,33 @@ def _predict(cfg: truth.TruthConfig) -> list[int] | None:
 
 
 def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float) -> str:
-    lines = ["# Distributed training on gloo (CPU): per-rank peak memory and collectives", "",
-             f"torch {truth.torch.__version__}, one thread per rank, load average {load[0]:.1f} / {load[1]:.1f} / "
-             f"{load[2]:.1f} (1/5/15 min), {wall_s:.0f} s in all. Peak = profiler memory events above the "
-             "step's start (after warm-up); batch is per data-parallel rank (TP ranks share it; PP: the whole "
-             "step's batch, cut into micro-batches).", "",
-             "| configuration | rank | measured peak (B) | predicted (B) | error | params (B) | AdamW state (B) "
-             "| collectives | step (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Distributed training on gloo (CPU): per-rank peak memory and collectives",
+        "",
+        f"torch {truth.torch.__version__}, one thread per rank, load average {load[0]:.1f} / {load[1]:.1f} / "
+        f"{load[2]:.1f} (1/5/15 min), {wall_s:.0f} s in all. Peak = profiler memory events above the "
+        "step's start (after warm-up); batch is per data-parallel rank (TP ranks share it; PP: the whole "
+        "step's batch, cut into micro-batches).",
+        "",
+        "| configuration | rank | measured peak (B) | predicted (B) | error | params (B) | AdamW state (B) "
+        "| collectives | step (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         for r, rank in enumerate(row["ranks"]):
             pred = row["predicted"][r] if row["predicted"] else None
             err = f"{pred / rank['peak_bytes'] - 1:+.2%}" if pred else "-"
-            lines.append(f"| {row['name']} | {r} | {rank['peak_bytes']} | {pred if pred else '-'} | {err} "
-                         f"| {rank['start_param_bytes']} | {rank['start_optimizer_bytes']} "
-                         f"| {len(rank['collectives'])} | {rank['step_time_s'] * 1e3:.1f} |")
-    lines += ["", "predicted '-': boomfx does not build that configuration's per-rank program yet (tensor and "
-              "pipeline parallelism); its measurement is recorded for when it does. Step times are wall-clock "
-              "medians on a shared 2-core machine, for the collective time model (not predicted here)."]
+            lines.append(
+                f"| {row['name']} | {r} | {rank['peak_bytes']} | {pred if pred else '-'} | {err} "
+                f"| {rank['start_param_bytes']} | {rank['start_optimizer_bytes']} "
+                f"| {len(rank['collectives'])} | {rank['step_time_s'] * 1e3:.1f} |"
+            )
+    lines += [
+        "",
+        "predicted '-': boomfx does not build that configuration's per-rank program yet (tensor and "
+        "pipeline parallelism); its measurement is recorded for when it does. Step times are wall-clock "
+        "medians on a shared 2-core machine, for the collective time model (not predicted here).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -75,8 +85,12 @@ def main() -> None:
         row["predicted"] = _predict(res.config)
         rows.append(row)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "distributed_gloo.json").write_text(json.dumps(
-        {"torch": truth.torch.__version__, "load_average": load, "wall_s": wall_s, "configs": rows}, indent=1))
+    (RESULTS / "distributed_gloo.json").write_text(
+        json.dumps(
+            {"torch": truth.torch.__version__, "load_average": load, "wall_s": wall_s, "configs": rows},
+            indent=1,
+        )
+    )
     (RESULTS / "distributed_gloo.md").write_text(_markdown(rows, load, wall_s))
     print((RESULTS / "distributed_gloo.md").read_text())
 

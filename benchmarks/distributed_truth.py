@@ -29,6 +29,7 @@ Known limitations (gloo and CPU):
 - Tensor parallelism here splits Llama's q/k/v/o and gate/up/down and GPT's MLP (fc/fc_out); GPT's
   fused qkv projection cannot be column-split by head with ``ColwiseParallel`` and stays replicated.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,9 +59,16 @@ MODEL_DIMS = {
     "llama": dict(vocab=VOCAB, d=64, layers=2, heads=4, kv_heads=2, hidden=128),
     "gpt": dict(vocab=VOCAB, d=64, layers=2, heads=4, max_seq=64),
 }
-TP_PLANS = {   # module-name suffix inside each layer -> "colwise" | "rowwise"
-    "llama": {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
-              "gate": "colwise", "up": "colwise", "down": "rowwise"},
+TP_PLANS = {  # module-name suffix inside each layer -> "colwise" | "rowwise"
+    "llama": {
+        "q": "colwise",
+        "k": "colwise",
+        "v": "colwise",
+        "o": "rowwise",
+        "gate": "colwise",
+        "up": "colwise",
+        "down": "rowwise",
+    },
     "gpt": {"fc": "colwise", "fc_out": "rowwise"},
 }
 
@@ -70,6 +78,7 @@ class TruthConfig:
     """One real run. ``batch`` is the batch each data-parallel rank feeds its model per step
     (per-rank batch; TP ranks of one group see the same batch; for pipeline parallelism it is the
     whole step's batch, cut into ``microbatches``)."""
+
     model: str
     parallel: str
     world: int
@@ -94,13 +103,13 @@ class TruthConfig:
 @dataclass
 class RankTruth:
     rank: int
-    peak_bytes: int                # peak above the start of the measured step (profiler events)
-    start_param_bytes: int         # this rank's parameter storages at the start of the step
-    start_optimizer_bytes: int     # this rank's AdamW state storages
-    collectives: list[dict]        # {"op": "all_gather", "dtype": "float", "numel": [...]} in order
+    peak_bytes: int  # peak above the start of the measured step (profiler events)
+    start_param_bytes: int  # this rank's parameter storages at the start of the step
+    start_optimizer_bytes: int  # this rank's AdamW state storages
+    collectives: list[dict]  # {"op": "all_gather", "dtype": "float", "numel": [...]} in order
     local_params: dict[str, dict] = field(default_factory=dict)  # name -> {"shape", "storage_bytes"}
     step_time_s: float = 0.0
-    peak_samples: list[int] = field(default_factory=list)   # each measured step's peak; peak_bytes = min
+    peak_samples: list[int] = field(default_factory=list)  # each measured step's peak; peak_bytes = min
 
 
 @dataclass
@@ -109,15 +118,20 @@ class ConfigTruth:
     ranks: list[RankTruth]
 
     def to_json(self) -> dict:
-        return {"name": self.config.name, "config": asdict(self.config),
-                "ranks": [asdict(r) for r in self.ranks]}
+        return {
+            "name": self.config.name,
+            "config": asdict(self.config),
+            "ranks": [asdict(r) for r in self.ranks],
+        }
 
 
 # ---------------------------------------------------------------------------------------------
 # models and how each parallelism wraps them
 
+
 def build_model(name: str) -> torch.nn.Module:
     from models import GPT, Llama
+
     torch.manual_seed(0)
     return Llama(**MODEL_DIMS["llama"]) if name == "llama" else GPT(**MODEL_DIMS["gpt"])
 
@@ -128,12 +142,14 @@ def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def _tp_plan(model_name: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return {module: styles[style]() for module, style in TP_PLANS[model_name].items()}
 
 
 def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
+
     for layer in layer_list(model):
         parallelize_module(layer, mesh, _tp_plan(model_name))
 
@@ -141,6 +157,7 @@ def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
 def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool) -> None:
     """torchtitan's wrapping: each layer is a unit, then the root (embeddings, final norm, head)."""
     from torch.distributed.fsdp import fully_shard
+
     for layer in layer_list(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -200,6 +217,7 @@ def _mean_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # one rank's run of one configuration
 
+
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
@@ -210,6 +228,7 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -217,10 +236,12 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     """(one-step function, parameters, names) of this rank for ``cfg``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
     if cfg.parallel == "pp":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         ranges = stage_layer_ranges(len(layer_list(model)), cfg.world)
         lo, hi = ranges[rank]
         module = _Stage(model, lo, hi, rank == 0, rank == cfg.world - 1)
@@ -241,11 +262,13 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
                 schedule.step()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return step, opt, dict(module.named_parameters())
 
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
     if cfg.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
+
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     elif cfg.parallel == "fsdp":
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
@@ -260,7 +283,9 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         _apply_tp(model, cfg.model, mesh["tp"])
         _apply_fsdp(model, mesh["dp"], cfg.reshard_after_forward)
         dp_rank = mesh["dp"].get_local_rank()
-        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(1000 + dp_rank))
+        idx = torch.randint(
+            0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(1000 + dp_rank)
+        )
     else:
         raise ValueError(f"unknown parallelism {cfg.parallel!r}")
     del dist
@@ -270,6 +295,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model(idx).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step, opt, dict(model.named_parameters())
 
 
@@ -277,8 +303,12 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     """DTensor and plain parameters in separate groups: a foreach op cannot mix them (tensor
     parallelism leaves the embeddings, norms and head replicated as plain tensors)."""
     from torch.distributed.tensor import DTensor
+
     params = list(model.parameters())
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    groups = [
+        [p for p in params if isinstance(p, DTensor)],
+        [p for p in params if not isinstance(p, DTensor)],
+    ]
     return [{"params": g} for g in groups if g]
 
 
@@ -298,8 +328,9 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
     over the steps is the peak with every buffer released in program order.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
+
     gc.collect()
-    gc.disable()    # a cyclic collection inside the step would free autograd cycles at random points
+    gc.disable()  # a cyclic collection inside the step would free autograd cycles at random points
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
             step()
@@ -330,7 +361,9 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
                 peak = max(peak, running)
         elif name.startswith("gloo:") and window == 0:
             numels = [_numel(s) for s in e.shapes() if s]
-            collectives.append({"op": name[len("gloo:"):], "dtype": (e.dtypes() or [""])[0], "numel": numels})
+            collectives.append(
+                {"op": name[len("gloo:") :], "dtype": (e.dtypes() or [""])[0], "numel": numels}
+            )
     if window is not None:
         peaks.append(peak - start)
     return peaks, collectives
@@ -345,15 +378,18 @@ def _numel(shape: list[int]) -> int:
 
 def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
     import torch.distributed as dist
+
     step, opt, named = _prepare(cfg, rank)
-    step()     # AdamW creates its state (and DDP its buckets) on the first step
+    step()  # AdamW creates its state (and DDP its buckets) on the first step
     dist.barrier()
     params = [_local(p) for p in named.values()]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     start_params = _storage_bytes(params)
     start_opt = _storage_bytes([_local(v) for v in state])
-    local = {n: {"shape": list(_local(p).shape), "storage_bytes": _local(p).untyped_storage().nbytes()}
-             for n, p in named.items()}
+    local = {
+        n: {"shape": list(_local(p).shape), "storage_bytes": _local(p).untyped_storage().nbytes()}
+        for n, p in named.items()
+    }
     peaks, collectives = _profiled_steps(step)
     times = []
     for _ in range(cfg.timed_steps):
@@ -362,12 +398,14 @@ def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
         step()
         times.append(time.perf_counter() - t0)
     dist.barrier()
-    return RankTruth(rank, min(peaks), start_params, start_opt, collectives, local, statistics.median(times),
-                     peaks)
+    return RankTruth(
+        rank, min(peaks), start_params, start_opt, collectives, local, statistics.median(times), peaks
+    )
 
 
 def _worker(rank: int, world: int, port: int, configs: list[TruthConfig], out_dir: str) -> None:
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -389,6 +427,7 @@ def _free_port() -> int:
 def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
     """Run every configuration (all with the same world size) in one spawn of ``world`` processes."""
     import torch.multiprocessing as mp
+
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one world size per spawn, got {sorted(worlds)}")
@@ -406,20 +445,23 @@ def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
                 else:
                     os.environ[k] = v
         per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
-    return [ConfigTruth(cfg, [RankTruth(**per_rank[r][i]) for r in range(world)])
-            for i, cfg in enumerate(configs)]
+    return [
+        ConfigTruth(cfg, [RankTruth(**per_rank[r][i]) for r in range(world)]) for i, cfg in enumerate(configs)
+    ]
 
 
 def default_configs() -> list[TruthConfig]:
     """The benchmark's set: both models under every parallelism (2 ranks; HSDP and TP x FSDP on 4)."""
     configs = []
     for model in ("llama", "gpt"):
-        configs += [TruthConfig(model, "ddp", 2),
-                    TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
-                    TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
-                    TruthConfig(model, "tp", 2),
-                    TruthConfig(model, "pp", 2, schedule="1f1b"),
-                    TruthConfig(model, "pp", 2, schedule="gpipe"),
-                    TruthConfig(model, "hsdp", 4),
-                    TruthConfig(model, "tp_fsdp", 4)]
+        configs += [
+            TruthConfig(model, "ddp", 2),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
+            TruthConfig(model, "tp", 2),
+            TruthConfig(model, "pp", 2, schedule="1f1b"),
+            TruthConfig(model, "pp", 2, schedule="gpipe"),
+            TruthConfig(model, "hsdp", 4),
+            TruthConfig(model, "tp_fsdp", 4),
+        ]
     return configs

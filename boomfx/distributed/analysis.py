@@ -16,6 +16,7 @@ Known limitations:
   not added; gloo's transient copies inside a collective (measured: one output-sized buffer during
   an all-gather) are not graph storages either and never coincide with the peaks measured here.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -36,8 +37,8 @@ _C10D_NAMESPACE = "_c10d_functional"
 
 @dataclass
 class CollectiveReport:
-    op: str                    # e.g. "all_gather_into_tensor_out"
-    group: str                 # mesh dimension: dp_shard, dp_replicate, tp, pp
+    op: str  # e.g. "all_gather_into_tensor_out"
+    group: str  # mesh dimension: dp_shard, dp_replicate, tp, pp
     input_bytes: int
     output_bytes: int
     phase: str
@@ -50,7 +51,7 @@ class RankClassReport:
     description: str
     peak_live_bytes: int
     resident_bytes: int
-    peak_allocated_bytes: Optional[int]       # CUDA targets: the caching-allocator replay
+    peak_allocated_bytes: Optional[int]  # CUDA targets: the caching-allocator replay
     peak_reserved_bytes: Optional[int]
     total_device_bytes: int
     fits: bool
@@ -76,16 +77,25 @@ class ParallelReport:
 class DistributedAnalysis:
     """One ``Analysis`` per rank class of ``program`` under ``cfg``."""
 
-    def __init__(self, program: Program, cfg: ParallelConfig, device: DeviceSpec,
-                 options: AnalyzeOptions = AnalyzeOptions(), reuse_blocks: bool = True) -> None:
+    def __init__(
+        self,
+        program: Program,
+        cfg: ParallelConfig,
+        device: DeviceSpec,
+        options: AnalyzeOptions = AnalyzeOptions(),
+        reuse_blocks: bool = True,
+    ) -> None:
         self.program = program
         self.cfg = cfg
         self.device = device
         from boomfx.distributed.model_shape import model_shape
         from boomfx.distributed.plan import check_against_model
+
         check_against_model(cfg, model_shape(program, cfg))
         self.classes: list[RankClass] = rank_programs(program, cfg)
-        self.analyses = [Analysis(rc.program, device, options, reuse_blocks=reuse_blocks) for rc in self.classes]
+        self.analyses = [
+            Analysis(rc.program, device, options, reuse_blocks=reuse_blocks) for rc in self.classes
+        ]
 
     def class_of(self, rank: int) -> int:
         for i, rc in enumerate(self.classes):
@@ -93,20 +103,34 @@ class DistributedAnalysis:
                 return i
         raise OptionError(f"--rank {rank}: the world has ranks 0..{self.cfg.world - 1}")
 
-    def evaluate(self, bindings: Mapping[sympy.Symbol, int], rank: Optional[int] = None, record_trace: bool = False,
-                 memory_only: bool = False) -> PointResult:
-        points = [a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses]
-        reports = [self._class_report(rc, a, p, bindings) for rc, a, p in zip(self.classes, self.analyses, points)]
+    def evaluate(
+        self,
+        bindings: Mapping[sympy.Symbol, int],
+        rank: Optional[int] = None,
+        record_trace: bool = False,
+        memory_only: bool = False,
+    ) -> PointResult:
+        points = [
+            a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses
+        ]
+        reports = [
+            self._class_report(rc, a, p, bindings) for rc, a, p in zip(self.classes, self.analyses, points)
+        ]
         worst = max(range(len(reports)), key=lambda i: (reports[i].total_device_bytes, -reports[i].ranks[0]))
         shown = self.class_of(rank) if rank is not None else worst
         point = points[shown]
         batch = self._batch(bindings)
         micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
         point.report.parallel = ParallelReport(
-            config={k: v for k, v in asdict(self.cfg).items()}, world=self.cfg.world, batch_per_rank=batch,
-            global_batch=self.cfg.global_batch(batch) if batch is not None else None, micro_batch=micro,
-            worst_rank=reports[worst].ranks[0], shown_rank=rank if rank is not None else reports[worst].ranks[0],
-            classes=reports).to_dict()
+            config={k: v for k, v in asdict(self.cfg).items()},
+            world=self.cfg.world,
+            batch_per_rank=batch,
+            global_batch=self.cfg.global_batch(batch) if batch is not None else None,
+            micro_batch=micro,
+            worst_rank=reports[worst].ranks[0],
+            shown_rank=rank if rank is not None else reports[worst].ranks[0],
+            classes=reports,
+        ).to_dict()
         return point
 
     def fits(self, bindings: Mapping[sympy.Symbol, int]) -> bool:
@@ -118,20 +142,30 @@ class DistributedAnalysis:
                 return bindings.get(info.symbol)
         return None
 
-    def _class_report(self, rc: RankClass, analysis: Analysis, point: PointResult,
-                      bindings: Mapping[sympy.Symbol, int]) -> RankClassReport:
+    def _class_report(
+        self, rc: RankClass, analysis: Analysis, point: PointResult, bindings: Mapping[sympy.Symbol, int]
+    ) -> RankClassReport:
         m = point.report.memory
         a = m.allocator
-        return RankClassReport(list(rc.ranks), rc.description, m.peak_live_bytes, m.resident_bytes,
-                               a.peak_allocated_bytes if a else None, a.peak_reserved_bytes if a else None,
-                               m.total_device_bytes, m.fits, point.report.time.total_ns,
-                               collectives(rc.program, analysis.evaluator(bindings)))
+        return RankClassReport(
+            list(rc.ranks),
+            rc.description,
+            m.peak_live_bytes,
+            m.resident_bytes,
+            a.peak_allocated_bytes if a else None,
+            a.peak_reserved_bytes if a else None,
+            m.total_device_bytes,
+            m.fits,
+            point.report.time.total_ns,
+            collectives(rc.program, analysis.evaluator(bindings)),
+        )
 
 
 def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
     """Every collective node of ``program`` in program order, with its buffers' sizes at ``ev``."""
     from boomfx.core.layers import module_path
     from boomfx.passes.liveness import _compute_nbytes
+
     out = []
     for node in program.graph.nodes:
         target = node.target
@@ -142,9 +176,19 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
         inp = node.args[0]
         group = _group_arg(node)
         in_bytes = ev(_compute_nbytes(inp.meta["val"])) if isinstance(inp, torch.fx.Node) else 0
-        out_bytes = ev(_compute_nbytes(node.meta["val"])) if isinstance(node.meta.get("val"), torch.Tensor) else 0
-        out.append(CollectiveReport(target.overloadpacket.__name__, group, int(in_bytes), int(out_bytes),
-                                    program.phase_of(node), module_path(node)))
+        out_bytes = (
+            ev(_compute_nbytes(node.meta["val"])) if isinstance(node.meta.get("val"), torch.Tensor) else 0
+        )
+        out.append(
+            CollectiveReport(
+                target.overloadpacket.__name__,
+                group,
+                int(in_bytes),
+                int(out_bytes),
+                program.phase_of(node),
+                module_path(node),
+            )
+        )
     return out
 
 

@@ -3,6 +3,7 @@
 It sits above the analysis layer (boomfx/analysis/analysis.py:analyze does one device), so the
 analysis never imports the distributed package it is used by.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,9 @@ from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.report.model import Report
 
 
-def analyze(source: Any, *example_inputs: Any, parallel: Any = None, rank: Optional[int] = None,
-            **options: Any) -> Report:
+def analyze(
+    source: Any, *example_inputs: Any, parallel: Any = None, rank: Optional[int] = None, **options: Any
+) -> Report:
     """``boomfx.analysis.analysis.analyze(source, *example_inputs, **options)``, or with ``parallel``
     (``"dp_shard=8"``, a ``ParallelConfig`` or a dict of its fields; needs ``train=True``) the worst
     rank's Report (``rank=`` another's) with ``report.parallel`` holding every rank class; ``batch`` is
@@ -28,7 +30,7 @@ def analyze(source: Any, *example_inputs: Any, parallel: Any = None, rank: Optio
 
     Example::
 
-        >>> r = boomfx.analyze("llama.pt2", train=True, parallel="dp_shard=8", batch=2, seq=4096, device="h100")
+        >>> r = boomfx.analyze("llama.pt2", train=True, parallel="dp_shard=8", batch=2, seq=4096)
         >>> r.parallel["worst_rank"], r.parallel["classes"][0]["peak_reserved_bytes"]
     """
     if parallel is None:
@@ -42,16 +44,25 @@ def analyze(source: Any, *example_inputs: Any, parallel: Any = None, rank: Optio
     device = options.pop("device", "a100-80gb")
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     dims, batch, seq = options.pop("dims", None), options.pop("batch", None), options.pop("seq", None)
-    analyze_options = AnalyzeOptions(spec.name, options.pop("alloc_conf", ""), options.pop("outside_memory", ""),
-                                     options.pop("db", None), options.pop("from_db", None))
+    analyze_options = AnalyzeOptions(
+        spec.name,
+        options.pop("alloc_conf", ""),
+        options.pop("outside_memory", ""),
+        options.pop("db", None),
+        options.pop("from_db", None),
+    )
     program_options = {k: options.pop(k) for k in list(options) if k in ProgramOptions.__dataclass_fields__}
     compile_ = program_options.get("compile", False) or program_options.get("cudagraphs", False)
     program_options["compile"] = compile_
     capture_kwargs = {k: options.pop(k) for k in ("dynamic_shapes", "log") if k in options}
     if options:
         raise OptionError(f"analyze: unknown options {sorted(options)}")
-    program = capture(source, *example_inputs, options=ProgramOptions(target_kind=spec.kind, **program_options),
-                      **capture_kwargs)
+    program = capture(
+        source,
+        *example_inputs,
+        options=ProgramOptions(target_kind=spec.kind, **program_options),
+        **capture_kwargs,
+    )
     bindings = resolve_bindings(program, dims or {}, batch, seq)
     report = DistributedAnalysis(program, cfg, spec, analyze_options).evaluate(bindings, rank=rank).report
     report.analysis_seconds = time.perf_counter() - started

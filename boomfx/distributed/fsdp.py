@@ -32,9 +32,9 @@ Known limitations:
   (OptionError); gloo's and NCCL's internal buffers are not in the program (see rank analysis).
 - Tied parameters in different units are not modelled.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -45,13 +45,20 @@ import torch.fx
 from boomfx.training.checkpointing import find_layer_list, layer_names
 from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, in_unit, meta_tensor, numel
 from boomfx.core.errors import OptionError
-from boomfx.core.program import (META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, ROLE_OPT_STATE,
-                            ROLE_PARAM, Program)
+from boomfx.core.program import (
+    META_RUNTIME_USES,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    PHASE_OPTIMIZER,
+    ROLE_OPT_STATE,
+    ROLE_PARAM,
+    Program,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 ROLE_COMM_BUFFER = "comm_buffer"
-ROOT = ""          # the root unit's name
+ROOT = ""  # the root unit's name
 
 
 # -- shard shapes -------------------------------------------------------------------------------
@@ -77,14 +84,14 @@ class ShardSpec:
     world: int
     group: str = "dp_shard"
     reshard_after_forward: bool = True
-    replicate_world: int = 1            # HSDP: the all-reduce group over replicas
+    replicate_world: int = 1  # HSDP: the all-reduce group over replicas
     replicate_group: str = "dp_replicate"
 
 
 @dataclass
 class _Unit:
     name: str
-    params: list[torch.fx.Node]           # placeholders, in registration order
+    params: list[torch.fx.Node]  # placeholders, in registration order
     fwd: list[torch.fx.Node]
     bwd: list[torch.fx.Node]
     bwd_end: Optional[torch.fx.Node] = None
@@ -131,6 +138,7 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
 def _owned(node: torch.fx.Node, layers: Sequence[str]) -> bool:
     """Whether ``node`` belongs to a module (ops of no module, e.g. gradient sums, have an empty path)."""
     from boomfx.core.layers import module_path
+
     return bool(module_path(node))
 
 
@@ -160,33 +168,70 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
         """(flat buffer, waited all-gather) of ``unit``'s shards, inserted before ``anchor``."""
         dtype = unit.params[0].meta["val"].dtype
         total = sum(numel(p.meta["val"].shape) for p in unit.params)
-        flat = edit.call(anchor, aten.empty.memory_format, ([n * total],), meta_tensor([n * total], dtype), phase,
-                         kwargs={"dtype": dtype, "device": torch.device("cpu")})
-        own = edit.call(anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase)
-        gathered = edit.call(anchor, c10d.all_gather_into_tensor_out.default, (own, n, spec.group),
-                             meta_tensor([n * total], dtype), phase, kwargs={"out": flat})
-        waited = edit.call(anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase)
+        flat = edit.call(
+            anchor,
+            aten.empty.memory_format,
+            ([n * total],),
+            meta_tensor([n * total], dtype),
+            phase,
+            kwargs={"dtype": dtype, "device": torch.device("cpu")},
+        )
+        own = edit.call(
+            anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
+        )
+        gathered = edit.call(
+            anchor,
+            c10d.all_gather_into_tensor_out.default,
+            (own, n, spec.group),
+            meta_tensor([n * total], dtype),
+            phase,
+            kwargs={"out": flat},
+        )
+        waited = edit.call(
+            anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase
+        )
         return flat, waited
 
-    def copy_out(unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str) -> list[torch.fx.Node]:
+    def copy_out(
+        unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str
+    ) -> list[torch.fx.Node]:
         """Per-parameter unsharded tensors (views of their ``[N x padded]`` buffers) before ``anchor``."""
         dtype = unit.params[0].meta["val"].dtype
         sizes = [numel(p.meta["val"].shape) for p in unit.params]
         total = sum(sizes)
         outs, views = [], []
         for p, size in zip(unit.params, sizes):
-            out = edit.call(anchor, aten.empty.memory_format, ([n * size],), meta_tensor([n * size], dtype), phase,
-                            kwargs={"dtype": dtype, "device": torch.device("cpu")})
+            out = edit.call(
+                anchor,
+                aten.empty.memory_format,
+                ([n * size],),
+                meta_tensor([n * size], dtype),
+                phase,
+                kwargs={"dtype": dtype, "device": torch.device("cpu")},
+            )
             outs.append(out)
-            views.append(edit.call(anchor, aten.view.default, (out, [n, size]), meta_tensor([n, size], dtype), phase))
-        grid = edit.call(anchor, aten.view.default, (waited, [n, total]), meta_tensor([n, total], dtype), phase)
-        edit.call(anchor, aten.split_with_sizes_copy.out, (grid, sizes, 1), None, phase, kwargs={"out": views})
+            views.append(
+                edit.call(anchor, aten.view.default, (out, [n, size]), meta_tensor([n, size], dtype), phase)
+            )
+        grid = edit.call(
+            anchor, aten.view.default, (waited, [n, total]), meta_tensor([n, total], dtype), phase
+        )
+        edit.call(
+            anchor, aten.split_with_sizes_copy.out, (grid, sizes, 1), None, phase, kwargs={"out": views}
+        )
         fulls = []
         for p, out in zip(unit.params, outs):
             shape = full_shapes[p.name]
-            rows = edit.call(anchor, aten.slice.Tensor, (out, 0, 0, numel(shape)), meta_tensor([numel(shape)], dtype),
-                             phase)
-            fulls.append(edit.call(anchor, aten.view.default, (rows, shape), meta_tensor(shape, dtype), phase))
+            rows = edit.call(
+                anchor,
+                aten.slice.Tensor,
+                (out, 0, 0, numel(shape)),
+                meta_tensor([numel(shape)], dtype),
+                phase,
+            )
+            fulls.append(
+                edit.call(anchor, aten.view.default, (rows, shape), meta_tensor(shape, dtype), phase)
+            )
         return fulls
 
     def use(unit: _Unit, fulls: list[torch.fx.Node], nodes: Sequence[torch.fx.Node]) -> None:
@@ -230,7 +275,7 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
         else:
             fulls = fwd_full[unit.name]
             use(unit, fulls, unit.bwd)
-        edit.keep_alive(unit.bwd_end, fulls)            # post-backward reshard
+        edit.keep_alive(unit.bwd_end, fulls)  # post-backward reshard
         if spec.reshard_after_forward and i + 1 < len(order):
             nxt = order[i + 1]
             _, waited = all_gather(nxt, unit.bwd[0], PHASE_BACKWARD)
@@ -255,12 +300,18 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
     return out
 
 
-def _rebase_saved_views(edit: GraphEditor, fwd: list[torch.fx.Node], bwd: list[torch.fx.Node],
-                        anchor: torch.fx.Node, phases: dict[str, str]) -> None:
+def _rebase_saved_views(
+    edit: GraphEditor,
+    fwd: list[torch.fx.Node],
+    bwd: list[torch.fx.Node],
+    anchor: torch.fx.Node,
+    phases: dict[str, str],
+) -> None:
     """Backward ops that read a forward VIEW of an unsharded parameter (``t(weight)`` saved for
     ``mm``'s backward) read the same view of the re-gathered parameter: FSDP2 frees the storage at
     reshard and all-gathers into it again, so the saved view sees the new data, never the old buffer."""
     from boomfx.passes.aliasing import output_aliases
+
     base = dict(zip(fwd, bwd))
     rebuilt: dict[torch.fx.Node, torch.fx.Node] = {}
 
@@ -283,13 +334,19 @@ def _rebase_saved_views(edit: GraphEditor, fwd: list[torch.fx.Node], bwd: list[t
             if hit is None:
                 src = view.args[0]
                 args = (current,) + tuple(view.args[1:]) if src is not None else view.args
-                hit = edit.call(anchor, view.target, args, view.meta.get("val"), PHASE_BACKWARD,
-                                kwargs=dict(view.kwargs), like=view)
+                hit = edit.call(
+                    anchor,
+                    view.target,
+                    args,
+                    view.meta.get("val"),
+                    PHASE_BACKWARD,
+                    kwargs=dict(view.kwargs),
+                    like=view,
+                )
                 rebuilt[view] = hit
             current = hit
         return current
 
-    users = [u for n in list(rebuilt) + list(base) for u in n.users]
     for node in list(edit.graph.nodes):
         if node.op != "call_function" or phases.get(node.name) != PHASE_BACKWARD or node in rebuilt.values():
             continue
@@ -299,37 +356,89 @@ def _rebase_saved_views(edit: GraphEditor, fwd: list[torch.fx.Node], bwd: list[t
             path = chain(inp)
             if path is not None and len(path) > 1:
                 node.replace_input_with(inp, rebuild(path))
-    del users
 
 
-def _reduce_scatter(edit: GraphEditor, unit: _Unit, grads: list[torch.fx.Node], full_shapes: Mapping[str, list[int]],
-                    spec: ShardSpec, rank: int) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """``_chunk_cat`` + ``reduce_scatter_tensor`` after ``unit``'s post-backward; the sharded gradient views."""
+def _reduce_scatter(
+    edit: GraphEditor,
+    unit: _Unit,
+    grads: list[torch.fx.Node],
+    full_shapes: Mapping[str, list[int]],
+    spec: ShardSpec,
+    rank: int,
+) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """``_chunk_cat`` + ``reduce_scatter_tensor`` after ``unit``'s post-backward; the sharded grads."""
     n = spec.world
     anchor = unit.bwd_end
     dtype = grads[0].meta["val"].dtype
     padded = [numel(padded_shard_shape(full_shapes[p.name], n)) for p in unit.params]
     total = sum(padded)
     # inserted after ``anchor`` in reverse, so they run in program order
-    rs_in = edit.call(anchor, aten._chunk_cat.default, (grads, 0, n), meta_tensor([n, total], dtype),
-                      PHASE_BACKWARD, after=True)
-    flat = edit.call(rs_in, aten.view.default, (rs_in, [n * total]), meta_tensor([n * total], dtype),
-                     PHASE_BACKWARD, after=True)
-    scattered = edit.call(flat, c10d.reduce_scatter_tensor.default, (flat, "sum", n, spec.group),
-                          meta_tensor([total], dtype), PHASE_BACKWARD, after=True, like=anchor)
-    waited = edit.call(scattered, c10d.wait_tensor.default, (scattered,), meta_tensor([total], dtype), PHASE_BACKWARD,
-                       after=True, like=anchor)
+    rs_in = edit.call(
+        anchor,
+        aten._chunk_cat.default,
+        (grads, 0, n),
+        meta_tensor([n, total], dtype),
+        PHASE_BACKWARD,
+        after=True,
+    )
+    flat = edit.call(
+        rs_in,
+        aten.view.default,
+        (rs_in, [n * total]),
+        meta_tensor([n * total], dtype),
+        PHASE_BACKWARD,
+        after=True,
+    )
+    scattered = edit.call(
+        flat,
+        c10d.reduce_scatter_tensor.default,
+        (flat, "sum", n, spec.group),
+        meta_tensor([total], dtype),
+        PHASE_BACKWARD,
+        after=True,
+        like=anchor,
+    )
+    waited = edit.call(
+        scattered,
+        c10d.wait_tensor.default,
+        (scattered,),
+        meta_tensor([total], dtype),
+        PHASE_BACKWARD,
+        after=True,
+        like=anchor,
+    )
     last = waited
-    if spec.replicate_world > 1:      # HSDP: the shard's gradient summed over the replicas, in place
-        reduced = edit.call(last, c10d.all_reduce_.default, (waited, "sum", spec.replicate_group),
-                            meta_tensor([total], dtype), PHASE_BACKWARD, after=True, like=anchor)
-        last = edit.call(reduced, c10d.wait_tensor.default, (reduced,), meta_tensor([total], dtype), PHASE_BACKWARD,
-                         after=True, like=anchor)
+    if spec.replicate_world > 1:  # HSDP: the shard's gradient summed over the replicas, in place
+        reduced = edit.call(
+            last,
+            c10d.all_reduce_.default,
+            (waited, "sum", spec.replicate_group),
+            meta_tensor([total], dtype),
+            PHASE_BACKWARD,
+            after=True,
+            like=anchor,
+        )
+        last = edit.call(
+            reduced,
+            c10d.wait_tensor.default,
+            (reduced,),
+            meta_tensor([total], dtype),
+            PHASE_BACKWARD,
+            after=True,
+            like=anchor,
+        )
     views, offset = [], 0
     for p, size in zip(unit.params, padded):
         local = local_shard_shape(full_shapes[p.name], n, rank)
-        view = edit.call(last, aten.as_strided.default, (last, local, contiguous_strides(local), offset),
-                         meta_tensor(local, dtype), PHASE_BACKWARD, after=True, like=anchor)
+        view = edit.call(
+            last,
+            aten.as_strided.default,
+            (last, local, contiguous_strides(local), offset),
+            meta_tensor(local, dtype),
+            PHASE_BACKWARD,
+            after=True,
+            like=anchor,
+        )
         last = view
         views.append(view)
         offset += size
@@ -344,15 +453,19 @@ def _grad_nodes_by_param(program: Program, graph: torch.fx.Graph) -> dict[str, t
     for node_name, fqn in program.grad_nodes.items():
         if fqn in placeholder_of and node_name in by_name:
             out[placeholder_of[fqn]] = by_name[node_name]
-    missing = [fqn for name, fqn in program.param_names.items()
-               if program.input_roles.get(name) == ROLE_PARAM and name not in out]
+    missing = [
+        fqn
+        for name, fqn in program.param_names.items()
+        if program.input_roles.get(name) == ROLE_PARAM and name not in out
+    ]
     if missing:
         raise OptionError(f"FSDP: no gradient node for {', '.join(missing[:3])} (tied or frozen parameters)")
     return out
 
 
-def _shard_optimizer(program: Program, graph: torch.fx.Graph, full_shapes: Mapping[str, list[int]], n: int,
-                     rank: int) -> None:
+def _shard_optimizer(
+    program: Program, graph: torch.fx.Graph, full_shapes: Mapping[str, list[int]], n: int, rank: int
+) -> None:
     """Optimizer state and every optimizer tensor of a parameter's full shape take the rank's local shape."""
     local = {tuple(s): local_shard_shape(s, n, rank) for s in full_shapes.values()}
 
@@ -371,7 +484,9 @@ def _shard_optimizer(program: Program, graph: torch.fx.Graph, full_shapes: Mappi
 
 
 # -- DDP ----------------------------------------------------------------------------------------
-def ddp_rank_program(program: Program, world: int, bucket_cap_mb: float, group: str = "dp_replicate") -> Program:
+def ddp_rank_program(
+    program: Program, world: int, bucket_cap_mb: float, group: str = "dp_replicate"
+) -> Program:
     """The program of one DDP rank: resident gradient buckets, each all-reduced in place when full."""
     if not program.options.train:
         raise OptionError("--parallel dp_replicate needs --train (DDP replicates a training step)")
@@ -401,13 +516,22 @@ def ddp_rank_program(program: Program, world: int, bucket_cap_mb: float, group: 
             buf = graph.placeholder(f"ddp_bucket_{i}")
         buf.meta["val"] = meta_tensor([elems], dtype)
         roles[buf.name] = ROLE_COMM_BUFFER
-        reduced = edit.call(bucket[-1], c10d.all_reduce_.default, (buf, "sum", group), meta_tensor([elems], dtype),
-                            PHASE_BACKWARD, after=True)
-        edit.call(reduced, c10d.wait_tensor.default, (reduced,), meta_tensor([elems], dtype), PHASE_BACKWARD,
-                  after=True, like=bucket[-1])
+        reduced = edit.call(
+            bucket[-1],
+            c10d.all_reduce_.default,
+            (buf, "sum", group),
+            meta_tensor([elems], dtype),
+            PHASE_BACKWARD,
+            after=True,
+        )
+        edit.call(
+            reduced,
+            c10d.wait_tensor.default,
+            (reduced,),
+            meta_tensor([elems], dtype),
+            PHASE_BACKWARD,
+            after=True,
+            like=bucket[-1],
+        )
     graph.lint()
     return program.rewritten(graph, phases=phases, input_roles=roles)
-
-
-def replace_program_fields(program: Program, **changes: object) -> Program:
-    return dataclasses.replace(program, **changes)

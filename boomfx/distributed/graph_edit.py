@@ -7,6 +7,7 @@ its time and memory by layer). The rewrite records which nodes keep which others
 arguments (``RuntimeUses``: FSDP frees an unsharded parameter at its unit's post-forward, not at its
 last use), which ``boomfx/analyze.py`` merges into the liveness.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,9 +43,17 @@ class GraphEditor:
         self.phases = phases
         self.extra_uses: dict[str, list[str]] = {}
 
-    def call(self, anchor: torch.fx.Node, target: Any, args: tuple, val: Any, phase: str,
-             kwargs: Optional[dict] = None, like: Optional[torch.fx.Node] = None,
-             after: bool = False) -> torch.fx.Node:
+    def call(
+        self,
+        anchor: torch.fx.Node,
+        target: Any,
+        args: tuple,
+        val: Any,
+        phase: str,
+        kwargs: Optional[dict] = None,
+        like: Optional[torch.fx.Node] = None,
+        after: bool = False,
+    ) -> torch.fx.Node:
         """A ``call_function`` node right before (or after) ``anchor``, with ``meta["val"] = val``."""
         ctx = self.graph.inserting_after(anchor) if after else self.graph.inserting_before(anchor)
         with ctx:

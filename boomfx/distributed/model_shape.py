@@ -11,6 +11,7 @@ split and are left replicated, as ``ColwiseParallel`` would split q, k and v une
 Heads come from the attention op itself (``scaled_dot_product_attention``'s query is
 ``[batch, heads, seq, head_dim]``); key/value heads from the k projection's width / head_dim.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -22,14 +23,39 @@ from boomfx.training.checkpointing import find_layer_list, layer_names
 from boomfx.distributed.plan import ModelShape, ParallelConfig
 from boomfx.core.program import ROLE_PARAM, Program
 
-COLWISE_NAMES = frozenset({"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
-                           "gate", "up", "gate_proj", "up_proj", "fc", "fc1", "c_fc", "w1", "w3"})
+COLWISE_NAMES = frozenset(
+    {
+        "q",
+        "k",
+        "v",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "wq",
+        "wk",
+        "wv",
+        "gate",
+        "up",
+        "gate_proj",
+        "up_proj",
+        "fc",
+        "fc1",
+        "c_fc",
+        "w1",
+        "w3",
+    }
+)
 ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
 KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
-_SDPA = {torch.ops.aten.scaled_dot_product_attention.default,
-         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-         torch.ops.aten._scaled_dot_product_efficient_attention.default,
-         torch.ops.aten._scaled_dot_product_flash_attention.default}
+_SDPA = {
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
 
 
 def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str, str]:

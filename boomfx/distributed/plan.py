@@ -15,6 +15,7 @@ Example::
     >>> cfg.world, cfg.global_batch(2)
     (64, 32)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -25,9 +26,15 @@ from boomfx.core.errors import OptionError
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TP_STYLES = ("colwise", "rowwise")
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
-DEFAULT_BUCKET_CAP_MB = 25.0   # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
+DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 
 
 @dataclass(frozen=True)
@@ -38,21 +45,21 @@ class ParallelConfig:
     pp: int = 1
     sp: bool = False
     nodes: int = 1
-    gpus_per_node: Optional[int] = None      # None: the product of the degrees on one node
+    gpus_per_node: Optional[int] = None  # None: the product of the degrees on one node
     pp_schedule: str = "1f1b"
-    microbatches: Optional[int] = None       # None: one per stage (the minimum 1F1B needs)
+    microbatches: Optional[int] = None  # None: one per stage (the minimum 1F1B needs)
     reshard_after_forward: bool = True
-    fsdp_param_dtype: Optional[str] = None   # MixedPrecisionPolicy(param_dtype=...)
+    fsdp_param_dtype: Optional[str] = None  # MixedPrecisionPolicy(param_dtype=...)
     fsdp_reduce_dtype: Optional[str] = None  # MixedPrecisionPolicy(reduce_dtype=...)
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
-    tp_plan: tuple[tuple[str, str], ...] = ()   # explicit (module pattern, "colwise"|"rowwise")
-    backend: str = "nccl"                   # "gloo": the CPU ground truth's backend
+    tp_plan: tuple[tuple[str, str], ...] = ()  # explicit (module pattern, "colwise"|"rowwise")
+    backend: str = "nccl"  # "gloo": the CPU ground truth's backend
 
     # -- construction ----------------------------------------------------------------------------
     @staticmethod
     def parse(text: str, **options: object) -> "ParallelConfig":
-        """``"dp_shard=16,tp=4,sp"`` -> a config (other fields from ``options``); bad input raises OptionError."""
+        """``"dp_shard=16,tp=4,sp"`` -> a config (other fields from ``options``); bad input: OptionError."""
         degrees: dict[str, object] = {}
         for item in (p.strip() for p in (text or "").split(",")):
             if not item:
@@ -71,7 +78,8 @@ class ParallelConfig:
             if degree < 1:
                 raise OptionError(f"--parallel: {name} must be at least 1, got {degree}")
             degrees[name] = degree
-        cfg = ParallelConfig(**degrees, **{k: v for k, v in options.items() if v is not None})  # type: ignore[arg-type]
+        given = {k: v for k, v in options.items() if v is not None}
+        cfg = ParallelConfig(**degrees, **given)  # type: ignore[arg-type]
         cfg.check()
         return cfg
 
@@ -105,14 +113,17 @@ class ParallelConfig:
             raise OptionError(
                 f"--parallel: dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x "
                 f"{self.tp} x {self.pp} = {product} ranks, but the world is {self.nodes} node(s) x "
-                f"{self.gpus_per_node_or_product} GPUs = {world}")
+                f"{self.gpus_per_node_or_product} GPUs = {world}"
+            )
         if self.pp_schedule not in SCHEDULES:
             raise OptionError(f"--pp-schedule: {self.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.microbatches is not None and self.microbatches < 1:
             raise OptionError(f"--microbatches must be at least 1, got {self.microbatches}")
         if self.pp > 1 and self.pp_schedule != "gpipe" and self.num_microbatches < self.pp:
-            raise OptionError(f"--pp-schedule {self.pp_schedule} needs at least pp={self.pp} micro-batches, "
-                              f"got {self.num_microbatches}")
+            raise OptionError(
+                f"--pp-schedule {self.pp_schedule} needs at least pp={self.pp} micro-batches, "
+                f"got {self.num_microbatches}"
+            )
         if self.sp and self.tp == 1:
             raise OptionError("--parallel: sp (sequence parallelism) needs tp > 1")
         if self.bucket_cap_mb <= 0:
@@ -159,7 +170,7 @@ class ParallelConfig:
         return batch_per_rank * self.dp
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh dimension (``[pp, dp_replicate, dp_shard, tp]``, tp innermost)."""
+        """This rank's index along each mesh dimension (``[pp, dp_replicate, dp_shard, tp]``, tp last)."""
         out: dict[str, int] = {}
         rest = rank
         for name in reversed(("pp", "dp_replicate", "dp_shard", "tp")):
@@ -169,7 +180,9 @@ class ParallelConfig:
         return out
 
     def describe(self) -> str:
-        parts = [f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) > 1] + (["sp"] if self.sp else [])
+        parts = [f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) > 1] + (
+            ["sp"] if self.sp else []
+        )
         return ",".join(parts) or "single device"
 
     def with_options(self, **changes: object) -> "ParallelConfig":
@@ -182,23 +195,31 @@ class ParallelConfig:
 class ModelShape:
     """What validation needs to know of the model: its layer count and attention heads per layer
     (found in the export by boomfx/distributed/tensor_parallel.py)."""
+
     layers: int
     heads: Optional[int] = None
     kv_heads: Optional[int] = None
     hidden: Optional[int] = None
-    projected: Mapping[str, tuple[str, int]] = field(default_factory=dict)   # fqn -> (style, split dim size)
+    projected: Mapping[str, tuple[str, int]] = field(default_factory=dict)  # fqn -> (style, split dim size)
 
 
 def check_against_model(cfg: ParallelConfig, shape: ModelShape) -> None:
     """The model-dependent errors: TP must divide heads and split dimensions, PP needs a layer per stage."""
     if cfg.pp > 1 and cfg.pp > shape.layers:
-        raise OptionError(f"--parallel: pp={cfg.pp} stages but the model has {shape.layers} layers "
-                          f"(at most one stage per layer)")
+        raise OptionError(
+            f"--parallel: pp={cfg.pp} stages but the model has {shape.layers} layers "
+            f"(at most one stage per layer)"
+        )
     if cfg.tp > 1:
-        for what, count in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
-                            ("hidden size", shape.hidden)):
+        for what, count in (
+            ("attention heads", shape.heads),
+            ("key/value heads", shape.kv_heads),
+            ("hidden size", shape.hidden),
+        ):
             if count is not None and count % cfg.tp:
                 raise OptionError(f"--parallel: tp={cfg.tp} does not divide the model's {count} {what}")
         for fqn, (style, size) in shape.projected.items():
             if size % cfg.tp:
-                raise OptionError(f"--parallel: tp={cfg.tp} does not divide {fqn} ({style}: dimension {size})")
+                raise OptionError(
+                    f"--parallel: tp={cfg.tp} does not divide {fqn} ({style}: dimension {size})"
+                )

@@ -7,6 +7,7 @@ ranks are grouped into classes by the shapes they hold and each class is analyse
 Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``) and HSDP (both). Tensor and pipeline
 parallelism are validated by ``plan.py`` but their rewrites are not built yet (OptionError).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from boomfx.core.program import ROLE_PARAM, Program
 @dataclass(frozen=True)
 class RankClass:
     """Ranks that run the same program (``ranks`` in global numbering)."""
+
     ranks: tuple[int, ...]
     program: Program
     description: str
@@ -29,8 +31,10 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
     if cfg.tp > 1 or cfg.pp > 1:
-        raise OptionError(f"--parallel {cfg.describe()}: per-rank programs for tensor and pipeline parallelism "
-                          "are not built yet (dp_replicate and dp_shard are)")
+        raise OptionError(
+            f"--parallel {cfg.describe()}: per-rank programs for tensor and pipeline parallelism "
+            "are not built yet (dp_replicate and dp_shard are)"
+        )
     if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
     if cfg.gradient_as_bucket_view:
@@ -39,10 +43,14 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.dp_shard == 1:
         rewritten = ddp_rank_program(program, cfg.dp_replicate, cfg.bucket_cap_mb)
         return [RankClass(tuple(world), rewritten, f"DDP rank (all {cfg.world})")]
-    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=cfg.reshard_after_forward,
-                     replicate_world=cfg.dp_replicate)
-    shapes = [list(n.meta["val"].shape) for n in program.graph.nodes
-              if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM]
+    spec = ShardSpec(
+        cfg.dp_shard, reshard_after_forward=cfg.reshard_after_forward, replicate_world=cfg.dp_replicate
+    )
+    shapes = [
+        list(n.meta["val"].shape)
+        for n in program.graph.nodes
+        if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM
+    ]
     by_signature: dict[tuple, list[int]] = {}
     for rank in world:
         shard = cfg.coords(rank)["dp_shard"]
@@ -52,6 +60,11 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     for ranks in by_signature.values():
         shard = cfg.coords(ranks[0])["dp_shard"]
         label = "HSDP" if cfg.dp_replicate > 1 else "FSDP"
-        classes.append(RankClass(tuple(ranks), fsdp_rank_program(program, spec, shard),
-                                 f"{label} shard {shard} of {cfg.dp_shard}"))
+        classes.append(
+            RankClass(
+                tuple(ranks),
+                fsdp_rank_program(program, spec, shard),
+                f"{label} shard {shard} of {cfg.dp_shard}",
+            )
+        )
     return classes

@@ -13,6 +13,7 @@ Known limitations:
 - NB: the bytes are this rank's buffers, not what crosses the network (a ring all-reduce of n bytes
   sends and receives 2 (N-1)/N n per rank); the time model converts.
 """
+
 from __future__ import annotations
 
 import sympy
@@ -27,12 +28,21 @@ def _bytes(specs: list) -> sympy.Expr:
     return sum((s.nbytes for s in specs), sympy.Integer(0))
 
 
-@register_cost(c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default,
-               c10d.all_gather_into_tensor_coalesced.default, c10d.reduce_scatter_tensor.default,
-               c10d.reduce_scatter_tensor_out.default, c10d.reduce_scatter_tensor_coalesced.default,
-               c10d.all_reduce.default, c10d.all_reduce_.default, c10d.all_reduce_coalesced.default,
-               c10d.all_reduce_coalesced_.default, c10d.all_to_all_single.default, c10d.broadcast.default,
-               c10d.broadcast_.default)
+@register_cost(
+    c10d.all_gather_into_tensor.default,
+    c10d.all_gather_into_tensor_out.default,
+    c10d.all_gather_into_tensor_coalesced.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.reduce_scatter_tensor_out.default,
+    c10d.reduce_scatter_tensor_coalesced.default,
+    c10d.all_reduce.default,
+    c10d.all_reduce_.default,
+    c10d.all_reduce_coalesced.default,
+    c10d.all_reduce_coalesced_.default,
+    c10d.all_to_all_single.default,
+    c10d.broadcast.default,
+    c10d.broadcast_.default,
+)
 def collective_cost(call: OpCall) -> Cost:
     """Input tensors read once, outputs written once (an in-place op writes its input back)."""
     inputs = [s for name, v in call.args.items() if name != "out" for s in _flat(v)]
@@ -47,4 +57,5 @@ def wait_cost(call: OpCall) -> Cost:
 
 def _flat(value: object) -> list:
     from boomfx.passes.costs.registry import _flatten_specs
+
     return _flatten_specs(value)
