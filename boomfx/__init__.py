@@ -9,7 +9,7 @@ The public API is loaded lazily, so ``import boomfx`` stays cheap (it does not i
     boomfx.get_device("h100")
 
 Exported names (each a plain object; the module that defines it is given beside it):
-``analyze`` (function, boomfx/analysis/analysis.py), ``Analysis``, ``AnalyzeOptions``,
+``analyze`` (function, boomfx/distributed/api.py: boomfx/analysis/analysis.py's, plus ``parallel=``), ``Analysis``, ``AnalyzeOptions``,
 ``capture`` (function, boomfx/frontend/capture.py), ``Report`` and ``SCHEMA_VERSION``
 (boomfx/report/model.py), ``annotate`` (the FX pass, boomfx/integrations/annotate.py),
 ``get_device`` and the ``devices`` registry module (boomfx/core/devices.py), ``validate`` (predicted vs
@@ -24,7 +24,7 @@ __version__ = "0.2.0"
 
 # name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "analyze": ("boomfx.analysis.analysis", "analyze"),
+    "analyze": ("boomfx.distributed.api", "analyze"),
     "Analysis": ("boomfx.analysis.analysis", "Analysis"),
     "AnalyzeOptions": ("boomfx.analysis.analysis", "AnalyzeOptions"),
     "capture": ("boomfx.frontend.capture", "capture"),

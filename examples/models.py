@@ -105,16 +105,17 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         h = self.input_norm(x)
-        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them
+        q = self.q(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        rep = self.heads // self.kv_heads
+        rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
         h = self.post_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 

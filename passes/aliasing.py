@@ -38,7 +38,8 @@ def _inactive_dropout(node: torch.fx.Node) -> bool:
 
 # Views whose schema carries no alias annotation (``_unsafe_view`` exists precisely to hide that its
 # result aliases its input from autograd); they never copy.
-_UNANNOTATED_VIEWS = {aten._unsafe_view.default}
+# ``_c10d_functional.wait_tensor`` returns the very tensor it waited for.
+_UNANNOTATED_VIEWS = {aten._unsafe_view.default, torch.ops._c10d_functional.wait_tensor.default}
 
 # Views that do not carry an alias annotation we can rely on across versions.
 _ALWAYS_VIEW_CALLABLES = {operator.getitem}

@@ -26,7 +26,7 @@ from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
 from boomfx.core.program import (
-    PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
+    META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
     ROLE_OPT_STATE, ROLE_PARAM, Program,
 )
 
@@ -306,6 +306,12 @@ def _eager_autograd_liveness(program: Program) -> LivenessInfo:
     Scale: the changed uses go to ``liveness_pass(uses=...)``; the graph is not copied (an 80-layer
     training graph's copy and its GraphModule cost seconds)."""
     uses: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
+    runtime = program.gm.meta.get(META_RUNTIME_USES)
+    if runtime:   # per-rank programs (boomfx/distributed): frees a runtime does after the last use
+        by_name = {n.name: n for n in program.graph.nodes}
+        for name, kept in runtime.items():
+            node = by_name[name]
+            uses[node] = tuple(dict.fromkeys(tuple(node.all_input_nodes) + tuple(by_name[k] for k in kept)))
 
     def inputs(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
         hit = uses.get(node)
@@ -330,6 +336,7 @@ def _eager_autograd_liveness(program: Program) -> LivenessInfo:
         if node.target in _SIZE_QUERIES:     # a size query reads metadata: not a use of its tensor
             rest: dict[torch.fx.Node, None] = {}
             torch.fx.node.map_arg((tuple(node.args[1:]), node.kwargs), lambda a: rest.setdefault(a))
+            rest.update(dict.fromkeys(u for u in uses.get(node, ()) if u not in node.all_input_nodes))
             uses[node] = tuple(rest)
         seq = node.meta.get("seq_nr") if phases.get(node.name) == PHASE_BACKWARD else None
         if group and (seq is None or group[-1].meta.get("seq_nr") != seq):

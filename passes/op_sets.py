@@ -60,4 +60,5 @@ NO_KERNEL_OPS: frozenset = frozenset({aten.sym_size, aten.sym_stride, aten.sym_n
               aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._assert_async,
               aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size,
               aten._assert_tensor_metadata, aten.lift_fresh, aten.alias, aten.detach, aten._local_scalar_dense,
-              aten.sym_is_contiguous})
+              aten.sym_is_contiguous,
+              torch.ops._c10d_functional.wait_tensor})   # waits for a collective; moves no data

@@ -115,7 +115,8 @@ def test_package_root_is_lazy_and_exports_plain_objects():
     code = (
         "import sys, types, boomfx\n"
         "assert 'torch' not in sys.modules, 'import boomfx imported torch'\n"
-        "from boomfx.analysis.analysis import Analysis, analyze\n"
+        "from boomfx.analysis.analysis import Analysis\n"
+        "from boomfx.distributed.api import analyze   # the single-device analyze plus parallel=\n"
         "assert isinstance(boomfx.analyze, types.FunctionType) and boomfx.analyze is analyze\n"
         "assert boomfx.Analysis is Analysis\n"
         "from boomfx.frontend.capture import capture\n"

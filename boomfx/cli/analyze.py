@@ -27,18 +27,31 @@ def run_analyze(args: argparse.Namespace) -> int:
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
                              resident_grads=args.resident_grads)
+    from boomfx.distributed.cli import parallel_config
+    parallel = parallel_config(args)     # --parallel: checked before the (slow) capture
+    if parallel is not None and not args.train:
+        raise OptionError("--parallel needs --train (the per-rank programs are training steps)")
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=options, log=progress.log if args.verbose else None)
     progress.stage("running the analysis passes")
-    analysis = Analysis(program, device, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,
-                                                        args.db, args.from_db), reuse_blocks=not args.no_reuse)
+    analyze_options = AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory, args.db, args.from_db)
+    if parallel is not None:   # --parallel: one analysis per rank class (boomfx/distributed)
+        from boomfx.distributed.analysis import DistributedAnalysis
+        if sweeps:
+            raise OptionError("--parallel and --sweep cannot be combined yet")
+        analysis = DistributedAnalysis(program, parallel, device, analyze_options, reuse_blocks=not args.no_reuse)
+    else:
+        analysis = Analysis(program, device, analyze_options, reuse_blocks=not args.no_reuse)
     if sweeps:
         return _run_sweep(args, analysis, dims, sweeps, progress)
     if args.max_batch or args.max_seq:
         return _run_search(args, analysis, dims, progress)
     bindings = resolve_bindings(program, dims, args.batch, args.seq)
     progress.stage("pricing kernels and simulating the step")
-    point = analysis.evaluate(bindings, record_trace=bool(args.memory_snapshot))
+    if parallel is not None:
+        point = analysis.evaluate(bindings, rank=args.rank, record_trace=bool(args.memory_snapshot))
+    else:
+        point = analysis.evaluate(bindings, record_trace=bool(args.memory_snapshot))
     progress.done()
     report = point.report
     report.analysis_seconds = progress.elapsed_s
@@ -55,6 +68,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     else:
         from boomfx.report.text import render_text
         print(render_text(report, top=args.top, kernels=args.kernels))
+        if report.parallel is not None:
+            from boomfx.distributed.cli import render_parallel
+            print(render_parallel(report.parallel))
         if args.json:
             with open(args.json, "w") as f:
                 f.write(report.to_json())

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kernels", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="list the N slowest kernels with the source of each price (no N: every kernel)")
     a.add_argument("--no-reuse", action="store_true", help="analyse every layer instance separately")
+    from boomfx.distributed.cli import add_parallel_args
+    add_parallel_args(a)
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli.kernels import add_kernels_parser
     add_kernels_parser(sub)

@@ -24,6 +24,9 @@ PHASE_RECOMPUTE = "recompute"
 # Node meta flag: the op runs eagerly, outside the compiled graphs of its phase (the autograd engine's
 # AccumulateGrad copy of a gradient that came out in another layout): one kernel, never fused.
 META_EAGER = "boomfx.eager"
+# GraphModule meta: node name -> names of nodes it also keeps alive (a runtime frees them there, not at
+# their last use: FSDP's reshard after forward; boomfx/distributed/fsdp.py)
+META_RUNTIME_USES = "boomfx.runtime_uses"
 
 
 @dataclass(frozen=True)

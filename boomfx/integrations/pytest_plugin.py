@@ -179,7 +179,7 @@ class BoomfxBaseline:
 
     def __call__(self, source: Any, *example_inputs: Any, rtol: Optional[Mapping[str, float]] = None,
                  name: Optional[str] = None, **analyze_kwargs: Any) -> Any:
-        from boomfx.analysis.analysis import analyze
+        from boomfx.distributed.api import analyze    # parallel= too
         analyze_kwargs.setdefault("device", "a100-80gb")
         report = analyze(source, *example_inputs, **analyze_kwargs)
         self.check(report, rtol=rtol, name=name)

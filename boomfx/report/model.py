@@ -132,6 +132,9 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     analysis_seconds: float = 0.0
     schema_version: str = SCHEMA_VERSION
+    # --parallel: every rank class of the step (boomfx/distributed/analysis.py ParallelReport); this
+    # Report is then one rank's (parallel["shown_rank"])
+    parallel: Optional[dict[str, Any]] = None
 
     def to_dict(self, include_kernels: bool = True) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -1,0 +1,90 @@
+"""boomfx's per-rank prediction for a ground-truth configuration of distributed_truth.py, on this CPU.
+
+The same model is exported at the configuration's per-rank batch, captured as an AdamW training
+step for a CPU target, rewritten into each rank's program (boomfx.distributed), and every compute
+kernel's scratch is measured here (a kernel database collected on the fly, as
+tests/test_cpu_memory_accuracy.py does for one process). Returns each rank's predicted peak above
+the step's start (``peak_live_bytes - resident_bytes``), the quantity the harness measures.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+import distributed_truth as truth
+
+
+def parallel_config(cfg: truth.TruthConfig):
+    from boomfx.distributed.plan import ParallelConfig
+
+    degrees = {
+        "ddp": dict(dp_replicate=cfg.world),
+        "fsdp": dict(dp_shard=cfg.world),
+        "hsdp": dict(dp_replicate=2, dp_shard=cfg.world // 2),
+        "tp": dict(tp=cfg.world),
+        "pp": dict(pp=cfg.world),
+        "tp_fsdp": dict(dp_shard=cfg.world // 2, tp=2),
+    }[cfg.parallel]
+    return ParallelConfig(
+        **degrees,
+        reshard_after_forward=cfg.reshard_after_forward,
+        pp_schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        backend="gloo",
+    )
+
+
+def export(cfg: truth.TruthConfig) -> torch.export.ExportedProgram:
+    from torch.export import Dim
+
+    model = truth.build_model(cfg.model)
+    idx = torch.randint(0, truth.VOCAB, (cfg.batch, cfg.seq))
+    dims = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
+    return torch.export.export(model, (idx,), dynamic_shapes=dims)
+
+
+def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None) -> list[int] | None:
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.ranks import rank_programs
+    from boomfx.core.errors import OptionError
+    from boomfx.kernels_db.collect import collect_calls
+    from boomfx.kernels_db.measure import Measurer
+    from boomfx.kernels_db.store import Store
+    from boomfx.core.program import ProgramOptions
+
+    spec = cpu_spec()
+    program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    try:
+        classes = rank_programs(program, parallel_config(cfg))
+    except OptionError:
+        return None
+    bindings = resolve_bindings(program, {}, cfg.batch, cfg.seq)
+    tmp = None
+    if db is None:
+        tmp = tempfile.TemporaryDirectory()
+        db = str(Path(tmp.name) / "cpu.db")
+    measurer = Measurer("cpu", warmup_s=0.0, target_s=0.0, min_runs=1, max_runs=1, min_sample_ns=0)
+    peaks: dict[int, int] = {}
+    for rc in classes:
+        calls = [
+            c
+            for c in Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
+            if c.op.namespace == "aten"
+        ]
+        collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+        memory = (
+            Analysis(rc.program, spec, AnalyzeOptions(spec.name, db=db))
+            .evaluate(bindings, memory_only=True)
+            .report.memory
+        )
+        for r in rc.ranks:
+            peaks[r] = memory.peak_live_bytes - memory.resident_bytes
+    if tmp is not None:
+        tmp.cleanup()
+    return [peaks[r] for r in range(cfg.world)]

@@ -1,0 +1,467 @@
+"""Ground truth for distributed training on this machine: real multi-process steps on gloo (CPU).
+
+Each configuration (DDP, FSDP2, tensor parallel, pipeline parallel, HSDP, TP x FSDP) runs a few
+real AdamW training steps of a small model in 2 or 4 processes on 127.0.0.1 (one thread each).
+After two warm-up steps (AdamW creates its state on the first), one step runs under the profiler and
+each rank records:
+
+- its peak live tensor memory above the step's starting point (the running sum of the profiler's
+  ``[memory]`` events, as ``boomfx.live_bytes.profiler_peak_bytes`` does for one process);
+- the bytes resident at the start of the step (its parameters as stored, optimizer state);
+- every collective the backend ran (the profiler's ``gloo:*`` events: name, dtype, element count of
+  each input), in issue order;
+- its local parameter shapes and storage sizes (FSDP2 pads dim-0 shards; the storage shows it);
+- the median wall time of the steps after warm-up (for the collective time model, issue 18).
+
+All configurations of one world size run in ONE spawn, one after the other, so a test session pays
+for process start-up and ``import torch`` once per world size.
+
+Used by ``benchmarks/distributed_gloo.py`` (all configurations, results in ``benchmarks/results/``)
+and by ``tests/test_distributed_memory.py`` (session-scoped runs). Never used inside predictions.
+
+Known limitations (gloo and CPU):
+- gloo has no reduce-scatter: ``reduce_scatter_tensor`` runs as a full ``all_reduce`` of the input
+  followed by a copy of this rank's chunk (the profiler shows ``gloo:all_reduce`` of the full size),
+  so its transient buffer is the full input, unlike NCCL's.
+- No streams on CPU: FSDP2's all-gather/reduce-scatter run on the default stream, so overlap (and
+  the memory it holds in flight on a GPU) is not exercised; prefetch order still is.
+- Mixed precision (``MixedPrecisionPolicy`` with bf16) runs on CPU but is not part of the default set.
+- Tensor parallelism here splits Llama's q/k/v/o and gate/up/down and GPT's MLP (fc/fc_out); GPT's
+  fused qkv projection cannot be column-split by head with ``ColwiseParallel`` and stays replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "examples") not in sys.path:
+    sys.path.insert(0, str(ROOT / "examples"))
+
+PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp")
+VOCAB = 256
+# The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
+# sizes dominate the allocator's and gloo's fixed-size scratch.
+MODEL_DIMS = {
+    "llama": dict(vocab=VOCAB, d=64, layers=2, heads=4, kv_heads=2, hidden=128),
+    "gpt": dict(vocab=VOCAB, d=64, layers=2, heads=4, max_seq=64),
+}
+TP_PLANS = {  # module-name suffix inside each layer -> "colwise" | "rowwise"
+    "llama": {
+        "q": "colwise",
+        "k": "colwise",
+        "v": "colwise",
+        "o": "rowwise",
+        "gate": "colwise",
+        "up": "colwise",
+        "down": "rowwise",
+    },
+    "gpt": {"fc": "colwise", "fc_out": "rowwise"},
+}
+
+
+@dataclass(frozen=True)
+class TruthConfig:
+    """One real run. ``batch`` is the batch each data-parallel rank feeds its model per step
+    (per-rank batch; TP ranks of one group see the same batch; for pipeline parallelism it is the
+    whole step's batch, cut into ``microbatches``)."""
+
+    model: str
+    parallel: str
+    world: int
+    batch: int = 4
+    seq: int = 32
+    reshard_after_forward: bool = True
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    bucket_cap_mb: float = 25.0
+    timed_steps: int = 3
+
+    @property
+    def name(self) -> str:
+        extra = ""
+        if self.parallel in ("fsdp", "hsdp", "tp_fsdp"):
+            extra = "-reshard" if self.reshard_after_forward else "-noreshard"
+        if self.parallel == "pp":
+            extra = f"-{self.schedule}-mb{self.microbatches}"
+        return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
+
+
+@dataclass
+class RankTruth:
+    rank: int
+    peak_bytes: int  # peak above the start of the measured step (profiler events)
+    start_param_bytes: int  # this rank's parameter storages at the start of the step
+    start_optimizer_bytes: int  # this rank's AdamW state storages
+    collectives: list[dict]  # {"op": "all_gather", "dtype": "float", "numel": [...]} in order
+    local_params: dict[str, dict] = field(default_factory=dict)  # name -> {"shape", "storage_bytes"}
+    step_time_s: float = 0.0
+    peak_samples: list[int] = field(default_factory=list)  # each measured step's peak; peak_bytes = min
+
+
+@dataclass
+class ConfigTruth:
+    config: TruthConfig
+    ranks: list[RankTruth]
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.config.name,
+            "config": asdict(self.config),
+            "ranks": [asdict(r) for r in self.ranks],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# models and how each parallelism wraps them
+
+
+def build_model(name: str) -> torch.nn.Module:
+    from models import GPT, Llama
+
+    torch.manual_seed(0)
+    return Llama(**MODEL_DIMS["llama"]) if name == "llama" else GPT(**MODEL_DIMS["gpt"])
+
+
+def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.layers if hasattr(model, "layers") else model.h
+
+
+def _tp_plan(model_name: str) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {module: styles[style]() for module, style in TP_PLANS[model_name].items()}
+
+
+def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for layer in layer_list(model):
+        parallelize_module(layer, mesh, _tp_plan(model_name))
+
+
+def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool) -> None:
+    """torchtitan's wrapping: each layer is a unit, then the root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layer_list(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+class _Stage(torch.nn.Module):
+    """The layers ``[lo, hi)`` of a GPT/Llama model, with the embedding on the first stage and the
+    final norm and head on the last (the manual stage split torchtitan uses)."""
+
+    def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.is_llama = hasattr(model, "layers")
+        self.first, self.last = first, last
+        if first:
+            self.embed = model.embed if self.is_llama else model.wte
+            if not self.is_llama:
+                self.wpe = model.wpe
+        self.layers = torch.nn.ModuleList(list(layer_list(model))[lo:hi])
+        if last:
+            self.norm = model.norm if self.is_llama else model.ln_f
+            self.lm_head = model.lm_head
+        self.head_dim = getattr(model, "head_dim", 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            t = x.shape[1]
+            x = self.embed(x) if self.is_llama else self.embed(x) + self.wpe(torch.arange(t))
+        if self.is_llama:
+            t = x.shape[1]
+            inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+            freqs = torch.outer(torch.arange(t).float(), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+        else:
+            for layer in self.layers:
+                x = layer(x)
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layers per stage: as even as possible, earlier stages take the remainder."""
+    base, extra = divmod(n_layers, stages)
+    ranges, lo = [], 0
+    for s in range(stages):
+        hi = lo + base + (1 if s < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def _mean_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return output.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank's run of one configuration
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter], dict]:
+    """(one-step function, parameters, names) of this rank for ``cfg``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if cfg.parallel == "pp":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        ranges = stage_layer_ranges(len(layer_list(model)), cfg.world)
+        lo, hi = ranges[rank]
+        module = _Stage(model, lo, hi, rank == 0, rank == cfg.world - 1)
+        stage = PipelineStage(module, rank, cfg.world, torch.device("cpu"))
+        cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
+        schedule = cls(stage, cfg.microbatches, loss_fn=_mean_loss)
+        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+        target = torch.zeros(cfg.batch, 1)
+        params = list(module.parameters())
+        opt = torch.optim.AdamW(params, foreach=True)
+
+        def step() -> None:
+            if rank == 0:
+                schedule.step(idx)
+            elif rank == cfg.world - 1:
+                schedule.step(target=target, losses=[])
+            else:
+                schedule.step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, opt, dict(module.named_parameters())
+
+    idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
+    if cfg.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    elif cfg.parallel == "fsdp":
+        _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
+    elif cfg.parallel == "tp":
+        _apply_tp(model, cfg.model, init_device_mesh("cpu", (cfg.world,)))
+        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+    elif cfg.parallel == "hsdp":
+        mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
+        _apply_fsdp(model, mesh, cfg.reshard_after_forward)
+    elif cfg.parallel == "tp_fsdp":
+        mesh = init_device_mesh("cpu", (cfg.world // 2, 2), mesh_dim_names=("dp", "tp"))
+        _apply_tp(model, cfg.model, mesh["tp"])
+        _apply_fsdp(model, mesh["dp"], cfg.reshard_after_forward)
+        dp_rank = mesh["dp"].get_local_rank()
+        idx = torch.randint(
+            0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(1000 + dp_rank)
+        )
+    else:
+        raise ValueError(f"unknown parallelism {cfg.parallel!r}")
+    del dist
+    opt = torch.optim.AdamW(_param_groups(model), foreach=True)
+
+    def step() -> None:
+        model(idx).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt, dict(model.named_parameters())
+
+
+def _param_groups(model: torch.nn.Module) -> list[dict]:
+    """DTensor and plain parameters in separate groups: a foreach op cannot mix them (tensor
+    parallelism leaves the embeddings, norms and head replicated as plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [
+        [p for p in params if isinstance(p, DTensor)],
+        [p for p in params if not isinstance(p, DTensor)],
+    ]
+    return [{"params": g} for g in groups if g]
+
+
+MEASURED_STEP = "boomfx_truth_measured_step"
+MEASURED_STEPS = 3
+
+
+def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
+    """(peak bytes above its start of each of MEASURED_STEPS real steps, collectives of the first).
+
+    The profiler window holds one step before them: a block allocated before the window and freed
+    inside it has no allocation event, so its free would be dropped (the profiler warns "Memory block
+    of unknown size"); e.g. a pipeline stage keeps the previous step's outputs until the next step.
+    Several steps, because gloo releases a collective's buffers when its Work object dies, which can
+    happen on gloo's thread after the main thread moved on: a step's peak is then one buffer higher
+    (seen: +2 x 73,984 B, one layer's FSDP all-gather output, in about one run in four). The minimum
+    over the steps is the peak with every buffer released in program order.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()
+    gc.disable()  # a cyclic collection inside the step would free autograd cycles at random points
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+            step()
+            for _ in range(MEASURED_STEPS):
+                gc.collect()
+                with record_function(MEASURED_STEP):
+                    step()
+    finally:
+        gc.enable()
+    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+    windows = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == MEASURED_STEP)
+    peaks: list[int] = []
+    collectives: list[dict] = []
+    running = 0
+    window = start = peak = None
+    for e in events:
+        t = e.start_ns()
+        if window is not None and t > windows[window][1]:
+            peaks.append(peak - start)
+            window = None
+        if window is None and len(peaks) < len(windows) and t >= windows[len(peaks)][0]:
+            window = len(peaks)
+            start = peak = running
+        name = e.name()
+        if name == "[memory]":
+            running += e.nbytes()
+            if window is not None:
+                peak = max(peak, running)
+        elif name.startswith("gloo:") and window == 0:
+            numels = [_numel(s) for s in e.shapes() if s]
+            collectives.append(
+                {"op": name[len("gloo:") :], "dtype": (e.dtypes() or [""])[0], "numel": numels}
+            )
+    if window is not None:
+        peaks.append(peak - start)
+    return peaks, collectives
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
+    import torch.distributed as dist
+
+    step, opt, named = _prepare(cfg, rank)
+    step()  # AdamW creates its state (and DDP its buckets) on the first step
+    dist.barrier()
+    params = [_local(p) for p in named.values()]
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    start_params = _storage_bytes(params)
+    start_opt = _storage_bytes([_local(v) for v in state])
+    local = {
+        n: {"shape": list(_local(p).shape), "storage_bytes": _local(p).untyped_storage().nbytes()}
+        for n, p in named.items()
+    }
+    peaks, collectives = _profiled_steps(step)
+    times = []
+    for _ in range(cfg.timed_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return RankTruth(
+        rank, min(peaks), start_params, start_opt, collectives, local, statistics.median(times), peaks
+    )
+
+
+def _worker(rank: int, world: int, port: int, configs: list[TruthConfig], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = []
+        for cfg in configs:
+            results.append(asdict(run_config_on_rank(cfg, rank)))
+            gc.collect()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
+    """Run every configuration (all with the same world size) in one spawn of ``world`` processes."""
+    import torch.multiprocessing as mp
+
+    worlds = {c.world for c in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"one world size per spawn, got {sorted(worlds)}")
+    world = worlds.pop()
+    with tempfile.TemporaryDirectory() as out_dir:
+        env = {"OMP_NUM_THREADS": "1"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            mp.spawn(_worker, (world, _free_port(), list(configs), out_dir), nprocs=world, join=True)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    return [
+        ConfigTruth(cfg, [RankTruth(**per_rank[r][i]) for r in range(world)]) for i, cfg in enumerate(configs)
+    ]
+
+
+def default_configs() -> list[TruthConfig]:
+    """The benchmark's set: both models under every parallelism (2 ranks; HSDP and TP x FSDP on 4)."""
+    configs = []
+    for model in ("llama", "gpt"):
+        configs += [
+            TruthConfig(model, "ddp", 2),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
+            TruthConfig(model, "tp", 2),
+            TruthConfig(model, "pp", 2, schedule="1f1b"),
+            TruthConfig(model, "pp", 2, schedule="gpipe"),
+            TruthConfig(model, "hsdp", 4),
+            TruthConfig(model, "tp_fsdp", 4),
+        ]
+    return configs

@@ -1,0 +1,199 @@
+"""Per-rank analysis: each rank class's program through the usual passes, liveness and allocator replay.
+
+``DistributedAnalysis(program, cfg, device)`` rewrites the training program into one program per
+rank class (``ranks.rank_programs``) and keeps one ``Analysis`` per class, so a sweep or a
+``--max-batch`` search re-evaluates without re-tracing. ``evaluate(bindings)`` returns the Report of
+one rank (the worst by default, ``rank=`` another), with ``report.parallel`` holding every class:
+its ranks, peak live / allocated / reserved memory, fit verdict, step time and the collectives it
+issues with their sizes.
+
+Batch: the bindings are per rank (``--batch`` is each data-parallel rank's batch); the global batch
+is ``batch x dp_replicate x dp_shard``.
+
+Known limitations:
+- Collective time is the pricer's byte-based fallback, not a network model (issue 18).
+- Memory a communication library holds outside the caching allocator (NCCL's channel buffers) is
+  not added; gloo's transient copies inside a collective (measured: one output-sized buffer during
+  an all-gather) are not graph storages either and never coincide with the peaks measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional
+
+import sympy
+import torch
+
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions, PointResult
+from boomfx.core.devices import DeviceSpec
+from boomfx.distributed.plan import ParallelConfig
+from boomfx.distributed.ranks import RankClass, rank_programs
+from boomfx.core.errors import OptionError
+from boomfx.core.program import Program
+
+_C10D_NAMESPACE = "_c10d_functional"
+
+
+@dataclass
+class CollectiveReport:
+    op: str  # e.g. "all_gather_into_tensor_out"
+    group: str  # mesh dimension: dp_shard, dp_replicate, tp, pp
+    input_bytes: int
+    output_bytes: int
+    phase: str
+    module: str
+
+
+@dataclass
+class RankClassReport:
+    ranks: list[int]
+    description: str
+    peak_live_bytes: int
+    resident_bytes: int
+    peak_allocated_bytes: Optional[int]  # CUDA targets: the caching-allocator replay
+    peak_reserved_bytes: Optional[int]
+    total_device_bytes: int
+    fits: bool
+    step_time_ns: float
+    collectives: list[CollectiveReport] = field(default_factory=list)
+
+
+@dataclass
+class ParallelReport:
+    config: dict[str, Any]
+    world: int
+    batch_per_rank: Optional[int]
+    global_batch: Optional[int]
+    micro_batch: Optional[int]
+    worst_rank: int
+    shown_rank: int
+    classes: list[RankClassReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DistributedAnalysis:
+    """One ``Analysis`` per rank class of ``program`` under ``cfg``."""
+
+    def __init__(
+        self,
+        program: Program,
+        cfg: ParallelConfig,
+        device: DeviceSpec,
+        options: AnalyzeOptions = AnalyzeOptions(),
+        reuse_blocks: bool = True,
+    ) -> None:
+        self.program = program
+        self.cfg = cfg
+        self.device = device
+        from boomfx.distributed.model_shape import model_shape
+        from boomfx.distributed.plan import check_against_model
+
+        check_against_model(cfg, model_shape(program, cfg))
+        self.classes: list[RankClass] = rank_programs(program, cfg)
+        self.analyses = [
+            Analysis(rc.program, device, options, reuse_blocks=reuse_blocks) for rc in self.classes
+        ]
+
+    def class_of(self, rank: int) -> int:
+        for i, rc in enumerate(self.classes):
+            if rank in rc.ranks:
+                return i
+        raise OptionError(f"--rank {rank}: the world has ranks 0..{self.cfg.world - 1}")
+
+    def evaluate(
+        self,
+        bindings: Mapping[sympy.Symbol, int],
+        rank: Optional[int] = None,
+        record_trace: bool = False,
+        memory_only: bool = False,
+    ) -> PointResult:
+        points = [
+            a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses
+        ]
+        reports = [
+            self._class_report(rc, a, p, bindings) for rc, a, p in zip(self.classes, self.analyses, points)
+        ]
+        worst = max(range(len(reports)), key=lambda i: (reports[i].total_device_bytes, -reports[i].ranks[0]))
+        shown = self.class_of(rank) if rank is not None else worst
+        point = points[shown]
+        batch = self._batch(bindings)
+        micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
+        point.report.parallel = ParallelReport(
+            config={k: v for k, v in asdict(self.cfg).items()},
+            world=self.cfg.world,
+            batch_per_rank=batch,
+            global_batch=self.cfg.global_batch(batch) if batch is not None else None,
+            micro_batch=micro,
+            worst_rank=reports[worst].ranks[0],
+            shown_rank=rank if rank is not None else reports[worst].ranks[0],
+            classes=reports,
+        ).to_dict()
+        return point
+
+    def fits(self, bindings: Mapping[sympy.Symbol, int]) -> bool:
+        return all(a.evaluate(bindings, memory_only=True).report.memory.fits for a in self.analyses)
+
+    def _batch(self, bindings: Mapping[sympy.Symbol, int]) -> Optional[int]:
+        for info in self.program.symbols.values():
+            if info.role == "batch":
+                return bindings.get(info.symbol)
+        return None
+
+    def _class_report(
+        self, rc: RankClass, analysis: Analysis, point: PointResult, bindings: Mapping[sympy.Symbol, int]
+    ) -> RankClassReport:
+        m = point.report.memory
+        a = m.allocator
+        return RankClassReport(
+            list(rc.ranks),
+            rc.description,
+            m.peak_live_bytes,
+            m.resident_bytes,
+            a.peak_allocated_bytes if a else None,
+            a.peak_reserved_bytes if a else None,
+            m.total_device_bytes,
+            m.fits,
+            point.report.time.total_ns,
+            collectives(rc.program, analysis.evaluator(bindings)),
+        )
+
+
+def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
+    """Every collective node of ``program`` in program order, with its buffers' sizes at ``ev``."""
+    from boomfx.core.layers import module_path
+    from boomfx.passes.liveness import _compute_nbytes
+
+    out = []
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace != _C10D_NAMESPACE or target.overloadpacket.__name__ == "wait_tensor":
+            continue
+        inp = node.args[0]
+        group = _group_arg(node)
+        in_bytes = ev(_compute_nbytes(inp.meta["val"])) if isinstance(inp, torch.fx.Node) else 0
+        out_bytes = (
+            ev(_compute_nbytes(node.meta["val"])) if isinstance(node.meta.get("val"), torch.Tensor) else 0
+        )
+        out.append(
+            CollectiveReport(
+                target.overloadpacket.__name__,
+                group,
+                int(in_bytes),
+                int(out_bytes),
+                program.phase_of(node),
+                module_path(node),
+            )
+        )
+    return out
+
+
+def _group_arg(node: torch.fx.Node) -> str:
+    for arg in list(node.args) + list(node.kwargs.values()):
+        if isinstance(arg, str) and arg not in ("sum", "avg", "max", "min"):
+            return arg
+    return ""

@@ -1,0 +1,134 @@
+"""``boomfx analyze --parallel ...``: the distributed options, their parsing and the per-rank output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Optional
+
+from boomfx.distributed.plan import DEFAULT_BUCKET_CAP_MB, SCHEDULES, ParallelConfig
+from boomfx.core.errors import OptionError
+from boomfx.core.units import fmt_bytes, fmt_time
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed training (per-rank programs and memory)")
+    g.add_argument(
+        "--parallel",
+        default=None,
+        metavar="DEGREES",
+        help="dp_replicate=N,dp_shard=N,tp=N,pp=N[,sp]: DDP / FSDP2 / tensor / pipeline degrees; "
+        "--batch is then per data-parallel rank",
+    )
+    g.add_argument("--nodes", type=int, default=1, help="nodes in the world (with --gpus-per-node)")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: degrees / nodes)")
+    g.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    g.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)"
+    )
+    g.add_argument(
+        "--reshard-after-forward",
+        default="true",
+        choices=("true", "false"),
+        help="FSDP2 reshard_after_forward for every unit (default true)",
+    )
+    g.add_argument(
+        "--fsdp-param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy param_dtype (bf16, fp32)"
+    )
+    g.add_argument("--fsdp-reduce-dtype", default=None, help="FSDP2 MixedPrecisionPolicy reduce_dtype")
+    g.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB, help="DDP bucket size (25)")
+    g.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
+    g.add_argument(
+        "--tp-plan",
+        default="",
+        metavar="PATTERN=STYLE,...",
+        help="explicit tensor-parallel plan: module fnmatch pattern = colwise|rowwise",
+    )
+    g.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank whose report, trace and snapshot to show " "(default: the worst rank)",
+    )
+
+
+def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
+    if not args.parallel:
+        if args.rank is not None:
+            raise OptionError("--rank needs --parallel")
+        return None
+    plan = []
+    for item in (i.strip() for i in args.tp_plan.split(",") if i.strip()):
+        pattern, sep, style = item.partition("=")
+        if not sep:
+            raise OptionError(f"--tp-plan: {item!r} is not PATTERN=colwise|rowwise")
+        plan.append((pattern.strip(), style.strip()))
+    return ParallelConfig.parse(
+        args.parallel,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches,
+        reshard_after_forward=args.reshard_after_forward == "true",
+        fsdp_param_dtype=args.fsdp_param_dtype,
+        fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+        bucket_cap_mb=args.bucket_cap_mb,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
+        tp_plan=tuple(plan),
+    )
+
+
+def render_parallel(parallel: dict[str, Any]) -> str:
+    """The per-rank table printed under the shown rank's report."""
+    cfg = ParallelConfig(
+        **{**parallel["config"], "tp_plan": tuple(tuple(x) for x in parallel["config"]["tp_plan"])}
+    )
+    batch = parallel.get("batch_per_rank")
+    lines = ["", f"Per-rank memory: {cfg.describe()} on {parallel['world']} ranks"]
+    if batch is not None:
+        extra = f", micro-batch {parallel['micro_batch']}" if parallel.get("micro_batch") else ""
+        lines.append(
+            f"  batch {batch} per data-parallel rank (global batch {parallel['global_batch']}{extra})"
+        )
+    header = [
+        "ranks",
+        "program",
+        "peak live",
+        "peak allocated",
+        "peak reserved",
+        "device total",
+        "fits",
+        "step",
+    ]
+    rows = []
+    for c in parallel["classes"]:
+        rows.append(
+            [
+                _ranks(c["ranks"]),
+                c["description"],
+                fmt_bytes(c["peak_live_bytes"]),
+                fmt_bytes(c["peak_allocated_bytes"]) if c["peak_allocated_bytes"] is not None else "-",
+                fmt_bytes(c["peak_reserved_bytes"]) if c["peak_reserved_bytes"] is not None else "-",
+                fmt_bytes(c["total_device_bytes"]),
+                "yes" if c["fits"] else "NO",
+                fmt_time(c["step_time_ns"]),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        lines.append("  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)))
+    lines.append(
+        f"  worst rank: {parallel['worst_rank']}; the report above is rank {parallel['shown_rank']}'s"
+    )
+    lines.append("  collective times are priced by bytes moved only (no network model yet)")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def dump(parallel: dict[str, Any]) -> str:
+    return json.dumps(parallel, indent=2)

@@ -1,0 +1,117 @@
+"""What the parallel plan needs to know of the model, read from the export: layers, heads, TP plan.
+
+The tensor-parallel plan is derived the way torchtitan writes it by hand: inside each layer of the
+main layer list, linear weights whose module is named like an attention input projection (q/k/v) or
+an MLP input projection (gate/up/fc) are split column-wise (output features), those named like an
+output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
+'layers.*.q=colwise,...'``, fnmatch patterns on module paths) replaces the derived one. Fused
+projections (GPT-2's ``c_attn``, one [3d, d] weight) cannot be split by head with a plain column
+split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly.
+
+Heads come from the attention op itself (``scaled_dot_product_attention``'s query is
+``[batch, heads, seq, head_dim]``); key/value heads from the k projection's width / head_dim.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Optional
+
+import torch
+
+from boomfx.training.checkpointing import find_layer_list, layer_names
+from boomfx.distributed.plan import ModelShape, ParallelConfig
+from boomfx.core.program import ROLE_PARAM, Program
+
+COLWISE_NAMES = frozenset(
+    {
+        "q",
+        "k",
+        "v",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "query",
+        "key",
+        "value",
+        "wq",
+        "wk",
+        "wv",
+        "gate",
+        "up",
+        "gate_proj",
+        "up_proj",
+        "fc",
+        "fc1",
+        "c_fc",
+        "w1",
+        "w3",
+    }
+)
+ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
+KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
+_SDPA = {
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
+
+
+def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str, str]:
+    """Weight FQN -> "colwise" | "rowwise" for every projected weight inside the layer list."""
+    prefix = find_layer_list(program.graph)
+    layers = layer_names(program.graph, prefix) if prefix else []
+    explicit = tuple(cfg.tp_plan) if cfg is not None else ()
+    plan: dict[str, str] = {}
+    for name, fqn in program.param_names.items():
+        if program.input_roles.get(name) != ROLE_PARAM or not fqn.endswith(".weight"):
+            continue
+        module = fqn[: -len(".weight")]
+        val = _param_val(program, name)
+        if val is None or val.dim() != 2:
+            continue
+        if explicit:
+            for pattern, style in explicit:
+                if fnmatch.fnmatchcase(module, pattern):
+                    plan[fqn] = style
+            continue
+        if not any(module.startswith(layer + ".") for layer in layers):
+            continue
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf in COLWISE_NAMES:
+            plan[fqn] = "colwise"
+        elif leaf in ROWWISE_NAMES:
+            plan[fqn] = "rowwise"
+    return plan
+
+
+def _param_val(program: Program, placeholder: str) -> Optional[torch.Tensor]:
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name == placeholder:
+            val = node.meta.get("val")
+            return val if isinstance(val, torch.Tensor) else None
+    return None
+
+
+def model_shape(program: Program, cfg: Optional[ParallelConfig] = None) -> ModelShape:
+    prefix = find_layer_list(program.graph)
+    layers = layer_names(program.graph, prefix) if prefix else []
+    heads = head_dim = None
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA:
+            q = node.args[0].meta.get("val")
+            heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+            break
+    projected: dict[str, tuple[str, int]] = {}
+    kv_heads = None
+    vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
+    if cfg is None or cfg.tp > 1:
+        for fqn, style in tp_plan(program, cfg).items():
+            val = vals[fqn]
+            size = int(val.shape[0] if style == "colwise" else val.shape[1])
+            projected[fqn] = (style, size)
+            leaf = fqn[: -len(".weight")].rsplit(".", 1)[-1]
+            if leaf in KEY_NAMES and head_dim:
+                kv_heads = size // head_dim
+    return ModelShape(layers=len(layers), heads=heads, kv_heads=kv_heads, projected=projected)
