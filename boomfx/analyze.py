@@ -198,6 +198,7 @@ class Analysis:
         report.time.cold_start_ns = cold_ns
         report.time.host_costs_source = costs.source if (entries or cold_ns) else ""
         report.warnings.extend(self.program.warnings)
+        report.warnings.extend(getattr(self.pricer, "warnings", ()))   # e.g. no rows of this device in --db
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 

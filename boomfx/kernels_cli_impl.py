@@ -201,7 +201,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.device_rows import devices_in
     with _existing_store(args.db) as store:
+        held = devices_in(store)
+        print(f"{args.db}: {store.count()} rows of {len(held)} device{'s' if len(held) != 1 else ''}"
+              + (" (each device is priced only by its own rows)" if len(held) > 1 else ""))
+        for d in held:
+            print(f"  {d.device_name} ({d.device_kind}): {d.rows} rows, {d.fingerprints} fingerprint"
+                  f"{'s' if d.fingerprints != 1 else ''}")
         for fp in store.fingerprints():
             ops = Counter(rec.key.op for rec in store.records(fp))
             sources = Counter(rec.source for rec in store.records(fp))
