@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from boomfx.analyze import analyze
+from boomfx.analysis.analysis import analyze
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "memory_growth.json"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from boomfx.devices import DeviceSpec, UnknownDeviceError, get_device
+from boomfx.core.devices import DeviceSpec, UnknownDeviceError, get_device
 from boomfx.kernels_db.schema import DeviceFingerprint
 from boomfx.kernels_db.store import Store, device_slug
 

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from boomfx.devices import DeviceSpec, cpu_spec
+from boomfx.core.devices import DeviceSpec, cpu_spec
 from boomfx.kernels_db.keys import _materialise, op_from_name
 from boomfx.kernels_db.roofline import roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey
@@ -56,7 +56,7 @@ SUSPECT_SHARE_OF_STEP = 0.02   # analysis warns when implausible rows price at l
 
 def device_of(fingerprint: DeviceFingerprint) -> Optional[DeviceSpec]:
     """The registry spec of a fingerprint's device (``cpu_spec`` for a CPU), None for an unknown GPU."""
-    from boomfx.devices import UnknownDeviceError, get_device
+    from boomfx.core.devices import UnknownDeviceError, get_device
     from boomfx.kernels_db.device_rows import canonical_device_name
     if fingerprint.device_kind == "cpu":
         return cpu_spec()

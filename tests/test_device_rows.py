@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from boomfx.analyze import analyze
-from boomfx.cli import main
-from boomfx.devices import get_device
+from boomfx.analysis.analysis import analyze
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.blocks_db import BLOCK_OP, block_records
 from boomfx.kernels_db.collectors import build_call, spec
 from boomfx.kernels_db.device_rows import devices_in, is_of_device

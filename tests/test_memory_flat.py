@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _SCRIPT = textwrap.dedent("""
     import gc, json, os, sys
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from boomfx.analyze import analyze
+    from boomfx.analysis.analysis import analyze
     def sample():
         gc.collect()
         rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20

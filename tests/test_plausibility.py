@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions, analyze
-from boomfx.capture import capture, resolve_bindings
-from boomfx.cli import main
-from boomfx.devices import get_device
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions, analyze
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
 from boomfx.kernels_db import plausibility as P
 from boomfx.kernels_db.collect import collect_calls
 from boomfx.kernels_db.collectors import build_call, spec
@@ -19,7 +19,7 @@ from boomfx.kernels_db.measure import Measurement, Measurer
 from boomfx.kernels_db.roofline import roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelRecord
 from boomfx.kernels_db.store import Store
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 
 aten = torch.ops.aten
 F32 = torch.float32

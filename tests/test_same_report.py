@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+_MAIN = "import sys; from boomfx.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _reports(args: list[str]) -> list[dict]:
     procs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        procs.append(subprocess.Popen([sys.executable, "-m", "boomfx.cli", "analyze", *args, "--json"],
+        procs.append(subprocess.Popen([sys.executable, "-c", _MAIN, "analyze", *args, "--json"],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
     reports = []
     for proc in procs:
