@@ -25,7 +25,7 @@ Example::
     # later, boomfx analyze gpt2.pt2 --db path ... prices h.* instances as "block-measured"
 
 Known limitations:
-- Only the target device's own rows are used (matched by device name); block times are not
+- Only the target device's own rows are used (``device_rows.is_of_device``); block times are not
   transferred between GPUs (``--from-db``).
 - A CPU block time includes dispatch, as CPU kernel rows do; the scaled kernels carry it.
 - A class is keyed by its symbolic signature: a re-export that renames size symbols is a new class.
@@ -46,6 +46,8 @@ from boomfx.passes.blocks import BlockInfo
 from boomfx.passes.evaluate import Evaluator
 from boomfx.kernels_db.block_runner import BlockGraph, BlockTooLargeError, extract_block, make_block_inputs, \
     time_block
+from boomfx.core.devices import get_device
+from boomfx.kernels_db.device_rows import is_of_device
 from boomfx.kernels_db.measure import current_fingerprint
 from boomfx.kernels_db.progress import Progress
 from boomfx.kernels_db.price import PriceSource
@@ -89,11 +91,12 @@ def is_block_record(record: KernelRecord) -> bool:
     return record.key.op == BLOCK_OP
 
 
-def block_records(store: Store, device_name: str) -> dict[str, KernelRecord]:
-    """key_hash -> the newest block row measured on a device of that registry name."""
+def block_records(store: Store, device: Union[str, DeviceSpec]) -> dict[str, KernelRecord]:
+    """key_hash -> the newest block row measured on ``device`` (a spec, or a registry name or alias);
+    rows of other devices in the same file are never used (``device_rows.py``)."""
+    spec = get_device(device) if isinstance(device, str) else device
     with store:
-        return {rec.key.key_hash: rec for rec in store.records(op=BLOCK_OP)
-                if rec.fingerprint.device_name == device_name}
+        return {rec.key.key_hash: rec for rec in store.records(op=BLOCK_OP) if is_of_device(rec.fingerprint, spec)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch.fx
 from boomfx.kernels_db import collectors
 from boomfx.kernels_db.keys import kernel_key
 from boomfx.kernels_db.measure import Measurer
+from boomfx.kernels_db.plausibility import PlausibilityCheck, Rejection
 from boomfx.kernels_db.progress import Progress
 from boomfx.kernels_db.schema import KernelKey
 from boomfx.kernels_db.store import Store
@@ -49,6 +50,7 @@ class CollectResult:
     pending: int = 0
     elapsed_s: float = 0.0
     measured_keys: tuple[str, ...] = field(default=(), repr=False)
+    rejected: tuple[Rejection, ...] = ()   # measured but implausible, not stored (kernels_db/plausibility.py)
 
 
 def unique_keys(calls: Iterable[OpCall]) -> list[KernelKey]:
@@ -66,12 +68,21 @@ def collect_keys(
     measurer: Measurer,
     budget_s: Optional[float] = None,
     progress: Union[bool, Progress, None] = None,
+    calls: Optional[Mapping[str, OpCall]] = None,
 ) -> CollectResult:
-    """Measure the keys the store lacks (for the measurer's fingerprint), committing each as it finishes."""
+    """Measure the keys the store lacks (for the measurer's fingerprint), committing each as it finishes.
+
+    Implausible measurements (``plausibility.py``: far slower than the roofline of their work, or far slower
+    than a larger call of the same op) are refused and listed in ``CollectResult.rejected``; a row that a
+    later, larger measurement shows to be implausible is removed again before this returns. ``calls``
+    (key_hash -> OpCall) spares rebuilding each key's call for the roofline check.
+    """
     start = time.monotonic()
     fingerprint = measurer.fingerprint()
+    calls = calls or {}
     with store:
         present = store.key_hashes(fingerprint)
+        check = PlausibilityCheck(fingerprint, store.records(fingerprint))
         todo = [k for k in keys if k.key_hash not in present]
         skipped = len(keys) - len(todo)
         bar = (
@@ -84,27 +95,35 @@ def collect_keys(
             )
         )
         failed: list[tuple[KernelKey, str]] = []
+        rejected: list[Rejection] = []
         done: list[str] = []
+        pending = 0
         with bar:
             for i, key in enumerate(todo):
                 if budget_s is not None and time.monotonic() - start >= budget_s:
-                    return CollectResult(
-                        len(done),
-                        skipped,
-                        tuple(failed),
-                        len(todo) - i,
-                        time.monotonic() - start,
-                        tuple(done),
-                    )
+                    pending = len(todo) - i
+                    break
                 try:
                     measurement = measurer.measure(key)
                 except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is reported, not stored
                     failed.append((key, f"{type(exc).__name__}: {exc}"))
                 else:
-                    store.put(measurement.record(fingerprint, key))
-                    done.append(key.key_hash)
+                    why = check.check(key, measurement.median_ns, measurement.host_ns, calls.get(key.key_hash))
+                    if why is not None:
+                        rejected.append(Rejection(key, why))
+                    else:
+                        store.put(measurement.record(fingerprint, key))
+                        done.append(key.key_hash)
                 bar.update(note=key.op)
-    return CollectResult(len(done), skipped, tuple(failed), 0, time.monotonic() - start, tuple(done))
+        by_hash = {k.key_hash: k for k in todo}
+        for key_hash, why in check.inversions(done):   # a larger call measured after a smaller one
+            store.delete(fingerprint, key_hash)
+            check.forget(key_hash)
+            rejected.append(Rejection(by_hash[key_hash], why))
+        removed = {r.key.key_hash for r in rejected}
+        done = [h for h in done if h not in removed]
+    return CollectResult(len(done), skipped, tuple(failed), pending, time.monotonic() - start, tuple(done),
+                         tuple(rejected))
 
 
 def collect_calls(
@@ -126,7 +145,11 @@ def collect_calls(
         measurer: a configured ``Measurer`` (or any object with ``measure``/``fingerprint``).
     """
     measurer = measurer if measurer is not None else Measurer(device)
-    return collect_keys(store, unique_keys(calls), measurer, budget_s, progress)
+    calls = list(calls)
+    by_hash: dict[str, OpCall] = {}
+    for call in calls:
+        by_hash.setdefault(kernel_key(call).key_hash, call)
+    return collect_keys(store, unique_keys(calls), measurer, budget_s, progress, calls=by_hash)
 
 
 def sweep_calls(

@@ -49,6 +49,7 @@ import torch
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db.collective_model import COLLECTIVE_OP
+from boomfx.kernels_db.device_rows import device_fingerprints, no_rows_warning
 from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
@@ -237,7 +238,9 @@ class KernelPricer:
         device: the target's ``DeviceSpec`` (roofline peaks, efficiencies, launch/issue times).
         model: optional ``(call, device) -> time_ns or None`` consulted after the database, before roofline.
         model_source: how to label the model's answers ("model" or "transferred").
-        fingerprint: only use rows of this fingerprint (default: every row, newest per key).
+        fingerprint: only use rows of this fingerprint (default: the rows of every fingerprint measured on
+            ``device``, newest per key; other devices' rows in the same file are never used, see
+            ``device_rows``).
     """
 
     def __init__(
@@ -254,9 +257,18 @@ class KernelPricer:
         self._exact: dict[str, KernelRecord] = {}
         self.host_records: dict[str, KernelRecord] = {}
         self._memo: dict[str, KernelPrice] = {}
+        self.warnings: list[str] = []    # e.g. "the file holds no rows of this device" (device_rows.py)
         if store is not None:
             with store:
-                for rec in store.records(fingerprint):  # oldest first: newer rows overwrite
+                fingerprints = [fingerprint] if fingerprint is not None else device_fingerprints(store, device)
+                records = [rec for fp in fingerprints for rec in store.records(fp)]
+                records.sort(key=lambda rec: rec.created_at)
+                if fingerprint is None and not records:
+                    fallback = "the GPU kernel model and the roofline" if device.kind == "cuda" else "the roofline"
+                    warning = no_rows_warning(store, device, fallback)
+                    if warning:
+                        self.warnings.append(warning)
+                for rec in records:  # oldest first: newer rows overwrite
                     if rec.key.op in (BLOCK_OP, COLLECTIVE_OP):  # blocks (blocks_db.py), collectives (collectives.py)
                         continue
                     if rec.key.op == HOST_OP:   # compiled-graph entry costs, not kernels (host_overheads.py)

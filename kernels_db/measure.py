@@ -203,6 +203,7 @@ class Measurer:
         num_threads: Optional[int] = None,
         cpu_clock: str = "wall",
         cpu_flush_bytes: int = 0,
+        clock: Optional[Callable[[], int]] = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -231,6 +232,8 @@ class Measurer:
         # path flushes L2; ``effective_cache_bytes()`` measures the size that makes a read cold.
         # Batched tiny ops (inner > 1) are left hot: their cost is dispatch, whose code is hot in a step.
         self.cpu_flush_bytes = int(cpu_flush_bytes)
+        # the CPU sample clock (ns), injectable so tests can play a busy machine without loading the real one
+        self.clock = clock
         self._cpu_flush: Optional[torch.Tensor] = None
         self._host_cache: dict[str, float] = {}
         self._fallback_host_ns: Optional[float] = None
@@ -276,6 +279,8 @@ class Measurer:
             if torch.get_num_threads() != 1:
                 raise RuntimeError("Measurer(cpu_clock='thread') needs torch.get_num_threads() == 1")
             clock = time.thread_time_ns
+        if self.clock is not None:
+            clock = self.clock
         start = clock()
         calls = 0
         while calls < 2 or clock() - start < self.warmup_ns:

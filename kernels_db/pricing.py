@@ -1,8 +1,8 @@
 """Where a kernel gets its price. Built once per analysis, in this order of preference:
 
 1. the target device's own kernel database: measured > interpolated (``kernels_db.lookup``);
-2. with ``--from-db``, kernels measured on another GPU, transferred kernel by kernel to the target
-   through the GPU kernel model (labelled "transferred");
+2. with ``--from-db``, kernels measured on other GPUs, transferred kernel by kernel to the target
+   through the GPU kernel model (labelled "transferred"), each source GPU priced by its own rows;
 3. for CUDA targets, the GPU kernel model fitted on public measurements (labelled "model");
 4. the datasheet roofline (labelled "roofline").
 Every price carries its source; the report totals the share of time each source priced. Host time
@@ -32,22 +32,28 @@ __all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "
 
 @dataclass
 class _TransferModel:
-    """Prices a call on the target from the source GPU's database: source price x model ratio."""
+    """Prices a call on the target from source GPUs' rows: source price x model ratio.
 
-    source_pricer: Pricer
-    source: DeviceSpec
+    ``sources`` holds one (pricer, device) per GPU of the ``--from-db`` file, each pricer reading only that
+    GPU's rows (``kernels_db/device_rows.py``), nearest to the target first (``_source_order``): the first
+    source that measured or can interpolate the call prices it.
+    """
+
+    sources: list[tuple[Any, DeviceSpec]]
     gpu_model: "GpuKernelModel"
 
     def __call__(self, call: OpCall, target: DeviceSpec) -> Optional[float]:
         from boomfx.kernels_db.roofline import roofline_ns
-        price = self.source_pricer.price(call, _call_cost(call))
-        if price.source not in (PriceSource.MEASURED, PriceSource.INTERPOLATED):
-            return None
-        ratio_model = self.gpu_model.transfer_ns(price.time_ns, call, self.source, target)
-        if ratio_model is not None:
-            return ratio_model
         cost = _call_cost(call)
-        return price.time_ns * roofline_ns(call, cost, target) / roofline_ns(call, cost, self.source)
+        for pricer, source in self.sources:
+            price = pricer.price(call, cost)
+            if price.source not in (PriceSource.MEASURED, PriceSource.INTERPOLATED):
+                continue
+            ratio_model = self.gpu_model.transfer_ns(price.time_ns, call, source, target)
+            if ratio_model is not None:
+                return ratio_model
+            return price.time_ns * roofline_ns(call, cost, target) / roofline_ns(call, cost, source)
+        return None
 
 
 def _call_cost(call: OpCall) -> Cost:
@@ -55,16 +61,34 @@ def _call_cost(call: OpCall) -> Cost:
     return price_call(call).cost
 
 
-def _source_device(store_path: Path) -> DeviceSpec:
+def _source_order(source: DeviceSpec, target: DeviceSpec) -> tuple:
+    """Nearest source first: the target itself, then the same architecture (compute capability), then the
+    closest memory bandwidth (most kernels of a step are memory-bound), then by name (deterministic)."""
+    import math
+    bandwidth_gap = abs(math.log(source.memory_bandwidth_bytes_per_s / target.memory_bandwidth_bytes_per_s))
+    return (source.name != target.name, source.compute_capability != target.compute_capability,
+            bandwidth_gap, source.name)
+
+
+def _source_pricers(store_path: Path, target: DeviceSpec) -> list[tuple[Any, DeviceSpec]]:
+    """One pricer per known GPU of the ``--from-db`` file, each over that GPU's rows only, nearest first."""
+    from boomfx.kernels_db.device_rows import devices_in
+    from boomfx.kernels_db.lookup import KernelPricer
     from boomfx.kernels_db.store import Store
-    with Store(store_path) as store:
-        names = sorted({fp.device_name for fp in store.fingerprints()})
-    for name in names:
+    held = devices_in(Store(store_path))
+    specs = []
+    for d in held:
         try:
-            return get_device(name)
+            spec = get_device(d.device_name)
         except KeyError:
             continue
-    raise OptionError(f"--from-db {store_path}: its device ({', '.join(names) or 'none'}) is not a known device")
+        if spec.kind == "cuda":
+            specs.append(spec)
+    if not specs:
+        names = ", ".join(d.device_name for d in held) or "none"
+        raise OptionError(f"--from-db {store_path}: its devices ({names}) are not known GPUs")
+    specs.sort(key=lambda spec: _source_order(spec, target))
+    return [(KernelPricer(Store(store_path), spec), spec) for spec in specs]
 
 
 class _ModelBackedPricer:
@@ -74,6 +98,7 @@ class _ModelBackedPricer:
         self.inner = inner
         self.gpu_model = gpu_model
         self.device = device
+        self.warnings = inner.warnings
 
     @property
     def host_records(self) -> Mapping[str, KernelRecord]:
@@ -106,8 +131,7 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
         src_path = Path(from_db)
         if not src_path.exists():
             raise OptionError(f"--from-db: no kernel database at {src_path}")
-        src_device = _source_device(src_path)
-        transfer = _TransferModel(KernelPricer(Store(src_path), src_device), src_device, gpu_model)
+        transfer = _TransferModel(_source_pricers(src_path, device), gpu_model)
     inner = KernelPricer(store, device, model=transfer, model_source=PriceSource.TRANSFERRED)
     return _calibrated(_ModelBackedPricer(inner, gpu_model, device), path)
 

@@ -151,6 +151,13 @@ class Store:
         )
         return cur.rowcount > 0
 
+    def delete(self, fingerprint: DeviceFingerprint, key_hash: str) -> bool:
+        """Remove one row (a measurement found implausible after it was stored). Returns True if it existed."""
+        with self._transaction():
+            cur = self.conn.execute("DELETE FROM kernels WHERE fp_hash=? AND key_hash=?",
+                                    (fingerprint.fp_hash, key_hash))
+            return cur.rowcount > 0
+
     # -- reads ---------------------------------------------------------------------------------------------
     def fingerprints(self) -> list[DeviceFingerprint]:
         rows = self.conn.execute("SELECT * FROM fingerprints ORDER BY fp_hash").fetchall()

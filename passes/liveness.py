@@ -121,19 +121,21 @@ class LivenessInfo:
                 yield step, "free", iv
 
 
-_NBYTES: dict[int, tuple[torch.Tensor, sympy.Expr]] = {}
+class _NbytesMemo:
+    """Bytes of a fresh storage per value object, for one pass run (deep graphs share values). Owned by the
+    run, so it dies with it: a process-wide dict keyed by id() kept every analysed graph's fake tensors
+    alive (and could hand a dead value's bytes to a new object at the same address)."""
 
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[torch.Tensor, sympy.Expr]] = {}
 
-def _fresh_nbytes(val: torch.Tensor) -> sympy.Expr:
-    """Bytes of a fresh storage for ``val``; memoized per value object (deep graphs share values)."""
-    hit = _NBYTES.get(id(val))
-    if hit is not None and hit[0] is val:
-        return hit[1]
-    nbytes = _compute_nbytes(val)
-    if len(_NBYTES) > 200_000:
-        _NBYTES.clear()
-    _NBYTES[id(val)] = (val, nbytes)
-    return nbytes
+    def __call__(self, val: torch.Tensor) -> sympy.Expr:
+        hit = self._by_id.get(id(val))
+        if hit is not None and hit[0] is val:
+            return hit[1]
+        nbytes = _compute_nbytes(val)
+        self._by_id[id(val)] = (val, nbytes)
+        return nbytes
 
 
 def _compute_nbytes(val: torch.Tensor) -> sympy.Expr:
@@ -158,6 +160,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
     the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments."""
     graph = program.graph
     inputs_of = _inputs_of(uses)
+    fresh_nbytes = _NbytesMemo()
     nodes = list(graph.nodes)
     order = tuple(n.name for n in nodes)
     step_of = {n: i for i, n in enumerate(nodes)}
@@ -192,7 +195,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                 if key is not None and key in resident_by_storage:     # tied weights: one storage
                     out_sids[node] = [resident_by_storage[key]]
                     continue
-                sid = new_storage(node, _fresh_nbytes(val), -1, _ROLE_CATEGORY.get(role, Category.OTHER))
+                sid = new_storage(node, fresh_nbytes(val), -1, _ROLE_CATEGORY.get(role, Category.OTHER))
                 if key is not None:
                     resident_by_storage[key] = sid
                 out_sids[node] = [sid]
@@ -220,7 +223,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                     src_list = out_sids.get(src, [])
                     sids.append(src_list[0] if src_list else None)
             elif isinstance(v, torch.Tensor):
-                sids.append(new_storage(node, _fresh_nbytes(v), step, None))
+                sids.append(new_storage(node, fresh_nbytes(v), step, None))
             else:
                 sids.append(None)
         out_sids[node] = sids

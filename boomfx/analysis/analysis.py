@@ -27,6 +27,7 @@ from boomfx.passes.liveness import LivenessInfo, step_liveness_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
+from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
 from boomfx.kernels_db.pricing import host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
@@ -114,8 +115,9 @@ class Analysis:
             flops = ev.number(cost.flops)
             moved = ev(cost.bytes_read) + ev(cost.bytes_written)
             from boomfx.passes.costs.registry import Cost
-            price = self.pricer.price(call, Cost(flops, ev(cost.bytes_read), ev(cost.bytes_written)))
-            hit = (price, (flops, moved))
+            bound = Cost(flops, ev(cost.bytes_read), ev(cost.bytes_written))
+            price = self.pricer.price(call, bound)
+            hit = (price, (flops, moved), suspect_price_ratio(price, call, bound, self.device))
             self._price_cache[key] = hit
         return hit
 
@@ -147,6 +149,7 @@ class Analysis:
         scheduled: list[ScheduledKernel] = []
         workspace_at: dict[int, int] = {}
         point_prices: dict[str, Any] = {}
+        suspects: dict[str, tuple[float, float, str]] = {}   # node -> (rooflines, time_ns, op) of implausible rows
         if not memory_only:
             for step, node in enumerate(self._nodes):
                 if node.name not in self.costs.by_node:
@@ -155,7 +158,9 @@ class Analysis:
                 hit = point_prices.get(rep)
                 if hit is None:
                     hit = point_prices[rep] = self._price_node(rep, ev)
-                price, (flops, moved) = hit
+                price, (flops, moved), slowness = hit
+                if slowness is not None and slowness > SLOW_FACTOR:   # kernels_db/plausibility.py
+                    suspects[node.name] = (slowness, price.time_ns, str(node.target))
                 nc = self.costs.by_node[node.name]
                 sync = node.target.overloadpacket in _HOST_SYNC_OPS
                 device_ns = price.time_ns
@@ -188,6 +193,10 @@ class Analysis:
         report.time.cold_start_ns = step.cold_start_ns
         report.time.host_costs_source = costs.source if (entries or step.cold_start_ns) else ""
         report.warnings.extend(self.program.warnings)
+        report.warnings.extend(getattr(self.pricer, "warnings", ()))   # e.g. no rows of this device in --db
+        suspect = suspect_rows_warning(suspects, sum(k.time_ns for k in kernels), self.device)
+        if suspect:
+            report.warnings.append(suspect)
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
 

@@ -23,7 +23,7 @@ def measured_block_times(analysis: BlockAnalysis, db: Optional[str],
     path = resolve_db_path(db, analysis.device)
     if path is None:
         return {}
-    rows = block_records(Store(path), analysis.device.name)
+    rows = block_records(Store(path), analysis.device)   # its own rows only (kernels_db/device_rows.py)
     if not rows:
         return {}
     ev = analysis.evaluator(bindings)

@@ -124,13 +124,24 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.kernels_db.host_overheads import collect_host_costs
         collect_host_costs(Store(path), measurer, compiled=bool(args.compile))
     print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "
-          f"failed {len(result.failed)}, left for later {result.pending} ({result.elapsed_s:.1f} s)")
+          f"failed {len(result.failed)}, refused as implausible {len(result.rejected)}, left for later "
+          f"{result.pending} ({result.elapsed_s:.1f} s)")
     for key, why in result.failed[:10]:
         print(f"  could not measure {key.op}: {why}", file=sys.stderr)
+    for rejection in result.rejected:   # kernels_db/plausibility.py
+        print(f"  refused {rejection.key.op} {_sizes(rejection.key)}: {rejection.reason}", file=sys.stderr)
     warning = noisy_measurements_warning(path, result.measured_keys)
     if warning:
         print(warning, file=sys.stderr)
+    if result.rejected:   # like kernels left for later: the file holds only plausible rows, a rerun adds the rest
+        print(f"boomfx: {len(result.rejected)} measurements refused as implausible and not stored: collect again "
+              f"with --threads 1 (its clock excludes the time other jobs run) or on a quieter machine; a rerun "
+              f"measures only what is missing", file=sys.stderr)
     return 0
+
+
+def _sizes(key) -> str:
+    return "x".join(",".join(str(s) for s in t["shape"]) or "()" for t in key.data["tensors"][:3])
 
 
 NOISY_SPREAD = 3.0      # p90 / median above which a kernel's samples disagree
@@ -208,7 +219,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.device_rows import devices_in
     with _existing_store(args.db) as store:
+        held = devices_in(store)
+        print(f"{args.db}: {store.count()} rows of {len(held)} device{'s' if len(held) != 1 else ''}"
+              + (" (each device is priced only by its own rows)" if len(held) > 1 else ""))
+        for d in held:
+            print(f"  {d.device_name} ({d.device_kind}): {d.rows} rows, {d.fingerprints} fingerprint"
+                  f"{'s' if d.fingerprints != 1 else ''}")
         for fp in store.fingerprints():
             ops = Counter(rec.key.op for rec in store.records(fp))
             sources = Counter(rec.source for rec in store.records(fp))

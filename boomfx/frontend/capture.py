@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from boomfx.core.errors import BoomfxError, DimError, OptionError
+from boomfx.frontend.torch_caches import fx_source_keys, release_when_collected
 from boomfx.core.program import (
     ROLE_BUFFER, ROLE_CONSTANT, ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions, SymbolInfo,
 )
@@ -82,10 +83,13 @@ def capture(source: Any, *example_inputs: Any, options: ProgramOptions = Program
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None) -> Program:
     """Build a Program from a .pt2 path, an ExportedProgram, an nn.Module (+ inputs) or a GraphModule."""
     validate_options(options)
+    sources_before = fx_source_keys()
     program = _capture(source, *example_inputs, options=options, dynamic_shapes=dynamic_shapes, log=log)
     if options.compile:  # compiled execution: rewrite into the kernels Inductor runs (passes/compiled.py)
         from boomfx.passes.compiled import compile_program
         program = compile_program(program)
+    # what torch's process-wide caches keep of this capture goes with the program (boomfx/torch_caches.py)
+    release_when_collected(program.gm, fx_source_keys() - sources_before)
     return program
 
 
