@@ -36,8 +36,10 @@ from collections.abc import Callable
 import torch
 
 from boomfx import pt2_fast
-from boomfx.pt2_archive import CONSTANTS_DIR, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
+from boomfx.graph_check import check_graph
+from boomfx.pt2_archive import CONSTANTS_DIR, MODEL_JSON, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
 from boomfx.pt2_treespec import sanitize_program
+from boomfx.pt2_validate import check_payload_configs, check_program_json
 
 __all__ = ["LoadError", "load_program"]
 
@@ -82,6 +84,8 @@ def load_program(
     start = time.perf_counter()
     contents = read_archive(path)
     name = contents.path
+    check_program_json(contents.program, name)
+    check_payload_configs(contents.weights_config, contents.constants_config, name)
     replaced = sanitize_program(contents.program)
     if replaced:
         say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")
@@ -92,16 +96,19 @@ def load_program(
     try:
         program = pt2_fast.fast_dict_to_dataclass(contents.program)
         ep = pt2_fast.deserialize_fast(program, state_dict, constants)
-        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
-        return ep
     except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
         fast_error = err
+    else:
+        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
+        check_graph(ep, name)
+        return ep
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
-        raise LoadError(f"{name} could not be deserialized: {_short(err)}.") from err
+        raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
+    check_graph(ep, name)
     return ep
 
 
@@ -110,7 +117,7 @@ def _check_version(program: dict, path: str) -> None:
     version = program.get("schema_version") or {}
     major, minor = version.get("major"), version.get("minor")
     if not isinstance(major, int) or not isinstance(minor, int):
-        raise LoadError(f"{path} is corrupt: models/model.json has no schema_version.")
+        raise LoadError(f"{path} is corrupt: {MODEL_JSON} has no schema_version.")
     supported = pt2_fast.serde.SCHEMA_VERSION
     if major != supported[0] and (major, minor) != (0, 0):
         raise LoadError(

@@ -90,12 +90,12 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
             prefix = _root_prefix(names, path)
             fmt = zf.read(prefix + "archive_format").decode("utf-8", "replace").strip()
             if fmt != ARCHIVE_FORMAT_VALUE:
-                raise LoadError(f"{path} has archive format {fmt!r}, not {ARCHIVE_FORMAT_VALUE!r}.")
+                raise LoadError(f"{path}: its archive_format entry is {fmt!r}, not {ARCHIVE_FORMAT_VALUE!r}.")
             if prefix + "archive_version" in names:
                 version = zf.read(prefix + "archive_version").decode("utf-8", "replace").strip()
                 if version != ARCHIVE_VERSION_VALUE:
                     raise LoadError(
-                        f"{path} has archive version {version!r}; boomfx reads version {ARCHIVE_VERSION_VALUE!r}."
+                        f"{path}: its archive_version entry is {version!r}; boomfx reads version {ARCHIVE_VERSION_VALUE!r}."
                     )
             if prefix + MODEL_JSON not in names:
                 raise LoadError(f"{path} is corrupt: it has no {MODEL_JSON} record.")
@@ -113,7 +113,16 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
         raise LoadError(f"{path} is a corrupt zip archive ({type(e).__name__}: {e}).") from e
     if not isinstance(program, dict) or "graph_module" not in program:
         raise LoadError(f"{path} is corrupt: {MODEL_JSON} does not describe an exported program.")
-    return ArchiveContents(path, program, weights.get("config", {}), consts.get("config", {}), sizes)
+    return ArchiveContents(path, program, _config(weights, WEIGHTS_CONFIG, path), _config(consts, CONSTANTS_CONFIG, path),
+                           sizes)
+
+
+def _config(doc: Any, entry: str, path: str) -> dict[str, Any]:
+    """The ``config`` object (fqn -> payload) of a payload config entry."""
+    config = doc.get("config", {}) if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise LoadError(f"{path} is corrupt: {entry} config is not an object of fqn -> payload.")
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,22 +163,23 @@ def meta_tensors(
     """
     parsed: dict[str, tuple[str, torch.dtype, list[int], list[int], int, dict[str, Any]]] = {}
     base_numel: dict[str, int] = {}
+    entry = f"{base_dir}{MODEL_NAME}_{'constants' if constants else 'weights'}_config.json"
     for fqn, payload in config.items():
         name = payload.get("path_name", "")
         meta = payload.get("tensor_meta")
         if constants and not name.startswith(TENSOR_CONSTANT_PREFIX):
             raise LoadError(
-                f"{path} holds a pickled custom object constant {fqn!r}, which boomfx refuses to unpickle."
+                f"{path} holds a pickled custom object constant {fqn!r} ({entry}), which boomfx refuses to unpickle."
             )
         if meta is None:
-            raise LoadError(f"{path} holds a pickled payload {fqn!r} without tensor metadata; boomfx does not unpickle it.")
+            raise LoadError(f"{path} holds a pickled payload {fqn!r} without tensor metadata ({entry}); boomfx does not unpickle it.")
         try:
             dtype = _dtype(meta["dtype"])
-            sizes = _int_list(meta["sizes"], "weight", path)
-            strides = _int_list(meta["strides"], "weight", path)
+            sizes = _int_list(meta["sizes"], f"weight ({entry} {fqn})", path)
+            strides = _int_list(meta["strides"], f"weight ({entry} {fqn})", path)
             offset = int(meta.get("storage_offset", {"as_int": 0}).get("as_int", 0))
         except (KeyError, ValueError, TypeError) as e:
-            raise LoadError(f"{path} is corrupt: bad tensor metadata for {fqn!r} ({e}).") from e
+            raise LoadError(f"{path} is corrupt: {entry} has bad tensor metadata for {fqn!r} ({e}).") from e
         record_numel = record_sizes_bytes.get(base_dir + name, 0) // max(1, dtype.itemsize)
         # A shared record with data means shared storage (tied weights). Meta exports write every
         # tensor to one empty record (meta tensors have no storage to tell apart), so an empty
@@ -180,9 +190,12 @@ def meta_tensors(
     bases: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for fqn, (key, dtype, sizes, strides, offset, payload) in parsed.items():
-        if key not in bases:
-            bases[key] = torch.empty(base_numel[key], dtype=dtype, device="meta")
-        tensor = torch.as_strided(bases[key], sizes, strides, offset)
+        try:
+            if key not in bases:
+                bases[key] = torch.empty(base_numel[key], dtype=dtype, device="meta")
+            tensor = torch.as_strided(bases[key], sizes, strides, offset)
+        except (RuntimeError, ValueError, OverflowError) as e:  # sizes no tensor can have (numel overflows)
+            raise LoadError(f"{path} is corrupt: {entry} describes {fqn!r} as no tensor can be ({e}).") from e
         requires_grad = bool(payload["tensor_meta"].get("requires_grad", False))
         if payload.get("is_param"):
             tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
