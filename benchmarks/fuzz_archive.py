@@ -113,9 +113,15 @@ def fingerprint(stdout: str) -> tuple:
     return tuple(data[a][b] for a, b in FINGERPRINT_FIELDS)
 
 
+def archive_entries(archive: bytes) -> list[str]:
+    """The entry names a refusal may name: each entry without its root folder, and the zip directory."""
+    from archive_mutations import read_entries
+    return sorted({n.split("/", 1)[1] for n, _ in read_entries(archive) if "/" in n} | {"the zip directory"})
+
+
 def _named_entry(message: str, entries: list[str]) -> str:
     """The longest archive entry name (without its root folder) that the message mentions."""
-    hits = [e for e in entries if e and re.search(re.escape(e) + r"\b", message)]
+    hits = [e for e in entries if e and re.search(re.escape(e) + r"(?![\w.])", message)]
     return max(hits, key=len) if hits else ""
 
 
@@ -156,10 +162,8 @@ def _on_alarm(signum: int, frame: Any) -> None:
 
 
 def run_mutants(seed: int, indices: range, timeout_s: int, sink: Any) -> None:
-    from archive_mutations import read_entries
     sources = {name: (ROOT / "examples" / name).read_bytes() for name in EXAMPLES}
-    root_free = {name: sorted({n.split("/", 1)[1] for n, _ in read_entries(data) if "/" in n}, key=len)
-                 for name, data in sources.items()}
+    root_free = {name: archive_entries(data) for name, data in sources.items()}
     baselines = {}
     signal.signal(signal.SIGALRM, _on_alarm)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,7 @@ from boomfx.program import (
 )
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+DEFAULT_OPTIMIZER = "adamw"
 AMP_DTYPES = ("bf16", "fp16")
 
 
@@ -125,11 +126,13 @@ def export_param_names(ep: ExportedProgram) -> dict[str, str]:
 
 
 def symbols_of(ep: ExportedProgram, roles: Mapping[str, str]) -> dict[str, SymbolInfo]:
+    from boomfx.symbol_names import symbol_names
     user_inputs = _user_input_vals(ep.graph_module, roles)
     sym_roles = infer_symbol_roles(user_inputs)
     hints = _hints(user_inputs)
+    names = symbol_names(ep)
     return {
-        str(sym): SymbolInfo(sym, lo, hi, hints.get(sym), sym_roles.get(sym))
+        str(sym): SymbolInfo(sym, lo, hi, hints.get(sym), sym_roles.get(sym), names.get(sym, ()))
         for sym, (lo, hi) in _symbol_ranges(ep).items()
     }
 
@@ -196,7 +199,8 @@ def _rename_symbols(gm: torch.fx.GraphModule, symbol_map: Mapping[sympy.Symbol, 
 
 def resolve_bindings(program: Program, dims: Mapping[str, int], batch: Optional[int] = None,
                      seq: Optional[int] = None, allow_unbound: bool = False) -> dict[sympy.Symbol, int]:
-    """Bind symbols by name (``s77``), by role (``batch``/``seq``), or via --batch/--seq; check ranges."""
+    """Bind symbols by symbol (``s77``), by another name (the export's Dim name, ``input_ids.1``), by role
+    (``batch``/``seq``), or via --batch/--seq; check ranges."""
     bindings: dict[sympy.Symbol, int] = {}
     requests = dict(dims)
     if batch is not None:
@@ -212,7 +216,7 @@ def resolve_bindings(program: Program, dims: Mapping[str, int], batch: Optional[
                     continue  # a static export: --batch/--seq have nothing to bind, the shapes are fixed
                 raise DimError(f"no symbol of the program could be identified as {name}; bind it with --dim "
                                f"NAME=VALUE (symbols: {_describe(program)})") from None
-            raise DimError(f"unknown dimension '{name}' (symbols: {_describe(program) or 'none, the export is static'})") from None
+            raise DimError(f"unknown dimension '{name}' (valid names: {_describe(program) or 'none, the export is static'})") from None
         value = int(value)
         if value < info.min_value or (info.max_value is not None and value > info.max_value):
             raise DimError(f"{name}={value} is outside the exported range of {info.describe()}")

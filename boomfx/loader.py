@@ -121,6 +121,6 @@ def _check_version(program: dict, path: str) -> None:
     supported = pt2_fast.serde.SCHEMA_VERSION
     if major != supported[0] and (major, minor) != (0, 0):
         raise LoadError(
-            f"{path} uses export schema version {major}.{minor}, but this torch reads "
+            f"{path} uses export schema version {major}.{minor} ({MODEL_JSON} schema_version), but this torch reads "
             f"{supported[0]}.x (schema {supported[0]}.{supported[1]})."
         )

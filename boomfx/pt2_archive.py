@@ -39,6 +39,7 @@ CONSTANTS_DIR = "data/constants/"
 WEIGHTS_CONFIG = f"{WEIGHTS_DIR}{MODEL_NAME}_weights_config.json"
 CONSTANTS_CONFIG = f"{CONSTANTS_DIR}{MODEL_NAME}_constants_config.json"
 TENSOR_CONSTANT_PREFIX = "tensor_"
+ZIP_DIRECTORY = "the zip directory"   # named by errors about the container rather than one entry
 
 
 class LoadError(Exception):
@@ -64,15 +65,16 @@ def _root_prefix(names: list[str], path: str) -> str:
     if any(n == "version" or n.endswith("/version") for n in names) and not any(
         "/models/" in n for n in names
     ):
-        raise LoadError(f"{path} is a legacy (torch <= 2.7) export archive, which boomfx does not read.")
+        raise LoadError(f"{path} has no archive_format entry: a legacy (torch <= 2.7) export archive, which "
+                        "boomfx does not read.")
     raise LoadError(f"{path} is a zip file but not a torch.export .pt2 archive (no archive_format record).")
 
 
-def _read_json(zf: zipfile.ZipFile, name: str, path: str) -> Any:
+def _parse_json(data: bytes, name: str, path: str) -> Any:
     try:
-        return json.loads(zf.read(name).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{path} is corrupt: {name} is not valid JSON ({e}).") from e
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise LoadError(f"{path} is corrupt: {name} is not valid JSON ({str(e)[:200]}).") from e
 
 
 def read_archive(path: str | os.PathLike) -> ArchiveContents:
@@ -82,26 +84,38 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
         raise LoadError(f"{path} does not exist.")
     if not os.path.isfile(path):
         raise LoadError(f"{path} is not a file.")
-    if not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as e:   # a damaged end record can raise instead of answering False
+        raise LoadError(f"{path} is a corrupt zip archive: {ZIP_DIRECTORY} cannot be read ({e}).") from e
+    if not is_zip:
         raise LoadError(f"{path} is not a .pt2 file (not a zip archive).")
+    reading = ZIP_DIRECTORY  # what a corrupt-zip error is about: the directory, then each entry read
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
             prefix = _root_prefix(names, path)
-            fmt = zf.read(prefix + "archive_format").decode("utf-8", "replace").strip()
+
+            def read(entry: str) -> bytes:
+                nonlocal reading
+                reading = entry
+                return zf.read(prefix + entry)
+
+            fmt = read("archive_format").decode("utf-8", "replace").strip()
             if fmt != ARCHIVE_FORMAT_VALUE:
                 raise LoadError(f"{path}: its archive_format entry is {fmt!r}, not {ARCHIVE_FORMAT_VALUE!r}.")
             if prefix + "archive_version" in names:
-                version = zf.read(prefix + "archive_version").decode("utf-8", "replace").strip()
+                version = read("archive_version").decode("utf-8", "replace").strip()
                 if version != ARCHIVE_VERSION_VALUE:
                     raise LoadError(
                         f"{path}: its archive_version entry is {version!r}; boomfx reads version {ARCHIVE_VERSION_VALUE!r}."
                     )
             if prefix + MODEL_JSON not in names:
                 raise LoadError(f"{path} is corrupt: it has no {MODEL_JSON} record.")
-            program = _read_json(zf, prefix + MODEL_JSON, path)
-            weights = _read_json(zf, prefix + WEIGHTS_CONFIG, path) if prefix + WEIGHTS_CONFIG in names else {}
-            consts = _read_json(zf, prefix + CONSTANTS_CONFIG, path) if prefix + CONSTANTS_CONFIG in names else {}
+            program = _parse_json(read(MODEL_JSON), MODEL_JSON, path)
+            weights = _parse_json(read(WEIGHTS_CONFIG), WEIGHTS_CONFIG, path) if prefix + WEIGHTS_CONFIG in names else {}
+            consts = _parse_json(read(CONSTANTS_CONFIG), CONSTANTS_CONFIG, path) if prefix + CONSTANTS_CONFIG in names else {}
+            reading = ZIP_DIRECTORY
             sizes = {
                 info.filename[len(prefix) :]: info.file_size
                 for info in zf.infolist()
@@ -110,7 +124,7 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
     except LoadError:
         raise
     except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as e:
-        raise LoadError(f"{path} is a corrupt zip archive ({type(e).__name__}: {e}).") from e
+        raise LoadError(f"{path} is a corrupt zip archive: {reading} cannot be read ({type(e).__name__}: {e}).") from e
     if not isinstance(program, dict) or "graph_module" not in program:
         raise LoadError(f"{path} is corrupt: {MODEL_JSON} does not describe an exported program.")
     return ArchiveContents(path, program, _config(weights, WEIGHTS_CONFIG, path), _config(consts, CONSTANTS_CONFIG, path),
@@ -190,14 +204,16 @@ def meta_tensors(
     bases: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for fqn, (key, dtype, sizes, strides, offset, payload) in parsed.items():
+        requires_grad = bool(payload["tensor_meta"].get("requires_grad", False))
         try:
             if key not in bases:
                 bases[key] = torch.empty(base_numel[key], dtype=dtype, device="meta")
             tensor = torch.as_strided(bases[key], sizes, strides, offset)
-        except (RuntimeError, ValueError, OverflowError) as e:  # sizes no tensor can have (numel overflows)
-            raise LoadError(f"{path} is corrupt: {entry} describes {fqn!r} as no tensor can be ({e}).") from e
-        requires_grad = bool(payload["tensor_meta"].get("requires_grad", False))
-        if payload.get("is_param"):
-            tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+            if payload.get("is_param"):
+                tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        except (RuntimeError, ValueError, OverflowError, TypeError) as e:
+            # sizes no tensor can have (numel overflows), a parameter of an integer dtype needing grad
+            raise LoadError(f"{path} is corrupt: {entry} describes {fqn!r} as no tensor can be "
+                            f"({str(e).splitlines()[0][:200]}).") from e
         out[fqn] = tensor
     return out

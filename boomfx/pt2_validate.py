@@ -12,10 +12,12 @@ What is checked (torch's own schema, ``torch._export.serde.schema``, is the sour
    declared type; a union is a one-key object whose key is one of its fields; enum codes (dtype,
    layout, memory format) are known.
 2. Tensor metadata: as many strides as sizes; no negative size, stride or storage offset.
-3. References: every tensor or symbol a node reads is a graph input or the output of an earlier
+3. Calls: each node's argument names are its operator's (once each, the required ones present);
+   pytree specs of the module call graph are JSON trees.
+4. References: every tensor or symbol a node reads is a graph input or the output of an earlier
    node, every name is defined once and has metadata; the graph signature names the graph's inputs
    and outputs, in order; exported ranges have ``min <= max``.
-4. Payload configs (weights, constants): a ``config`` object of ``fqn -> {path_name, tensor_meta}``.
+5. Payload configs (weights, constants): a ``config`` object of ``fqn -> {path_name, tensor_meta}``.
 
 Known limitations: symbolic expressions (``expr_str``) are parsed by the deserializer, which turns
 a malformed one into a ``LoadError`` naming ``models/model.json``, not the field.
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import json
 import types
 import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import torch
 from torch._export.serde import schema
 from torch._export.serde import serialize as serde
 
@@ -289,6 +294,73 @@ def _check_ranges(ranges: dict[str, Any], path: _Path) -> None:
             raise _Invalid(path + [name], f"has min_val {lo} > max_val {hi}")
 
 
+def _check_spec_tree(text: str, path: _Path) -> None:
+    """A serialized pytree spec: JSON ``[protocol, node]``, each node ``{type, context, children_spec}``."""
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise _Invalid(path, f"is {_short(text)}, not a JSON tree spec") from None
+    if not (isinstance(doc, list) and len(doc) == 2 and isinstance(doc[0], int) and not isinstance(doc[0], bool)):
+        raise _Invalid(path, "is not a [protocol, tree] pair")
+    stack = [doc[1]]
+    while stack:
+        node = stack.pop()
+        if (not isinstance(node, dict) or not isinstance(node.get("type"), (str, type(None)))
+                or not isinstance(node.get("context"), (str, type(None)))
+                or not isinstance(node.get("children_spec"), list)):
+            raise _Invalid(path, f"holds a tree node {_short(node)} without type, context and children_spec")
+        stack.extend(node["children_spec"])
+
+
+def _check_call_specs(gm: dict[str, Any], path: _Path) -> None:
+    for i, entry in enumerate(gm["module_call_graph"]):
+        sig = entry.get("signature")
+        if sig is not None:
+            for key in ("in_spec", "out_spec"):
+                _check_spec_tree(sig[key], path + ["module_call_graph", i, "signature", key])
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_arguments(target: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(all argument names, required ones) of a registered ATen-style operator; None when unknown.
+
+    Only attributes of ``torch.ops`` are looked up: nothing is imported.
+    """
+    parts = target.split(".")
+    if len(parts) != 5 or parts[:2] != ["torch", "ops"]:
+        return None
+    try:
+        op = getattr(getattr(getattr(torch.ops, parts[2]), parts[3]), parts[4])
+    except (AttributeError, RuntimeError):
+        return None
+    op_schema = getattr(op, "_schema", None)
+    if op_schema is None:
+        return None
+    names = frozenset(a.name for a in op_schema.arguments)
+    required = frozenset(a.name for a in op_schema.arguments if not a.has_default_value() and not a.kwarg_only)
+    return names, required
+
+
+def _check_node_arguments(graph: dict[str, Any], path: _Path) -> None:
+    """Each call's argument names are its operator's, once each, required ones present: a renamed or
+    dropped argument would otherwise load as a different call (a linear without its bias)."""
+    for i, node in enumerate(graph["nodes"]):
+        known = _op_arguments(node["target"])
+        if known is None:
+            continue
+        names, required = known
+        given = [named["name"] for named in node["inputs"]]
+        where = path + ["nodes", i, "inputs"]
+        unknown = [n for n in given if n not in names]
+        if unknown:
+            raise _Invalid(where, f"names argument {unknown[0]!r}, which {node['target']} does not have")
+        if len(set(given)) != len(given):
+            raise _Invalid(where, f"gives an argument of {node['target']} twice")
+        missing = sorted(required - set(given))
+        if missing:
+            raise _Invalid(where, f"lacks {node['target']}'s required argument {missing[0]!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Payload configs, and the public entry point.
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +389,9 @@ def check_program_json(program: Any, source: str) -> None:
         _checker(schema.ExportedProgram)(program, [])
         gm = program["graph_module"]
         _check_graph(gm["graph"], ["graph_module", "graph"], set())
+        _check_node_arguments(gm["graph"], ["graph_module", "graph"])
         _check_signature(gm, ["graph_module"])
+        _check_call_specs(gm, ["graph_module"])
         _check_ranges(program["range_constraints"], ["range_constraints"])
     except _Invalid as err:
         _raise(source, MODEL_JSON, err)

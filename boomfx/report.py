@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 # Where a time figure came from, best first.
 SOURCES = ("measured", "block-measured", "interpolated", "transferred", "model", "roofline")
@@ -24,6 +24,7 @@ class SymbolReport:
     min_value: int
     max_value: Optional[int]
     value: Optional[int]
+    names: list[str] = field(default_factory=list)   # other names --dim accepts (Dim names, "input.dim")
 
 
 @dataclass
