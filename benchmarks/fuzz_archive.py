@@ -1,7 +1,7 @@
 """Feed 10,000 damaged copies of the shipped examples to ``boomfx analyze``; count how each one ended.
 
 Every mutant (``benchmarks/archive_mutations.py``) is analysed by the CLI in-process
-(``boomfx.cli.main``). It must end in one of two ways:
+(``boomfx.cli.main.main``). It must end in one of two ways:
 
 - ``ok``: exit 0. Its numbers are compared with the undamaged file's: ``ok-same`` or ``ok-changed``
   (a change the file's own data explains, e.g. a changed exported range; listed so a reader can check
@@ -82,10 +82,10 @@ def _example_for(seed: int, index: int) -> str:
 def run_cli(path: str, options: list[str]) -> tuple[int, str, str, Optional[BaseException], str]:
     """``boomfx analyze path options`` in-process: (exit code, stdout, stderr, escaped exception, error type).
 
-    The error type of a refusal is recorded by wrapping ``boomfx.cli._user_error_message``, which
+    The error type of a refusal is recorded by wrapping ``boomfx.cli.main._user_error_message``, which
     sees every exception the CLI turns into its one line.
     """
-    from boomfx import cli
+    from boomfx.cli import main as cli
     seen: list[str] = []
     original = cli._user_error_message
 

@@ -35,7 +35,7 @@ Known limitations:
   (``kernels_db/collect_fused.py``: ~3.8 us for a one-element group on the 2-vCPU dev VM, more than the
   ~1 us Inductor's wrapper pays per kernel inside a graph: small groups come out a little high). The
   cost of entering the compiled graphs (dynamo guards, AOTAutograd's wrappers and Function, the backward
-  call) is added by ``boomfx/host_time.py`` (measured by ``kernels_db/host_overheads.py``).
+  call) is added by ``boomfx/analysis/host_time.py`` (measured by ``kernels_db/host_overheads.py``).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from boomfx.passes.layout import channels_last_convolutions
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.specs import TensorSpec, to_sympy
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
 
@@ -396,7 +396,7 @@ def recompute_for_backward(program: Program) -> Program:
     recomputed. Not modelled: the min-cut's trade-offs when recomputing would save a *new* tensor (we
     keep the eager choice), its banning of long recompute chains and of reductions.
     """
-    from boomfx.program import PHASE_BACKWARD, PHASE_FORWARD
+    from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD
     from boomfx.passes.fusion import CLASS_POINTWISE, FUSIBLE
     if PHASE_BACKWARD not in set(program.phases.values()):
         return program

@@ -93,7 +93,7 @@ from boomfx.passes.aliasing import MAYBE_COPY_OPS, is_view_node
 from boomfx.passes.kernels import _NO_KERNEL, OP_CLASS_MEMORY, op_class
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import to_sympy
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 aten = torch.ops.aten
 

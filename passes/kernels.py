@@ -13,10 +13,10 @@ from typing import Mapping, Optional
 import torch
 import torch.fx
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.manager import AnalysisManager
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 aten = torch.ops.aten
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.export import Dim
 
-from boomfx.capture import capture, resolve_bindings
-from boomfx.cli import main
-from boomfx.errors import DimError
-from boomfx.progress import StageProgress
-from boomfx.render_text import bound_label, device_busy_fraction
-from boomfx.report import TimeReport
-from boomfx.units import fmt_bytes, fmt_time
+from boomfx.cli.main import main
+from boomfx.cli.progress import StageProgress
+from boomfx.core.errors import DimError
+from boomfx.core.units import fmt_bytes, fmt_time
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.report.model import TimeReport
+from boomfx.report.text import bound_label, device_busy_fraction
 
 D_MODEL, D_OUT = 8, 4
 

@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from boomfx import report as rep
-from boomfx.cli import main
+from boomfx.cli.main import main
+from boomfx.report import model as rep
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "json-schema.md"
 SECTIONS = {"Report (top level)": rep.Report, "SymbolReport": rep.SymbolReport, "TimeReport": rep.TimeReport,

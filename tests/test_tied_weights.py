@@ -3,9 +3,9 @@ one storage, one gradient, one optimizer state. The traced step must treat them 
 from __future__ import annotations
 
 import boomfx
-from boomfx.capture import capture
-from boomfx.program import ProgramOptions
-from boomfx.training import tied_parameters
+from boomfx.frontend.capture import capture
+from boomfx.core.program import ProgramOptions
+from boomfx.training.trace import tied_parameters
 from conftest import make_model
 
 

@@ -1,0 +1,131 @@
+"""``Program``: the captured graph plus its symbols, the plain value handed from capture to the passes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import sympy
+import torch.fx
+
+# Placeholder roles (what an input of the graph is); liveness maps them to memory categories.
+ROLE_PARAM = "param"
+ROLE_BUFFER = "buffer"
+ROLE_INPUT = "input"
+ROLE_LABEL = "label"
+ROLE_OPT_STATE = "opt_state"
+ROLE_CONSTANT = "constant"
+ROLE_GRAD = "grad"
+
+# Node phases; inference programs are all forward.
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_OPTIMIZER = "optimizer"
+PHASE_RECOMPUTE = "recompute"
+# Node meta flag: the op runs eagerly, outside the compiled graphs of its phase (the autograd engine's
+# AccumulateGrad copy of a gradient that came out in another layout): one kernel, never fused.
+META_EAGER = "boomfx.eager"
+
+
+@dataclass(frozen=True)
+class SymbolInfo:
+    """One symbolic dimension: its sympy symbol, exported range, and what it is (batch, seq) if known."""
+
+    symbol: sympy.Symbol
+    min_value: int
+    max_value: Optional[int]           # None: unbounded above
+    hint: Optional[int] = None         # the example size seen at export
+    role: Optional[str] = None         # "batch" | "seq" | None
+    # other names --dim accepts: the export's Dim names, then "<input>.<dim>" (boomfx/frontend/symbol_names.py)
+    names: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return str(self.symbol)
+
+    def describe(self) -> str:
+        hi = "inf" if self.max_value is None else str(self.max_value)
+        aka = ([self.role] if self.role else []) + [n for n in self.names if n != self.role]
+        return f"{self.name}{' (' + ', '.join(aka) + ')' if aka else ''} in [{self.min_value}, {hi}]"
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    train: bool = False
+    optimizer: str = "adamw"
+    amp: Optional[str] = None
+    checkpoint: bool = False
+    target_kind: str = "cuda"      # "cuda": GPU kernels (fused attention); "cpu": the host's own kernels
+    compile: bool = False        # predict torch.compile (Inductor): see passes/compiled.py
+    cudagraphs: bool = False     # with compile: mode="reduce-overhead" (CUDA graph replay)
+    # selective activation checkpointing: only these instances of the main layer list ("h.0",
+    # "model.layers.3"); when non-empty it wins over ``checkpoint`` (which means every instance)
+    checkpoint_layers: tuple[str, ...] = ()
+    # with train: every .grad stays allocated between steps (zero_grad(set_to_none=False), gradient
+    # accumulation) instead of PyTorch's default set_to_none=True (allocated in backward, freed after the step)
+    resident_grads: bool = False
+
+    def __post_init__(self) -> None:
+        # lists/one string from the API become a tuple, so options stay hashable
+        layers = self.checkpoint_layers
+        if isinstance(layers, str):
+            layers = [p for p in layers.split(",") if p.strip()]
+        object.__setattr__(self, "checkpoint_layers", tuple(str(p).strip() for p in (layers or ())))
+
+
+@dataclass(frozen=True)
+class Program:
+    """An fx graph on fake tensors with symbolic sizes, and everything the passes need to know about it.
+
+    ``input_roles`` maps placeholder names to roles; ``phases`` maps call nodes to forward/backward/
+    optimizer/recompute; ``grad_nodes`` maps nodes producing a parameter gradient to its FQN.
+    """
+
+    gm: torch.fx.GraphModule
+    symbols: Mapping[str, SymbolInfo]
+    input_roles: Mapping[str, str]
+    options: ProgramOptions = ProgramOptions()
+    phases: Mapping[str, str] = field(default_factory=dict)
+    grad_nodes: Mapping[str, str] = field(default_factory=dict)
+    param_names: Mapping[str, str] = field(default_factory=dict)
+    source: str = "<memory>"
+    warnings: tuple[str, ...] = ()      # known approximations of this capture, copied into the Report
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.gm.graph
+
+    def symbol(self, name_or_role: str) -> SymbolInfo:
+        """By symbol (``s77``), then by a name of ``SymbolInfo.names``, then by role (``batch``)."""
+        if name_or_role in self.symbols:
+            return self.symbols[name_or_role]
+        for info in self.symbols.values():
+            if name_or_role in info.names:
+                return info
+        for info in self.symbols.values():
+            if info.role == name_or_role:
+                return info
+        raise KeyError(name_or_role)
+
+    def phase_of(self, node: torch.fx.Node) -> str:
+        return self.phases.get(node.name, PHASE_FORWARD)
+
+    def runs_eagerly(self, node: torch.fx.Node) -> bool:
+        """Whether ``node`` runs outside torch.compile's graphs: the optimizer step (``torch.compile(model)``
+        leaves it eager) and nodes flagged ``META_EAGER``."""
+        return self.phase_of(node) == PHASE_OPTIMIZER or bool(node.meta.get(META_EAGER))
+
+    def copied_graph(self) -> tuple[torch.fx.Graph, dict[torch.fx.Node, torch.fx.Node]]:
+        """A copy of the graph to rewrite (node names kept) and the map from this graph's nodes to it."""
+        graph = torch.fx.Graph()
+        val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+        graph.output(graph.graph_copy(self.graph, val_map))
+        return graph, val_map
+
+    def rewritten(self, graph: torch.fx.Graph, **changes: object) -> "Program":
+        """This program with ``graph`` (checked) in place of its own, and any other fields ``changes``
+        (the rewrites of passes/compiled.py, layout.py, post_grad.py end here)."""
+        from dataclasses import replace
+        graph.lint()
+        gm = torch.fx.GraphModule(self.gm, graph)
+        gm.meta.update(self.gm.meta)
+        return replace(self, gm=gm, **changes)

@@ -1,0 +1,132 @@
+"""Load a ``torch.export`` .pt2 file safely and quickly, for analysis only.
+
+Why not ``torch.export.load``: it unpickles sample inputs and constants (unsafe on untrusted
+files), fails on output containers from packages that are not imported (e.g. ``transformers``),
+and spends seconds re-parsing the same symbolic shape strings. boomfx needs the graph, the fake
+values on its nodes and the shapes of weights, nothing more.
+
+Steps:
+1. ``archive.read_archive``: zip + JSON only, weights and constants as meta tensors.
+2. ``validate.check_program_json`` / ``check_payload_configs``: the JSON checked against torch's
+   export schema and for references that resolve; a damaged file stops here with a ``LoadError``
+   naming the entry and the field.
+3. ``treespec.sanitize_program``: unknown pytree types become plain dicts/tuples.
+4. ``deserialize.deserialize_fast``: torch's graph deserializer with cached schema conversion and
+   memoized symbol parsing. If it fails for any reason, ``deserialize.deserialize_torch`` (torch's
+   unpatched deserializer, still fed only JSON and meta tensors) is tried, and the log says why.
+5. ``graph_check.check_graph``: the loaded graph's shapes must fit together (weights vs
+   placeholders, each ATen call re-run on its recorded inputs), so an edited size is refused rather
+   than analysed into a wrong number.
+
+Example::
+
+    from boomfx.frontend.loader import load_program
+    ep = load_program("llama.pt2", verbose=True)
+    print(ep.graph_module.graph)
+
+Known limitations:
+- Only the program named ``model`` is read (what ``torch.export.save`` writes).
+- ``ep.example_inputs`` is ``None`` (sample inputs are pickles) and the state dict holds meta
+  tensors, so the program can be analysed or re-traced on meta but not run on real data.
+- Pickled custom objects (torchbind, opaque objects) are refused with ``LoadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from boomfx.frontend import deserialize as pt2_fast
+from boomfx.frontend.archive import CONSTANTS_DIR, MODEL_JSON, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
+from boomfx.frontend.graph_check import check_graph
+from boomfx.frontend.treespec import sanitize_program
+from boomfx.frontend.validate import check_payload_configs, check_program_json
+
+__all__ = ["LoadError", "load_program"]
+
+_log = logging.getLogger(__name__)
+
+
+def _make_logger(verbose: bool, log: Callable[[str], None] | None) -> Callable[[str], None]:
+    if log is not None:
+        return log
+    if verbose:
+        return lambda msg: print(f"[boomfx.frontend.loader] {msg}", file=sys.stderr)
+    return _log.debug
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def load_program(
+    path: str | os.PathLike,
+    verbose: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> torch.export.ExportedProgram:
+    """Load the ``ExportedProgram`` saved in ``path`` without unpickling or importing user code.
+
+    Args:
+        path: a file written by ``torch.export.save``.
+        verbose: print which loading path was used (and why) to stderr.
+        log: receives those messages instead of stderr when given.
+
+    Returns:
+        An ``ExportedProgram`` whose graph matches ``torch.export.load`` (targets, names,
+        ``meta["val"]`` fake tensors with the same symbols, ``nn_module_stack``, range
+        constraints); parameters, buffers and constants are meta tensors.
+
+    Raises:
+        LoadError: missing file, not a .pt2 archive, corrupt archive or JSON, unsupported schema
+            version, pickled custom objects, or a graph neither deserializer can read.
+    """
+    say = _make_logger(verbose, log)
+    start = time.perf_counter()
+    contents = read_archive(path)
+    name = contents.path
+    check_program_json(contents.program, name)
+    check_payload_configs(contents.weights_config, contents.constants_config, name)
+    replaced = sanitize_program(contents.program)
+    if replaced:
+        say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")
+    state_dict = meta_tensors(contents.weights_config, WEIGHTS_DIR, contents.record_sizes_bytes, name, constants=False)
+    constants = meta_tensors(contents.constants_config, CONSTANTS_DIR, contents.record_sizes_bytes, name, constants=True)
+    _check_version(contents.program, name)
+
+    try:
+        program = pt2_fast.fast_dict_to_dataclass(contents.program)
+        ep = pt2_fast.deserialize_fast(program, state_dict, constants)
+    except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
+        fast_error = err
+    else:
+        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
+        check_graph(ep, name)
+        return ep
+    say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
+    try:
+        ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
+    except Exception as err:  # noqa: BLE001
+        raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
+    say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
+    check_graph(ep, name)
+    return ep
+
+
+def _check_version(program: dict, path: str) -> None:
+    """Refuse schema versions torch's deserializer refuses, before any graph work."""
+    version = program.get("schema_version") or {}
+    major, minor = version.get("major"), version.get("minor")
+    if not isinstance(major, int) or not isinstance(minor, int):
+        raise LoadError(f"{path} is corrupt: {MODEL_JSON} has no schema_version.")
+    supported = pt2_fast.serde.SCHEMA_VERSION
+    if major != supported[0] and (major, minor) != (0, 0):
+        raise LoadError(
+            f"{path} uses export schema version {major}.{minor} ({MODEL_JSON} schema_version), but this torch reads "
+            f"{supported[0]}.x (schema {supported[0]}.{supported[1]})."
+        )
