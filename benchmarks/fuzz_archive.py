@@ -11,8 +11,8 @@ Every mutant (``benchmarks/archive_mutations.py``) is analysed by the CLI in-pro
 
 Anything else is a failure: an exception escaping ``main`` (a traceback), exit 2 with more or fewer
 than one line, another exit status, a mutant running past ``--timeout-s``, or the worker process
-dying. Mutants run in worker processes of ``--chunk`` mutants each (a crash costs one chunk, not the
-run). Results: ``benchmarks/results/fuzz_archive.{json,md}``.
+dying. Mutants run in worker processes of ``--chunk`` mutants each, ``--jobs`` at a time (a crash
+costs one mutant, not the run). Results: ``benchmarks/results/fuzz_archive.{json,md}``.
 
 Usage: ``python benchmarks/fuzz_archive.py [--mutants 10000] [--seed 0]``
 """
@@ -195,32 +195,51 @@ def run_mutants(seed: int, indices: range, timeout_s: int, sink: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_all(seed: int, n: int, chunk: int, timeout_s: int, log_path: Path) -> list[dict]:
+def _run_all(seed: int, n: int, chunk: int, timeout_s: int, log_path: Path, jobs: int) -> list[dict]:
+    """Run mutants [0, n) in worker processes, ``jobs`` at a time; a worker that dies costs one mutant."""
     done: dict[int, dict] = {}
-    start = 0
-    while start < n:
-        stop = min(n, start + chunk)
-        log_path.write_text("")
-        proc = subprocess.run([sys.executable, __file__, "--worker", "--seed", str(seed), "--start", str(start),
-                               "--stop", str(stop), "--timeout-s", str(timeout_s), "--sink", str(log_path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    pending = [(start, min(n, start + chunk)) for start in range(0, n, chunk)]
+    running: list[tuple[subprocess.Popen, int, int, Path]] = []
+    serial = 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            start, stop = pending.pop(0)
+            sink = log_path.with_name(f"{log_path.stem}.{serial}.jsonl")
+            serial += 1
+            sink.write_text("")
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(seed), "--start",
+                                     str(start), "--stop", str(stop), "--timeout-s", str(timeout_s), "--sink",
+                                     str(sink)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            running.append((proc, start, stop, sink))
+        proc, start, stop, sink = running.pop(0)
+        _, stderr = proc.communicate()
+        rows = [json.loads(line) for line in sink.read_text().splitlines() if line.strip()]
+        sink.unlink()
         for row in rows:
             done[row["index"]] = row
         finished = start + len(rows)
-        if proc.returncode != 0 and finished < stop:
+        if finished < stop:
             # the worker died in mutant `finished`: record it and go on after it
-            m = mutant((ROOT / "examples" / _example_for(seed, finished)).read_bytes(), seed, finished)
-            tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            done[finished] = asdict(Outcome(finished, _example_for(seed, finished), m.kind, m.entry, m.detail,
-                                            "crash", message=tail[0][:300]))
-            finished += 1
-        print(f"{finished}/{n} mutants", file=sys.stderr, flush=True)
-        start = finished
+            example = _example_for(seed, finished)
+            m = mutant((ROOT / "examples" / example).read_bytes(), seed, finished)
+            tail = stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            done[finished] = asdict(Outcome(finished, example, m.kind, m.entry, m.detail, "crash",
+                                            message=tail[0][:300]))
+            if finished + 1 < stop:
+                pending.insert(0, (finished + 1, stop))
+        print(f"{len(done)}/{n} mutants", file=sys.stderr, flush=True)
+    with open(log_path, "w") as f:
+        for i in sorted(done):
+            f.write(json.dumps(done[i]) + "\n")
     return [done[i] for i in sorted(done)]
 
 
 FAILURES = ("traceback", "bad-output", "timeout", "crash")
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
 
 
 def summarize(rows: list[dict], seed: int, seconds: float) -> dict:
@@ -233,6 +252,7 @@ def summarize(rows: list[dict], seed: int, seconds: float) -> dict:
     failure_types = collections.Counter(f"{r['status']}: {r['error_type'] or '-'}" for r in failures)
     return {
         "seed": seed, "mutants": len(rows), "seconds": round(seconds, 1), "loadavg": list(os.getloadavg()),
+        "torch": _torch_version(),
         "by_status": dict(status.most_common()),
         "tracebacks": status.get("traceback", 0),
         "failures": len(failures),
@@ -253,6 +273,10 @@ def _markdown(s: dict) -> str:
              f"**Tracebacks: {s['tracebacks']}; all failures (traceback, not one line, timeout, crash): "
              f"{s['failures']}.**", "", "| how it ended | mutants |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in s["by_status"].items()]
+    lines += ["", "`ok-same`: analysed, same numbers as the undamaged file (the damage hit metadata, sample "
+              "inputs, padding). `ok-changed`: analysed, different numbers; each is listed in "
+              "`ok_changed_examples` of the JSON to check that the edit describes another consistent program "
+              "(e.g. a linear whose bias argument was removed), not a wrong number from an inconsistent one."]
     lines += ["", "LoadError by the archive entry it names:", "", "| entry | mutants |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in s["load_error_by_entry"].items()]
     lines += ["", "Other refusals (one line, exit 2) by error type:", "", "| type | mutants |", "|---|---|"]
@@ -272,7 +296,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mutants", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=1000, help="mutants per worker process")
+    p.add_argument("--chunk", type=int, default=500, help="mutants per worker process")
+    p.add_argument("--jobs", type=int, default=2, help="worker processes at a time")
     p.add_argument("--timeout-s", type=int, default=60, help="per mutant")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fuzz_archive"))
     p.add_argument("--keep-rows", action="store_true", help="keep one JSON line per mutant in OUT.jsonl")
@@ -288,7 +313,7 @@ def main() -> int:
     started = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = _run_all(args.seed, args.mutants, args.chunk, args.timeout_s, out.with_suffix(".jsonl"))
+    rows = _run_all(args.seed, args.mutants, args.chunk, args.timeout_s, out.with_suffix(".jsonl"), args.jobs)
     summary = summarize(rows, args.seed, time.perf_counter() - started)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     out.with_suffix(".md").write_text(_markdown(summary))

@@ -91,7 +91,7 @@ def load_program(
     contents = read_archive(path)
     name = contents.path
     check_program_json(contents.program, name)
-    check_payload_configs(contents.weights_config, contents.constants_config, name)
+    check_payload_configs(contents.weights_config, contents.constants_config, name, contents.program)
     replaced = sanitize_program(contents.program)
     if replaced:
         say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")

@@ -379,6 +379,25 @@ def _check_payload_config(config: dict[str, Any], path: _Path) -> None:
             _check_tensor_meta(meta, where + ["tensor_meta"])
 
 
+def _check_signature_payloads(program: dict[str, Any], weights: dict[str, Any], constants: dict[str, Any],
+                              source: str) -> None:
+    """Every parameter and persistent buffer of the signature has a payload in the weights config, every
+    tensor constant (and non-persistent buffer) one in either config, as ``torch.export.save`` writes them."""
+    for spec in program["graph_module"]["signature"]["input_specs"]:
+        ((kind, value),) = spec.items()
+        if kind == "parameter" or (kind == "buffer" and value["persistent"]):
+            fqn, entries = value["parameter_name" if kind == "parameter" else "buffer_name"], (weights,)
+        elif kind in ("buffer", "tensor_constant"):
+            fqn = value["buffer_name" if kind == "buffer" else "tensor_constant_name"]
+            entries = (weights, constants)
+        else:
+            continue
+        if not any(fqn in config for config in entries):
+            entry = WEIGHTS_CONFIG if len(entries) == 1 else f"{WEIGHTS_CONFIG} or {CONSTANTS_CONFIG}"
+            raise LoadError(f"{source} is corrupt: {entry} has no payload for the {kind.replace('_', ' ')} "
+                            f"{fqn!r} that {MODEL_JSON}'s graph signature names.")
+
+
 def _raise(source: str, entry: str, err: _Invalid) -> None:
     raise LoadError(f"{source} is corrupt: {entry} {_where(err.path)} {err.problem}.") from None
 
@@ -397,8 +416,10 @@ def check_program_json(program: Any, source: str) -> None:
         _raise(source, MODEL_JSON, err)
 
 
-def check_payload_configs(weights: dict[str, Any], constants: dict[str, Any], source: str) -> None:
-    """Raise ``LoadError`` naming the config entry and the field if a payload of a config is malformed.
+def check_payload_configs(weights: dict[str, Any], constants: dict[str, Any], source: str,
+                          program: dict[str, Any] | None = None) -> None:
+    """Raise ``LoadError`` naming the config entry and the field if a payload of a config is malformed,
+    or (given the checked ``program``) if a weight its signature names has no payload.
 
     ``weights`` and ``constants`` are the ``config`` objects of the two entries (``read_archive``
     has checked that they are objects).
@@ -408,3 +429,5 @@ def check_payload_configs(weights: dict[str, Any], constants: dict[str, Any], so
             _check_payload_config(config, ["config"])
         except _Invalid as err:
             _raise(source, entry, err)
+    if program is not None:
+        _check_signature_payloads(program, weights, constants, source)
