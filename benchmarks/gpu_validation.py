@@ -7,12 +7,17 @@ Stages (each wrapped: a failure is recorded in the results and the next stage st
 stage prints a timestamped line, and the results are rewritten after each one):
 
 1. export: a GPT-2 (transformers GPT2Config, 12 layers), a Llama-style decoder (LlamaConfig, 8 layers,
-   GQA) and a ResNet-50 (ResNetConfig), on the meta device with dynamic batch (and seq).
-2. capture: the inference and training programs boomfx analyses (``--amp bf16`` where a case says so).
+   GQA) and a ResNet-50 (ResNetConfig), on the meta device with dynamic batch (and seq); in fp32 and,
+   for pure-bf16 cases, with bf16 weights.
+2. capture: the inference and training programs boomfx analyses: fp32, bf16 autocast (``--amp bf16``)
+   or pure bf16 (bf16 weights), eager or ``--compile``; a case's ``phase`` is inference, forward+backward
+   (``fwdbwd``: predicted as the step minus its optimizer phase) or the full training step.
 3. snapshot: one GPT-2 training step on the GPU with ``torch.cuda.memory._record_memory_history()``
    from an empty allocator, dumped with ``_dump_snapshot`` (``tests/test_snapshot_replay.py`` replays it).
-4. measure: each case for real, CUDA events, median of >= 5 steps after warm-up; peak
-   ``max_memory_allocated`` / ``max_memory_reserved`` after ``reset_peak_memory_stats``.
+4. measure: each case for real (``torch.compile(model)`` for compiled cases), CUDA events, median of
+   >= 5 steps after warm-up; peak ``max_memory_allocated`` / ``max_memory_reserved`` after
+   ``reset_peak_memory_stats``; then one step under ``torch.profiler``: every kernel's device time and
+   every aten op's, next to boomfx's predicted time per op (``profile`` in the JSON, ``kernels_by_op.md``).
 5. collect: the kernel database of this GPU, sweep mode (bf16 and fp32, time-budgeted) then
    model-guided (the kernels of each case) through ``boomfx.kernels_db.collect``.
 6. predict: each case with ``--device`` = this GPU's registry name, with the collected DB and without one.
@@ -61,20 +66,34 @@ class Case:
     amp: Optional[str]              # None (fp32) or "bf16" autocast
     batch: int
     seq: Optional[int]              # None for images
+    pure_bf16: bool = False         # bf16 weights and activations (no autocast)
+    compiled: bool = False          # torch.compile(model) / boomfx --compile
+    fwd_bwd_only: bool = False      # forward + backward, no optimizer step (train only)
+
+    @property
+    def precision(self) -> str:
+        return "pure-bf16" if self.pure_bf16 else (self.amp or "fp32")
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{'train' if self.train else 'inference'}-{self.amp or 'fp32'}"
+        mode = ("fwdbwd" if self.fwd_bwd_only else "train") if self.train else "inference"
+        return f"{self.model}-{mode}-{self.precision}" + ("-compiled" if self.compiled else "")
 
 
 def cases(dry_run: bool) -> list[Case]:
     if dry_run:
         return [Case("gpt2", False, None, 2, 16), Case("gpt2", True, None, 2, 16),
+                Case("gpt2", True, None, 2, 16, pure_bf16=True, fwd_bwd_only=True),
+                Case("gpt2", True, "bf16", 2, 16, compiled=True),
                 Case("llama", False, None, 2, 16), Case("llama", True, None, 2, 16),
                 Case("resnet", False, None, 2, None), Case("resnet", True, None, 2, None)]
-    return [Case("gpt2", False, None, 8, 512), Case("gpt2", True, "bf16", 8, 512),
+    # ~7 minutes on an H100: the compiled cases pay Inductor's compile (~30-60 s each) in their warm-up.
+    return [Case("gpt2", False, None, 8, 512), Case("gpt2", True, None, 8, 512),
+            Case("gpt2", True, "bf16", 8, 512), Case("gpt2", True, "bf16", 8, 512, fwd_bwd_only=True),
+            Case("gpt2", True, None, 8, 512, pure_bf16=True), Case("gpt2", True, "bf16", 8, 512, compiled=True),
             Case("llama", False, "bf16", 4, 1024), Case("llama", True, "bf16", 4, 512),
-            Case("resnet", False, None, 32, None), Case("resnet", True, None, 32, None)]
+            Case("llama", True, None, 4, 512, pure_bf16=True), Case("llama", True, "bf16", 4, 512, compiled=True),
+            Case("resnet", False, None, 32, None), Case("resnet", True, "bf16", 32, None)]
 
 
 def build_model(name: str, dry_run: bool) -> torch.nn.Module:
@@ -113,10 +132,12 @@ def example_inputs(case: Case, dry_run: bool, device: Any, vocab: int) -> dict[s
     return {"input_ids": torch.randint(0, vocab, (case.batch, case.seq), device=device)}
 
 
-def export_model(name: str, dry_run: bool, out: Path) -> Path:
+def export_model(name: str, dry_run: bool, out: Path, pure_bf16: bool = False) -> Path:
     from torch.export import Dim
     with torch.device("meta"):
         model = build_model(name, dry_run)
+        if pure_bf16:
+            model = model.to(torch.bfloat16)
     batch = Dim("batch", min=1, max=4096)
     if name == "resnet":
         size = image_size(dry_run)
@@ -126,7 +147,7 @@ def export_model(name: str, dry_run: bool, out: Path) -> Path:
         kwargs = {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")}
         dynamic = {"input_ids": {0: batch, 1: Dim("seq", min=2, max=2048 if not dry_run else 128)}}
     ep = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
-    path = out / "exports" / f"{name}.pt2"
+    path = out / "exports" / f"{name}{'-bf16' if pure_bf16 else ''}.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(ep, str(path))
     return path
@@ -189,10 +210,15 @@ class Run:
 # ---------------------------------------------------------------------------------------------------
 # Stage bodies
 # ---------------------------------------------------------------------------------------------------
+def _export_key(case: Case) -> str:
+    return case.model + ("-bf16" if case.pure_bf16 else "")
+
+
 def stage_export(run: Run) -> None:
-    for name in sorted({c.model for c in run.cases}):
+    for name in sorted({_export_key(c) for c in run.cases}):
         try:
-            run.exports[name] = export_model(name, run.dry_run, run.out)
+            model, _, weights = name.partition("-")
+            run.exports[name] = export_model(model, run.dry_run, run.out, pure_bf16=weights == "bf16")
             run.log(f"  exported {name} -> {run.exports[name]}")
         except Exception as exc:  # noqa: BLE001
             run.results.setdefault("errors", []).append(f"export {name}: {type(exc).__name__}: {exc}")
@@ -201,17 +227,18 @@ def stage_export(run: Run) -> None:
 
 def _program_options(case: Case, run: Run) -> Any:
     from boomfx.core.program import ProgramOptions
-    return ProgramOptions(case.train, "adamw", case.amp, False, target_kind=run.target.kind)
+    return ProgramOptions(case.train, "adamw", case.amp, False, target_kind=run.target.kind,
+                          compile=case.compiled)
 
 
 def stage_capture(run: Run) -> None:
     from boomfx.frontend.capture import capture
     for case in run.cases:
-        if case.model not in run.exports:
+        if _export_key(case) not in run.exports:
             continue
         try:
             t0 = time.monotonic()
-            run.programs[case.name] = capture(str(run.exports[case.model]), options=_program_options(case, run))
+            run.programs[case.name] = capture(str(run.exports[_export_key(case)]), options=_program_options(case, run))
             run.case(case)["capture_s"] = round(time.monotonic() - t0, 2)
         except Exception as exc:  # noqa: BLE001
             run.case(case)["capture_error"] = f"{type(exc).__name__}: {exc}"
@@ -224,9 +251,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _step_fn(model: torch.nn.Module, case: Case, inputs: dict, device: torch.device) -> Callable[[], Any]:
-    """One inference forward or one training step (forward, mean loss, backward, AdamW foreach)."""
+    """One inference forward or one training step (forward, mean loss, backward, AdamW foreach; the
+    optimizer left out for ``fwd_bwd_only``). Compiled cases call ``torch.compile(model)``."""
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if case.amp == "bf16"
                 else torch.autocast(device.type, enabled=False))
+    if case.compiled:
+        model = torch.compile(model)
     if not case.train:
         def infer() -> Any:
             with torch.no_grad(), autocast:
@@ -240,7 +270,8 @@ def _step_fn(model: torch.nn.Module, case: Case, inputs: dict, device: torch.dev
             first = out[0] if isinstance(out, tuple) else next(iter(out.values()))
             loss = first.mean()
         loss.backward()
-        opt.step()
+        if not case.fwd_bwd_only:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     return train
 
@@ -270,13 +301,43 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+PROFILE_TOP = 60
+
+
+def profile_step(step: Callable[[], Any], device: torch.device) -> dict:
+    """One step under ``torch.profiler``: device time of each kernel (self) and of each aten op (with its
+    children), the largest ``PROFILE_TOP`` of each, in ns. On a CPU run the CPU times stand in."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    kernels, ops = [], []
+    for ev in prof.key_averages():
+        device_ns = float(getattr(ev, "self_device_time_total", getattr(ev, "self_cuda_time_total", 0.0))) * 1e3
+        total_device_ns = float(getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0))) * 1e3
+        if device.type != "cuda":
+            device_ns, total_device_ns = float(ev.self_cpu_time_total) * 1e3, float(ev.cpu_time_total) * 1e3
+        row = {"name": ev.key, "count": int(ev.count)}
+        if ev.key.startswith("aten::"):
+            ops.append({**row, "time_ns": total_device_ns, "self_time_ns": device_ns})
+        elif device.type == "cuda" and device_ns > 0:
+            kernels.append({**row, "time_ns": device_ns})
+    by_time = lambda rows: sorted(rows, key=lambda r: -r["time_ns"])[:PROFILE_TOP]   # noqa: E731
+    return {"kernels": by_time(kernels), "aten_ops": by_time(ops)}
+
+
 def measure_case(run: Run, case: Case) -> dict:
     dev = run.device
     torch.manual_seed(0)
     with torch.device(dev):
         model = build_model(case.model, run.dry_run)
+        if case.pure_bf16:
+            model = model.to(torch.bfloat16)
     vocab = getattr(model.config, "vocab_size", 2)
     inputs = example_inputs(case, run.dry_run, dev, vocab)
+    if case.pure_bf16:
+        inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
     step = _step_fn(model, case, inputs, dev)
     try:
         for _ in range(WARMUP_STEPS):       # the first training step allocates the optimizer state
@@ -292,7 +353,8 @@ def measure_case(run: Run, case: Case) -> dict:
                       "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev),
                       "allocated_before_step_bytes": base_allocated}
         samples = _timed(step, dev)
-        return {"time_ns": statistics.median(samples), "samples_ns": samples, **memory}
+        return {"time_ns": statistics.median(samples), "samples_ns": samples, **memory,
+                "profile": profile_step(step, dev)}
     finally:
         del step, model, inputs
         _release(dev)
@@ -386,7 +448,11 @@ def predict_case(run: Run, case: Case, db: Optional[Path]) -> dict:
     analysis = Analysis(program, run.target, AnalyzeOptions(run.target.name, db=str(db) if db else "none"))
     report = analysis.evaluate(resolve_bindings(program, {}, case.batch, case.seq)).report
     alloc = report.memory.allocator
-    return {"time_ns": report.time.total_ns, "device_busy_ns": report.time.device_busy_ns,
+    optimizer_ns = sum(g.time_ns for g in report.by_phase if g.name == "optimizer")
+    total_ns = report.time.total_ns - (optimizer_ns if case.fwd_bwd_only else 0.0)
+    return {"time_ns": total_ns, "device_busy_ns": report.time.device_busy_ns,
+            "optimizer_phase_ns": optimizer_ns,
+            "by_op_ns": {g.name: g.time_ns for g in report.by_op},
             "host_bound_fraction": report.time.host_bound_fraction,
             "peak_allocated_bytes": alloc.peak_allocated_bytes if alloc else report.memory.peak_live_bytes,
             "peak_reserved_bytes": alloc.peak_reserved_bytes if alloc else None,
@@ -495,9 +561,41 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profiler_op_name(boomfx_op: str) -> str:
+    """``aten.mm.default`` -> ``aten::mm``: the profiler's name of the op boomfx prices."""
+    parts = boomfx_op.split(".")
+    return f"{parts[0]}::{parts[1]}" if len(parts) >= 2 else boomfx_op
+
+
+def op_rows(case: dict) -> list[dict]:
+    """Per aten op: measured device time of one profiled step next to boomfx's prediction (ns)."""
+    measured = {r["name"]: r["time_ns"] for r in ((case.get("measured") or {}).get("profile") or {}).get("aten_ops", [])}
+    predicted: dict[str, float] = {}
+    for op, t in ((case.get("predicted_no_db") or case.get("predicted") or {}).get("by_op_ns") or {}).items():
+        predicted[profiler_op_name(op)] = predicted.get(profiler_op_name(op), 0.0) + t
+    rows = [{"op": op, "measured_ns": measured.get(op), "predicted_ns": t, "error": _err(t, measured.get(op))}
+            for op, t in predicted.items()]
+    return sorted(rows, key=lambda r: -(r["measured_ns"] or r["predicted_ns"]))
+
+
+def kernels_markdown(results: dict) -> str:
+    lines = ["# Kernel by kernel: measured (torch.profiler, one step) vs predicted (no DB), per aten op", ""]
+    for name, case in results.get("cases", {}).items():
+        rows = op_rows(case)
+        if not rows:
+            continue
+        lines += [f"## {name}", "", "| op | measured ms | predicted ms | error |", "|---|---|---|---|"]
+        for r in rows[:25]:
+            meas = None if r["measured_ns"] is None else r["measured_ns"] / 1e6
+            lines.append(f"| {r['op']} | {_num(meas)} | {_num(r['predicted_ns'] / 1e6)} | {_pct(r['error'])} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
 def stage_report(run: Run, db: Path) -> None:
     from boomfx.kernels_db.store import Store
     run.results["errors_table"] = error_rows(run.results)
+    (run.out / "kernels_by_op.md").write_text(kernels_markdown(run.results))
     if db.exists():
         with Store(db) as store:
             run.results["db_rows"] = store.export_csv(run.out / "kernels.csv")
@@ -558,7 +656,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.stage("export", lambda: stage_export(run))
     run.stage("capture", lambda: stage_capture(run))
     run.stage("snapshot", lambda: stage_snapshot(run), min_s=60)
-    run.stage("measure", lambda: stage_measure(run), min_s=60)
+    run.stage("measure", lambda: stage_measure(run), min_s=60)   # includes one profiled step per case
     run.stage("collect", lambda: stage_collect(run, db), min_s=40)
     run.stage("predict", lambda: stage_predict(run, db), min_s=10)
     run.stage("blocks", lambda: stage_blocks(run, db), min_s=40)

@@ -91,7 +91,15 @@ def fit_gemm(rows: Sequence[PublicKernelRow], device: DeviceSpec, mem_efficiency
              k_half_grid: Sequence[float] = K_HALF_GRID, tile_alpha_grid: Sequence[float] = TILE_ALPHA_GRID) -> GemmParams:
     """Fit one device's GEMM parameters on ``rows`` (all the same device and family)."""
     b, m, n, k, t = _gemm_arrays(rows)
-    peak = device.peak_flops_per_s[torch.float32]
+    return fit_gemm_arrays(b, m, n, k, t, device, mem_efficiency, k_half_grid, tile_alpha_grid)
+
+
+def fit_gemm_arrays(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, t: np.ndarray, device: DeviceSpec,
+                    mem_efficiency: float, k_half_grid: Sequence[float] = K_HALF_GRID,
+                    tile_alpha_grid: Sequence[float] = TILE_ALPHA_GRID, peak_flops_per_s: Optional[float] = None,
+                    family: core.KernelFamily = core.SIMT_FP32) -> GemmParams:
+    """The fit of ``fit_gemm`` on arrays (``t`` in ns); the peak defaults to the device's fp32 figure."""
+    peak = peak_flops_per_s or device.peak_flops_per_s[torch.float32]
     bw = device.memory_bandwidth_bytes_per_s
     best: Optional[tuple[float, GemmParams]] = None
     for k_half in k_half_grid:
@@ -99,14 +107,15 @@ def fit_gemm(rows: Sequence[PublicKernelRow], device: DeviceSpec, mem_efficiency
             params = GemmParams(0.7, k_half, alpha, 0.0, mem_efficiency)
             for _ in range(3):
                 work = core.gemm_time_ns(b, m, n, k, peak_flops_per_s=peak, bandwidth_bytes_per_s=bw,
-                                         sm_count=device.sm_count, params=params, include_floor=False)
+                                         sm_count=device.sm_count, params=params, include_floor=False,
+                                         family=family)
                 floor, scale = _relative_lstsq([np.ones_like(t), work], t)
                 floor = max(float(floor), 0.0)
                 if scale <= 0:
                     break
                 params = GemmParams(params.e_max / scale, k_half, alpha, floor, mem_efficiency).clipped()
             pred = core.gemm_time_ns(b, m, n, k, peak_flops_per_s=peak, bandwidth_bytes_per_s=bw,
-                                     sm_count=device.sm_count, params=params)
+                                     sm_count=device.sm_count, params=params, family=family)
             loss = float(np.mean(np.abs(np.log(pred / t))))
             if best is None or loss < best[0]:
                 best = (loss, params)

@@ -18,8 +18,9 @@ JSON; a GPU without a board power on record keeps the median e_max).
 
 Known limitations:
 
-* fp32 without TF32 only (the calibration data). Other dtypes get ``None``: the tensor-core kernels
-  behave differently and no measurements here say how.
+* fp32 without TF32 from the NeuSight data; bf16/fp16/fp8 GEMMs and fused fp16/bf16 attention from the
+  low-precision data (``lowp_pricing.py``, ``tensor_core_gemm.py``, ``attention_model.py``). Other
+  low-precision ops (elementwise, norms) get ``None`` here.
 * ``floor_ns`` includes torch 2.1 eager host dispatch (the source timed isolated ops with CUDA events);
   in a busy stream part of it would overlap. NB: small-tensor memory ops (< 50 MB) are extrapolated.
 * No L2 residency: on the L4 (48 MB L2) some layer norm / softmax rows ran faster than DRAM allows;
@@ -163,17 +164,28 @@ class GpuKernelModel:
     def __init__(self, devices: Mapping[str, DeviceCalibration], generic: DeviceCalibration,
                  e_max_trend: Optional[Mapping[str, Mapping[str, Any]]] = None,
                  board_power_w: Optional[Mapping[str, float]] = None,
-                 memory_by_class: Optional[Mapping[str, DeviceCalibration]] = None) -> None:
+                 memory_by_class: Optional[Mapping[str, DeviceCalibration]] = None,
+                 lowp: Optional[Any] = None, attention: Optional[Any] = None) -> None:
         self.devices = dict(devices)
+        self.lowp = lowp              # tensor_core_gemm.LowpCalibration (bf16/fp16/fp8 GEMMs)
+        self.attention = attention    # attention_model.AttentionModel (fused SDPA kernels)
         self.generic = generic
         self.e_max_trend = dict(e_max_trend or {})
         self.board_power_w = dict(board_power_w or {})
         self.memory_by_class = dict(memory_by_class or {})   # "hbm"/"gddr" -> generic memory params
 
     @staticmethod
-    def load(path: Optional[Path | str] = None) -> "GpuKernelModel":
+    def load(path: Optional[Path | str] = None, lowp_path: Optional[Path | str] = None) -> "GpuKernelModel":
+        """The fp32 model of ``path`` with the low-precision GEMM and attention models of ``lowp_path``."""
+        from boomfx.kernels_db.attention_model import AttentionModel
+        from boomfx.kernels_db.tensor_core_gemm import LOWP_CALIBRATION_PATH, LowpCalibration
         with open(path or CALIBRATION_PATH) as fh:
-            return GpuKernelModel.from_json(json.load(fh))
+            model = GpuKernelModel.from_json(json.load(fh))
+        with open(lowp_path or LOWP_CALIBRATION_PATH) as fh:
+            lowp_doc = json.load(fh)
+        model.lowp = LowpCalibration.from_json(lowp_doc)
+        model.attention = AttentionModel.from_json(lowp_doc)
+        return model
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> "GpuKernelModel":
@@ -187,7 +199,8 @@ class GpuKernelModel:
     def without_device(self, name: str) -> "GpuKernelModel":
         """The same model with one device's own parameters dropped (it falls back to the generic set)."""
         return GpuKernelModel({k: v for k, v in self.devices.items() if k != name}, self.generic,
-                              self.e_max_trend, self.board_power_w, self.memory_by_class)
+                              self.e_max_trend, self.board_power_w, self.memory_by_class, self.lowp,
+                              self.attention)
 
     # -- parameter lookup: the device's own, else generic; a family falls back to its sibling --------
     def gemm_params(self, family: str, device: DeviceSpec) -> Optional[GemmParams]:
@@ -257,15 +270,32 @@ class GpuKernelModel:
         the public data timed isolated eager ops) by the device's kernel launch latency: the scheduler
         models host issue separately, so the floor must not be counted twice.
         """
-        if device.kind != "cuda" or device.sm_count <= 0 or not _fp32_only(call):
+        if device.kind != "cuda" or device.sm_count <= 0:
             return None
-        gemm = gemm_problem(call)
-        if gemm is not None:
-            return self.predict_gemm_ns(gemm, device, launch_floor)
-        mem = memory_problem(call)
-        if mem is not None:
-            return self.predict_memory_ns(mem, device, launch_floor)
-        return None
+        if self.lowp is not None:
+            from boomfx.kernels_db.lowp_pricing import predict_lowp_ns
+            lowp_ns = predict_lowp_ns(call, device, self.lowp, self.attention)
+            if lowp_ns is not None:
+                return lowp_ns   # its floor is GPU-side already (CUDA-graph timings): launch_floor not applied
+        if _fp32_only(call):
+            gemm = gemm_problem(call)
+            if gemm is not None:
+                return self.predict_gemm_ns(gemm, device, launch_floor)
+            mem = memory_problem(call)
+            if mem is not None:
+                return self.predict_memory_ns(mem, device, launch_floor)
+        if gemm_problem(call) is not None:
+            return None   # a GEMM at a precision neither model covers (e.g. fp32 with TF32 context)
+        return self.predict_bandwidth_class_ns(call, device, launch_floor)
+
+    def predict_bandwidth_class_ns(self, call: OpCall, device: DeviceSpec, launch_floor: bool = False) -> Optional[float]:
+        """A memory-bound kernel at any dtype on its class's fitted curve, by the bytes it moves
+        (``bandwidth_classes.py``: casts, foreach/fused optimizer kernels, fp32 loss softmax, grad scaler)."""
+        from boomfx.kernels_db.bandwidth_classes import bandwidth_problem
+        problem = bandwidth_problem(call)
+        if problem is None:
+            return None
+        return self.predict_memory_ns(MemoryProblem(*problem), device, launch_floor)
 
     def transfer_ns(self, measured_ns: float, call: OpCall, source: DeviceSpec, target: DeviceSpec) -> float:
         """Carry a measurement on ``source`` to ``target``: ``measured * model(target) / model(source)``.

@@ -81,21 +81,44 @@ def _ceil_div(a: np.ndarray, b: float) -> np.ndarray:
     return np.ceil(a / b)
 
 
+@dataclass(frozen=True)
+class KernelFamily:
+    """The candidate kernels of one precision: tiles, split-K factors, operand and output element sizes.
+
+    ``reference_intensity`` is the tile intensity ``tm*tn/(tm+tn)`` that reaches ``e_max`` (smaller tiles
+    pay ``(I/I_ref)**tile_alpha``); split-K partial sums are fp32 (``partial_itemsize``).
+    """
+
+    tiles: tuple[tuple[int, int], ...]
+    split_k: tuple[int, ...]
+    reference_intensity: float
+    in_itemsize: int
+    out_itemsize: int
+    partial_itemsize: int = FP32_BYTES
+
+
+SIMT_FP32 = KernelFamily(TILES, SPLIT_K, REFERENCE_TILE_INTENSITY, FP32_BYTES, FP32_BYTES)
+
+
 def gemm_time_ns(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, *, peak_flops_per_s: float,
                  bandwidth_bytes_per_s: float, sm_count: int, params: GemmParams,
-                 include_floor: bool = True) -> np.ndarray:
-    """Predicted ns of fp32 GEMMs ``[b, m, k] @ [b, k, n]`` (arrays broadcast together); see module doc."""
+                 include_floor: bool = True, family: KernelFamily = SIMT_FP32) -> np.ndarray:
+    """Predicted ns of GEMMs ``[b, m, k] @ [b, k, n]`` (arrays broadcast together); see module doc.
+
+    ``family`` picks the candidate kernels: fp32 SIMT sgemm by default, tensor-core tiles for
+    bf16/fp16/fp8 (``kernels_db/tensor_core_gemm.py``).
+    """
     b, m, n, k = (np.asarray(x, dtype=np.float64) for x in (b, m, n, k))
     p = params.clipped()
-    min_bytes = FP32_BYTES * b * (m * k + k * n + m * n)
+    min_bytes = b * (family.in_itemsize * (m * k + k * n) + family.out_itemsize * m * n)
     dram_ns = min_bytes / (bandwidth_bytes_per_s * p.mem_efficiency) * 1e9
     sm_flops_per_ns = peak_flops_per_s / sm_count / 1e9
     best = np.full(np.broadcast(b, m, n, k).shape, np.inf)
-    for tm, tn in TILES:
+    for tm, tn in family.tiles:
         intensity = tm * tn / (tm + tn)
-        e_tile = min(1.0, intensity / REFERENCE_TILE_INTENSITY) ** p.tile_alpha
+        e_tile = min(1.0, intensity / family.reference_intensity) ** p.tile_alpha
         base_tiles = b * _ceil_div(m, tm) * _ceil_div(n, tn)
-        for split in SPLIT_K:
+        for split in family.split_k:
             depth = np.ceil(k / split)
             e = p.e_max * e_tile * depth / (depth + p.k_half)
             tiles_per_sm = np.ceil(base_tiles * split / sm_count)   # the busiest SM's share of the grid
@@ -103,7 +126,7 @@ def gemm_time_ns(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, *, 
             t = tiles_per_sm * tile_ns
             if split > 1:
                 # reduction: read `split` partial [b, m, n] outputs, write one
-                reduce_bytes = FP32_BYTES * b * m * n * (split + 1)
+                reduce_bytes = b * m * n * (family.partial_itemsize * split + family.out_itemsize)
                 t = t + reduce_bytes / (bandwidth_bytes_per_s * p.mem_efficiency) * 1e9
                 t = np.where(k >= split * 64, t, np.inf)   # cuBLAS only splits deep contractions
             best = np.minimum(best, np.maximum(t, dram_ns))

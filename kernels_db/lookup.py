@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from boomfx.core.devices import DeviceSpec
+from boomfx.kernels_db.collective_model import COLLECTIVE_OP
 from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
@@ -255,7 +256,7 @@ class KernelPricer:
         if store is not None:
             with store:
                 for rec in store.records(fingerprint):  # oldest first: newer rows overwrite
-                    if rec.key.op == BLOCK_OP:  # whole-block rows price blocks, not kernels (blocks_db.py)
+                    if rec.key.op in (BLOCK_OP, COLLECTIVE_OP):  # blocks (blocks_db.py), collectives (collectives.py)
                         continue
                     if rec.key.op == HOST_OP:   # compiled-graph entry costs, not kernels (host_overheads.py)
                         self.host_records[rec.key.key_hash] = rec

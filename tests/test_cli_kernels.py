@@ -148,7 +148,7 @@ def test_fused_groups_are_timed_without_the_custom_op(monkeypatch) -> None:
     from boomfx.core.devices import get_device
     from boomfx.kernels_db.collect_fused import FusedMeasurer, fused_calls
     from boomfx.kernels_db.keys import kernel_key, make_inputs
-    from boomfx.passes import compiled
+    from boomfx.passes import fused_op
     from boomfx.core.program import ProgramOptions
 
     class Chain(torch.nn.Module):
@@ -161,7 +161,7 @@ def test_fused_groups_are_timed_without_the_custom_op(monkeypatch) -> None:
     key = kernel_key(fused_calls(analysis, resolve_bindings(program, {}))[0])
     op, args, kwargs = make_inputs(key, torch.device("cpu"))
     expected = op(*args, **kwargs)[0]
-    monkeypatch.setattr(compiled, "run_fused", lambda *a: (_ for _ in ()).throw(AssertionError("via the op")))
+    monkeypatch.setattr(fused_op, "run_fused", lambda *a: (_ for _ in ()).throw(AssertionError("via the op")))
     out = FusedMeasurer._timed_call(op, args, kwargs)()
     out = out[0] if isinstance(out, (list, tuple)) else out
     assert torch.equal(out, expected)

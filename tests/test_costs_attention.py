@@ -49,12 +49,16 @@ def test_sdpa_symbolic_sequence():
     assert sympy.expand(cost.flops - 2 * 8 * L_sym ** 2 * 8 * 2) == 0  # 2*BH*L^2*E*2 = 256*s0^2
 
 
-def test_causal_halves_fused_but_not_math():
+CAUSAL_FWD = FWD * (L * (L + 1) // 2) // (L * L)  # 136 of 256 pairs attended: 65536 * 136/256 = 34816
+
+
+def test_causal_counts_attended_pairs_fused_but_not_math():
     q, k, v = qkv()
     out = (spec(B, H, L, E),)
     causal = price(aten.scaled_dot_product_attention.default, q, k, v, outputs=out, is_causal=True)
-    assert causal.flops == FWD // 2
-    # NB: FlopCounterMode counts causal as full; we halve on purpose (fused kernels skip masked tiles)
+    assert causal.flops == CAUSAL_FWD == 34816
+    # NB: FlopCounterMode counts causal as full; we count the attended pairs on purpose (fused kernels
+    # skip masked tiles)
     math = price(aten.scaled_dot_product_attention.default, q, k, v, outputs=out, is_causal=True,
                  context={"sdpa_backend": "math"})
     assert math.flops == FWD
@@ -102,7 +106,35 @@ def test_backend_specific_ops_agree_with_flop_counter_formulas():
     assert bwd.flops == 2 * 8 * 16 * 16 * (3 * 8 + 2 * 8)  # 2*BH*L*S*(3E + 2Ev) = 163840
     eff = price(aten._scaled_dot_product_efficient_attention.default, q, k, v, None, True, is_causal=True,
                 outputs=(o, lse, spec(), spec()))
-    assert eff.flops == FWD // 2
+    assert eff.flops == CAUSAL_FWD
+
+
+def test_causal_non_square_is_top_left_aligned():
+    # L=16 queries over S=24 keys, tril(ones(16, 24)): query i sees i+1 keys: 16*17/2 = 136 pairs
+    q, k, v = spec(B, H, L, E), spec(B, H, 24, E), spec(B, H, 24, E)
+    cost = price(aten.scaled_dot_product_attention.default, q, k, v, outputs=(q,), is_causal=True)
+    assert cost.flops == 2 * (B * H) * 136 * E * 2  # 2*8*136*8*2 = 34816
+    # L=24 queries over S=16 keys: the first 16 see 1..16 keys (136), the last 8 all 16 (128): 264 pairs
+    q, k, v = spec(B, H, 24, E), spec(B, H, L, E), spec(B, H, L, E)
+    cost = price(aten.scaled_dot_product_attention.default, q, k, v, outputs=(q,), is_causal=True)
+    assert cost.flops == 2 * (B * H) * 264 * E * 2  # = 67584
+
+
+def test_sliding_window_caps_keys_per_query():
+    # flash forward, L=S=16, causal, window_size_left=3: query i sees min(i+1, 4) keys:
+    # 1+2+3 + 13*4 = 58 pairs = w(w+1)/2 + (L-w)*w with w=4: 10 + 48
+    q = spec(B, L, H, E)
+    outs = (q, spec(B, H, L), spec(2, dtype=torch.int64), spec(0), spec(0))
+    cost = price(aten._flash_attention_forward.default, q, q, q, None, None, L, L, 0.0, True, False,
+                 outputs=outs, window_size_left=3, window_size_right=0)
+    assert cost.flops == 2 * (B * H) * 58 * E * 2  # 2*8*58*8*2 = 14848
+    full = price(aten._flash_attention_forward.default, q, q, q, None, None, L, L, 0.0, True, False,
+                 outputs=outs, window_size_left=-1)
+    assert full.flops == CAUSAL_FWD   # -1 = no window
+    bwd = price(aten._flash_attention_backward.default, q, q, q, q, q, spec(B, H, L), spec(B + 1, dtype=torch.int32),
+                spec(B + 1, dtype=torch.int32), L, L, 0.0, True, spec(2, dtype=torch.int64), spec(0),
+                outputs=(q, q, q), window_size_left=3)
+    assert bwd.flops == 2 * (B * H) * 58 * (3 * E + 2 * E)  # 2*8*58*40 = 37120
 
 
 def test_low_level_flash_forward_layout():

@@ -103,7 +103,11 @@ def test_memory_time_monotonic_in_row_length(model):
 
 def test_unmodelled_ops_and_dtypes_give_none(model):
     dev = get_device("a100-pcie-40gb")
-    assert model.predict_ns(mm(128, 128, 128, dtype=torch.bfloat16), dev) is None
+    # fp8 on an A100 (no fp8 tensor cores, no fp8 peak in the registry): no model
+    fp8 = OpCall.build(aten._scaled_mm.default, (spec(128, 128, dtype=torch.float8_e4m3fn),
+                                                 spec(128, 128, dtype=torch.float8_e4m3fn), spec(), spec()),
+                       {"out_dtype": torch.bfloat16}, (spec(128, 128, dtype=torch.bfloat16),))
+    assert model.predict_ns(fp8, dev) is None
     conv = OpCall.build(aten.cumsum.default, (spec(8, 8), 1), {}, (spec(8, 8),))
     assert model.predict_ns(conv, dev) is None
     assert model.predict_ns(mm(8, 8, 8), get_device("cpu")) is None

@@ -31,7 +31,8 @@ def _script():
 def dry_run(tmp_path_factory):
     gv = _script()
     out = tmp_path_factory.mktemp("gpu_validation")
-    rc = gv.main(["--dry-run", "--out", str(out), "--cases", "gpt2-train-fp32,resnet-inference-fp32"])
+    rc = gv.main(["--dry-run", "--out", str(out), "--cases",
+                  "gpt2-train-fp32,resnet-inference-fp32,gpt2-fwdbwd-pure-bf16"])
     return gv, out, rc
 
 
@@ -44,7 +45,7 @@ def test_dry_run_writes_every_artefact(dry_run) -> None:
     assert list(stages) == ["export", "capture", "snapshot", "measure", "collect", "predict", "blocks", "report"]
     assert {name: st["status"] for name, st in stages.items()} == {name: "ok" for name in stages}
     assert results["snapshot"] == "skipped: needs CUDA"
-    assert set(results["cases"]) == {"gpt2-train-fp32", "resnet-inference-fp32"}
+    assert set(results["cases"]) == {"gpt2-train-fp32", "resnet-inference-fp32", "gpt2-fwdbwd-pure-bf16"}
     for name, case in results["cases"].items():
         assert case["measured"]["time_ns"] > 0 and len(case["measured"]["samples_ns"]) >= 5, name
         assert case["predicted"]["time_ns"] > 0 and case["predicted_no_db"]["time_ns"] > 0, name
@@ -58,6 +59,40 @@ def test_dry_run_writes_every_artefact(dry_run) -> None:
     assert {"block", "aten.addmm.default"} <= {r["op"] for r in rows}
     md = (out / "gpu_validation.md").read_text()
     assert "| gpt2-train-fp32 |" in md and "| resnet-inference-fp32 |" in md
+
+
+def test_every_case_profiles_one_step_and_lists_predicted_ops(dry_run) -> None:
+    gv, out, _ = dry_run
+    results = json.loads((out / "gpu_validation.json").read_text())
+    for name, case in results["cases"].items():
+        ops = {r["name"] for r in case["measured"]["profile"]["aten_ops"]}
+        assert "aten::addmm" in ops or "aten::convolution" in ops, name
+        assert case["predicted"]["by_op_ns"], name
+    # pure bf16 forward+backward: bf16 weights, no optimizer in the run nor in the prediction
+    pure = results["cases"]["gpt2-fwdbwd-pure-bf16"]
+    assert "aten::_foreach_add_" not in {r["name"] for r in pure["measured"]["profile"]["aten_ops"]}
+    assert pure["predicted"]["optimizer_phase_ns"] > 0
+    assert (out / "kernels_by_op.md").read_text().count("## ") == 3
+
+
+def test_full_run_covers_precisions_modes_and_phases(dry_run) -> None:
+    gv = dry_run[0]
+    full = gv.cases(dry_run=False)
+    assert len({c.name for c in full}) == len(full)
+    kinds = {(c.precision, c.compiled, c.train, c.fwd_bwd_only) for c in full}
+    for precision in ("fp32", "bf16", "pure-bf16"):
+        assert any(k[0] == precision and k[2] for k in kinds), precision      # trained in every precision
+    assert any(k[1] for k in kinds) and any(not k[1] for k in kinds)          # eager and compiled
+    assert any(k[3] for k in kinds) and any(not k[2] for k in kinds)          # fwd+bwd only, inference
+
+
+def test_op_rows_pair_profiler_and_prediction(dry_run) -> None:
+    gv = dry_run[0]
+    case = {"measured": {"profile": {"aten_ops": [{"name": "aten::mm", "time_ns": 2e6}]}},
+            "predicted_no_db": {"by_op_ns": {"aten.mm.default": 1.5e6, "aten.add.Tensor": 1e5}}}
+    rows = gv.op_rows(case)
+    assert rows[0] == {"op": "aten::mm", "measured_ns": 2e6, "predicted_ns": 1.5e6, "error": pytest.approx(-0.25)}
+    assert rows[1]["op"] == "aten::add" and rows[1]["measured_ns"] is None
 
 
 def test_error_table_arithmetic(dry_run) -> None:

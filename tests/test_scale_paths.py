@@ -17,7 +17,7 @@ import pytest
 import sympy
 import torch
 
-from boomfx.analysis.analysis import _SIZE_QUERIES, _eager_autograd_liveness
+from boomfx.passes.liveness import _SIZE_QUERIES, _eager_autograd_liveness
 from boomfx.frontend.capture import capture
 from boomfx.core.gc_pause import gc_paused
 from boomfx.passes.costs.pointwise import bytes_of, numel_of, unique_bytes

@@ -16,8 +16,7 @@ from boomfx.memory.config import AllocatorConfig
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
-from boomfx.analysis.block_mode import apply_block_measurements
-from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED
+from boomfx.analysis.step_schedule import schedule_step
 from boomfx.memory.outside import OutsideMemory
 from boomfx.memory.replay import AllocEvent, ReplayResult
 from boomfx.core.layers import module_path
@@ -34,9 +33,7 @@ from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
 from boomfx.report.model import KernelReport, Report
 from boomfx.analysis.build_report import block_reports, build_report
 from boomfx.analysis.memory_events import memory_report
-from boomfx.analysis.host_time import with_cold_starts, with_graph_entries
 from boomfx.simulate.timeline import ScheduledKernel, Timeline, simulate
-from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS  # --cudagraphs
 
 aten = torch.ops.aten
 _HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
@@ -164,28 +161,20 @@ class Analysis:
                 device_ns = price.time_ns
                 if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
                     device_ns += price.host_ns      # the CPU issues and runs each op on one thread
-                host_ns = price.host_ns
-                if self._cudagraphs:  # --cudagraphs: one graph replay issues every kernel (passes/compiled.py)
-                    host_ns = 0.0 if scheduled else CUDAGRAPH_REPLAY_HOST_NS
-                scheduled.append(ScheduledKernel(node.name, host_ns, device_ns, 0, sync))
+                scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
                 workspace_at[step] = int(price.workspace_bytes or 0)
                 kernels.append(KernelReport(
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
-        # host time outside the prices (boomfx/analysis/host_time.py): a CPU's cold starts, compiled graphs' entries
+        # the schedule beyond the prices, in one place (boomfx/analysis/step_schedule.py)
         costs = self._host_costs
-        added = [0.0] * len(scheduled)
-        if self.device.kind == "cpu":
-            scheduled, added = with_cold_starts(kernels, scheduled, costs, bool(self.program.options.compile))
-        # block mode: instances of blocks measured whole take the measured time (kernels_db/blocks_db.py)
-        kernels, scheduled = apply_block_measurements(self, bindings, kernels, scheduled)
-        cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
-        entries: set[int] = set()
-        if self.program.options.compile:
-            scheduled, entries = with_graph_entries(kernels, scheduled, costs, bool(self.program.options.train),
-                                                    self._graph_inputs, self.device.kind == "cpu")
+        opts = self.program.options
+        step = schedule_step(kernels, scheduled, analysis=self, db=self.options.db, bindings=bindings, costs=costs,
+                             cpu=self.device.kind == "cpu", compiled=bool(opts.compile), train=bool(opts.train),
+                             cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs)
+        kernels, scheduled, entries = step.kernels, step.scheduled, step.entries
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
         for k, span in zip(kernels, spans):
@@ -195,9 +184,9 @@ class Analysis:
                                             self._cudagraphs, record_trace, exact_total=not memory_only)
         report = build_report(self.program, self.device, self.options, bindings, kernels, timeline, memory,
                               self.costs.unmodelled_ops())
-        report.time.graph_entry_ns = sum(scheduled[i].host_ns + scheduled[i].device_ns for i in entries)
-        report.time.cold_start_ns = cold_ns
-        report.time.host_costs_source = costs.source if (entries or cold_ns) else ""
+        report.time.graph_entry_ns = step.graph_entry_ns
+        report.time.cold_start_ns = step.cold_start_ns
+        report.time.host_costs_source = costs.source if (entries or step.cold_start_ns) else ""
         report.warnings.extend(self.program.warnings)
         report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
         return PointResult(report, timeline, rep, events)
@@ -232,7 +221,7 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
             cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
-            resident_grads: bool = False) -> Report:
+            resident_grads: bool = False, device_spec: Optional[str] = None) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
@@ -240,6 +229,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
     ``resident_grads=True`` (with ``train``): every ``.grad`` stays allocated between steps
     (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
+    ``device_spec="my_gpu.json"``: an unlisted device described in JSON (``boomfx/core/device_spec_file.py``);
+    it replaces ``device``.
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
@@ -250,7 +241,11 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
         >>> report.time.total_ns, report.memory.fits
     """
     started = time.perf_counter()
-    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    if device_spec is not None:
+        from boomfx.core.device_spec_file import load_device_spec
+        spec = load_device_spec(device_spec)
+    else:
+        spec = device if isinstance(device, DeviceSpec) else get_device(device)
     program = capture(source, *example_inputs,
                       options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
                                                      compile=compile or cudagraphs, cudagraphs=cudagraphs,

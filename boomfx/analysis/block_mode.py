@@ -4,25 +4,23 @@ kernels' prices."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import sympy
 
 from boomfx.kernels_db.block_runner import extract_block
-from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED, block_key, block_records
+from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED, BlockAnalysis, block_key, block_records
 from boomfx.kernels_db.schema import KernelRecord
 from boomfx.kernels_db.store import Store
 
-if TYPE_CHECKING:
-    from boomfx.analysis.analysis import Analysis
 
-
-def measured_block_times(analysis: "Analysis", bindings: Mapping[sympy.Symbol, int]) -> dict[int, KernelRecord]:
+def measured_block_times(analysis: BlockAnalysis, db: Optional[str],
+                         bindings: Mapping[sympy.Symbol, int]) -> dict[int, KernelRecord]:
     """class index -> the block row measured for it at ``bindings`` on the analysis' device (if any)."""
     from boomfx.kernels_db.db_path import resolve_db_path
     if not analysis.blocks.classes:
         return {}
-    path = resolve_db_path(analysis.options.db, analysis.device)
+    path = resolve_db_path(db, analysis.device)
     if path is None:
         return {}
     rows = block_records(Store(path), analysis.device.name)
@@ -37,7 +35,8 @@ def measured_block_times(analysis: "Analysis", bindings: Mapping[sympy.Symbol, i
     return found
 
 
-def apply_block_measurements(analysis: "Analysis", bindings: Mapping[sympy.Symbol, int], kernels: Sequence[Any],
+def apply_block_measurements(analysis: BlockAnalysis, db: Optional[str], bindings: Mapping[sympy.Symbol, int],
+                             kernels: Sequence[Any],
                              scheduled: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """``kernels`` (KernelReport) and ``scheduled`` (ScheduledKernel, index-aligned) with every instance of a
     measured block scaled to the measured time: kernel i of an instance gets
@@ -46,7 +45,7 @@ def apply_block_measurements(analysis: "Analysis", bindings: Mapping[sympy.Symbo
     kernels, scheduled = list(kernels), list(scheduled)
     if not kernels:
         return kernels, scheduled
-    rows = measured_block_times(analysis, bindings)
+    rows = measured_block_times(analysis, db, bindings)
     if not rows:
         return kernels, scheduled
     groups: dict[tuple[int, int], list[int]] = {}

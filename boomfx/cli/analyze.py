@@ -10,6 +10,7 @@ import sys
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
 from boomfx.frontend.capture import DEFAULT_OPTIMIZER, capture, resolve_bindings
 from boomfx.cli.args import parse_dim, parse_sweep
+from boomfx.core.device_spec_file import load_device_spec
 from boomfx.core.devices import get_device
 from boomfx.core.errors import OptionError
 from boomfx.core.program import ProgramOptions
@@ -19,7 +20,7 @@ from boomfx.core.units import fmt_bytes, fmt_time
 
 def run_analyze(args: argparse.Namespace) -> int:
     progress = StageProgress(enabled=True if args.verbose else None)
-    device = get_device(args.device)
+    device = load_device_spec(args.device_spec) if getattr(args, "device_spec", None) else get_device(args.device)
     dims = dict(parse_dim(d) for d in args.dim)
     sweeps = [parse_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:

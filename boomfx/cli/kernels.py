@@ -1,4 +1,4 @@
-"""``boomfx kernels collect|import|export|info``: build and share kernel databases."""
+"""``boomfx kernels collect|import|export|info``: build and share kernel (and collective) databases."""
 from __future__ import annotations
 
 import argparse
@@ -33,10 +33,17 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPU intra-op threads while measuring (default: torch's); match the runs you predict, "
                         "and use 1 on a machine shared with other jobs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--collectives", action="store_true",  # boomfx/cli/collectives.py
+                   help="measure collectives (gloo on cpu, NCCL on cuda) with --world local ranks")
+    c.add_argument("--world", type=int, default=2, help="with --collectives: local ranks (default 2)")
     i = ksub.add_parser("import", help="import CSV measurements (boomfx CSV or the public GPU data set)")
     i.add_argument("path", help="a CSV file exported by boomfx, or a directory of public measurements")
     i.add_argument("--db", default=None)
-    i.add_argument("--device", default=None, help="with public data: import only this device")
+    i.add_argument("--device", default=None, help="with public data: import only this device; with an nccl-tests "
+                                                  "table: the device it ran on (default: from its Rank lines)")
+    i.add_argument("--op", default=None, help="nccl-tests table: the collective (default: from the file)")
+    i.add_argument("--ranks-per-node", type=int, default=None,
+                   help="nccl-tests table: ranks per node (default: from its hosts)")
     e = ksub.add_parser("export", help="export a database as CSV")
     e.add_argument("path")
     e.add_argument("--db", required=True)

@@ -70,6 +70,9 @@ def _collect(args: argparse.Namespace) -> int:
     budget = parse_budget(args.budget)
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if args.collectives:   # collectives with local ranks (boomfx/cli/collectives.py)
+        from boomfx.cli.collectives import collect
+        return collect(args, spec.name, path)
     progress = False if args.quiet else None
     threads = args.threads
     if threads is not None:
@@ -161,6 +164,10 @@ def _import(args: argparse.Namespace) -> int:
     if not source.exists():
         raise OptionError(f"nothing to import at {source}")
     if source.is_file():
+        from boomfx.cli.collectives import try_import   # nccl-tests tables, the public NCCL table
+        done = try_import(source, args, _db_path)
+        if done is not None:
+            return done
         if not args.db:
             raise OptionError("importing a boomfx CSV needs --db PATH (the database to add it to)")
         with Store(args.db) as store:

@@ -38,6 +38,8 @@ class _Parser(argparse.ArgumentParser):
 def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a .pt2 file written by torch.export.save")
     p.add_argument("--device", default="a100-80gb", help="target device (see `boomfx devices`)")
+    p.add_argument("--device-spec", default=None, metavar="FILE.json",
+                   help="an unlisted device described in JSON with DeviceSpec's fields (overrides --device)")
     p.add_argument("--dim", action="append", default=[], type=str, metavar="NAME=VALUE",
                    help="bind a symbolic dimension (repeatable) by the Dim name given at export (in-memory "
                         "programs; a .pt2 does not keep it), by input and dimension (input_ids.1: dimension 1 "
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli.kernels import add_kernels_parser
     add_kernels_parser(sub)
+    from boomfx.serving.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 
@@ -109,6 +113,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return run_analyze(args)
         if args.command == "devices":
             return _devices()
+        if args.command == "serve":
+            from boomfx.serving.cli import run_serve
+            return run_serve(args)
         if args.command == "kernels":
             from boomfx.cli.kernels import run_kernels
             return run_kernels(args)
@@ -141,6 +148,17 @@ def _user_error_message(exc: BaseException) -> Optional[str]:
     return None
 
 
+def _interconnect(d) -> str:
+    """'NVLink4 450 GB/s, NVSwitch, PCIe 5' (the collective model's facts, boomfx/core/devices.py)."""
+    parts = []
+    if d.nvlink_bytes_per_s:
+        parts.append(f"NVLink{d.nvlink_generation} {d.nvlink_bytes_per_s / 1e9:.0f} GB/s"
+                     + (", NVSwitch" if d.nvswitch else ", bridged pairs" if d.nvlink_bridge else ", mesh"))
+    if d.pcie_generation:
+        parts.append(f"PCIe {d.pcie_generation}")
+    return ", ".join(parts) or "-"
+
+
 def _devices() -> int:
     from boomfx.core.devices import list_devices
     from boomfx.core.units import fmt_bytes
@@ -151,8 +169,9 @@ def _devices() -> int:
         rows.append((d.name, d.description, fmt_bytes(d.memory_bytes), d.memory_type or "-",
                      f"{d.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s",
                      f"{d.peak_flops_per_s[torch.float32] / 1e12:.1f}",
-                     f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-")))
-    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs")
+                     f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-"), _interconnect(d)))
+    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs",
+              "interconnect (per GPU, one direction)")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))

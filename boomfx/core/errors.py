@@ -11,3 +11,7 @@ class DimError(BoomfxError):
 
 class OptionError(BoomfxError):
     """An option has a value boomfx does not know."""
+
+
+class CollectiveError(BoomfxError):
+    """A collective that cannot be priced as asked: unknown op, negative size, a group that does not fit."""

@@ -33,6 +33,9 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from boomfx.core.layers import clean_module_path, layer_index
+from boomfx.core.program import (
+    PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_GRAD, ROLE_OPT_STATE, ROLE_PARAM,
+)
 
 
 class Unsupported(Exception):
@@ -44,9 +47,9 @@ _FWD, _BWD = "F", "B"
 
 
 def _group(phase: Optional[str]) -> Optional[str]:
-    if phase == "forward":
+    if phase == PHASE_FORWARD:
         return _FWD
-    if phase in ("backward", "recompute"):
+    if phase in (PHASE_BACKWARD, PHASE_RECOMPUTE):
         return _BWD
     return None
 
@@ -191,7 +194,7 @@ class _Expander:
                 fqn_of[n.name] = by_param_name[n.name]
                 continue
             for pname, fqn in by_param_name.items():
-                if n.name.endswith("_" + pname) and self.t.input_roles.get(n.name) in ("opt_state", "grad"):
+                if n.name.endswith("_" + pname) and self.t.input_roles.get(n.name) in (ROLE_OPT_STATE, ROLE_GRAD):
                     fqn_of[n.name] = fqn
                     break
         self.fqn_of = fqn_of
@@ -219,7 +222,7 @@ class _Expander:
             d = self.order.index(i) - self.order.index(self.T)
             return ("rel", d, g, k)
         if a in self.ph_in[1]:
-            return ("param", a)
+            return (ROLE_PARAM, a)
         return ("shared", a)
 
     def _expect(self, desc: tuple, inst: int) -> Any:
@@ -230,7 +233,7 @@ class _Expander:
             if not 0 <= pos < len(self.order):
                 return None              # not checkable on this instance
             return self.segs[(self.order[pos], g)][k]
-        if kind == "param":
+        if kind == ROLE_PARAM:
             return self.ph_in[inst][desc[1]]
         return desc[1]
 
@@ -322,7 +325,7 @@ class _Expander:
         allowed_readers = t_set[_FWD] | t_set[_BWD] | set(self.segs[(1, _FWD)]) | set(self.segs[(1, _BWD)]) | s_set
         t_all = t_set[_FWD] | t_set[_BWD]
         last_copy = self.copies[-1] if self.copies else None
-        first_opt = next((i for i, n in enumerate(self.nodes) if self.phases.get(n.name) == "optimizer"), None)
+        first_opt = next((i for i, n in enumerate(self.nodes) if self.phases.get(n.name) == PHASE_OPTIMIZER), None)
         opt_region = set(self.nodes[first_opt:]) if first_opt is not None else set()
         t_tagged: set[fx.Node] = set(self.t_placeholders) | {n for n in self.tags if n in t_all}
 
@@ -350,7 +353,7 @@ class _Expander:
                 return envs[inst][old]
             if j == self.T:        # the template itself: its own parameters and shared values
                 return env[leaf]
-            if kind == "param":
+            if kind == ROLE_PARAM:
                 return envs[j][desc[1]]
             if kind == "sym":
                 a = desc[2]
@@ -426,7 +429,7 @@ class _Expander:
                         idx = self.insert_at + (j - self.copies[0]) * len(self.t_pos) + t
                         node = new.call_function(old.target, (env[old.args[0]], idx))
                         node.meta = dict(old.meta)
-                        phases[node.name] = self.phases.get(old.name, "optimizer")
+                        phases[node.name] = self.phases.get(old.name, PHASE_OPTIMIZER)
                         envs[j][old] = node
                     else:
                         copy_node(old, j, lambda a: mapj(a, j))
@@ -475,7 +478,7 @@ class _Expander:
                                                      + [val[p] for _ in self.copies for p in self.t_pos]
                                                      + list(val[self.insert_at:]))
                     env[old] = node
-                    phases[node.name] = self.phases.get(old.name, "optimizer")
+                    phases[node.name] = self.phases.get(old.name, PHASE_OPTIMIZER)
                     continue
                 self.tags[old] = tag
                 is_t = bool(tag) and next(iter(tag)) in self.t_pos

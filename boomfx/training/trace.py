@@ -43,17 +43,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx.training import amp as amp_policy
 from boomfx.training.checkpointing import GraphRunner, Segment, checkpoint_segments
+from boomfx.core.program import (
+    PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD,
+    ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM,
+)
 
 
-ROLES = ("param", "buffer", "grad", "opt_state", "input", "label", "constant")
-PHASES = ("forward", "backward", "optimizer", "recompute")
+ROLES = (ROLE_PARAM, ROLE_BUFFER, ROLE_GRAD, ROLE_OPT_STATE, ROLE_INPUT, ROLE_LABEL, ROLE_CONSTANT)
+PHASES = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE)
 META_PHASE = "boomfx.phase"
 
 _KIND_ROLE = {
-    InputKind.PARAMETER: "param",
-    InputKind.BUFFER: "buffer",
-    InputKind.CONSTANT_TENSOR: "constant",
-    InputKind.USER_INPUT: "input",
+    InputKind.PARAMETER: ROLE_PARAM,
+    InputKind.BUFFER: ROLE_BUFFER,
+    InputKind.CONSTANT_TENSOR: ROLE_CONSTANT,
+    InputKind.USER_INPUT: ROLE_INPUT,
 }
 # Fake tensors live on CPU: autograd on fake CUDA tensors aborts in CPU-only builds (no CUDA device
 # guard). GPU behaviour comes from boomfx.training.amp's explicit policies instead.
@@ -197,7 +201,7 @@ class _PhaseRecorder:
     """Remembers which traced nodes each phase created, by watching the make_fx graph grow."""
 
     def __init__(self) -> None:
-        self.phase = "forward"
+        self.phase = PHASE_FORWARD
         self.by_name: dict[str, str] = {}
         self._seen = 0
 
@@ -217,12 +221,12 @@ class _PhaseRecorder:
     def segment(self, token: Any) -> Any:
         """Checkpoint hook: a segment run while in backward is a recomputation."""
         if token is True:  # entering a segment
-            if self.phase == "backward":
-                self.close("backward")
-                return "recompute"
+            if self.phase == PHASE_BACKWARD:
+                self.close(PHASE_BACKWARD)
+                return PHASE_RECOMPUTE
             return None
-        if token == "recompute":
-            self.close("recompute")
+        if token == PHASE_RECOMPUTE:
+            self.close(PHASE_RECOMPUTE)
         return None
 
 
@@ -252,7 +256,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
 
     def make(i: _Input) -> Any:
         if isinstance(i.value, torch.Tensor):
-            grad = train and i.role == "param"
+            grad = train and i.role == ROLE_PARAM
             return fake.tensor(i.value, device, requires_grad=grad)
         return fake.sym(i.value)
 
@@ -267,14 +271,14 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     names = [i.name for i in unique]
     roles = [i.role for i in unique]
     fqns = [i.fqn for i in unique]
-    user_input_names = {i.name for i in unique if i.role == "input"}
+    user_input_names = {i.name for i in unique if i.role == ROLE_INPUT}
 
     # Labels: an export input named "labels" (HF models compute the loss themselves), else a new one.
     n_labels = 0
     if train:
         for pos, i in enumerate(unique):
             if i.name == "labels":
-                roles[pos] = "label"
+                roles[pos] = ROLE_LABEL
         first_out = out_vals[user_outputs[0]] if user_outputs else None
         wants_ce = loss == "cross_entropy" or (loss == "auto" and "labels" in user_input_names
                                               and first_out is not None and first_out.dim() > 0)
@@ -284,14 +288,14 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
                 lbl = torch.empty([fake.sym(s) for s in first_out.shape[:-1]], dtype=torch.long, device=device)
             graph_args.append(lbl)
             names.append("labels")
-            roles.append("label")
+            roles.append(ROLE_LABEL)
             fqns.append(None)
             n_labels = 1
         if wants_ce:
             loss = "cross_entropy"
 
     # Optimizer state (steady state: already allocated, passed in).
-    param_pos = [p for p, r in enumerate(roles) if r == "param"]
+    param_pos = [p for p, r in enumerate(roles) if r == ROLE_PARAM]
     # --resident-grads: each parameter's .grad buffer, allocated before the step (zero_grad(set_to_none=False))
     grad_args = _grad_buffers(fake, graph_args, names, roles, fqns, param_pos, device) if resident_grads else []
     opt_cls, state_keys = _OPTIMIZERS[optimizer] if train else (None, ())
@@ -304,21 +308,21 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         for p in param_pos:
             opt_args.append(fake.tensor(graph_args[p], device))
             names.append(f"{key}_{names[p]}")
-            roles.append("opt_state")
+            roles.append(ROLE_OPT_STATE)
             fqns.append(fqns[p])
     if with_step:
         for p in param_pos:  # eager keeps `step` as a CPU scalar unless capturable/fused
             with fake.mode:
                 opt_args.append(torch.zeros((), dtype=torch.float32, device="cpu"))
             names.append(f"step_{names[p]}")
-            roles.append("opt_state")
+            roles.append(ROLE_OPT_STATE)
             fqns.append(fqns[p])
     scaler = train and low_dtype == torch.float16
     if scaler:
         with fake.mode:
             opt_args += [torch.empty((), device=device), torch.empty((1,), dtype=torch.int32, device=device)]
         names += ["grad_scale", "growth_tracker"]
-        roles += ["opt_state", "opt_state"]
+        roles += [ROLE_OPT_STATE, ROLE_OPT_STATE]
         fqns += [None, None]
 
     segments: list[Segment] = []
@@ -339,7 +343,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             outs = runner.run(*(g_args[k] for k in expand))
         outs = [outs[i] for i in user_outputs]
         if not train:
-            recorder.close("forward")
+            recorder.close(PHASE_FORWARD)
             return outs
         if labels is None and "labels" in names[:n_graph]:
             labels = g_args[names.index("labels")]
@@ -350,8 +354,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         if scaler:
             scale, growth = opt_state[-2:]
             loss_val = loss_val * scale
-        recorder.close("forward")
-        recorder.phase = "backward"
+        recorder.close(PHASE_FORWARD)
+        recorder.phase = PHASE_BACKWARD
         params = [g_args[p] for p in param_pos]
         # Hooks that give each backward node its forward node's seq_nr (then nn_module_stack).
         setup_stacktrace_preservation_hooks_from_tensors(loss_val)
@@ -362,8 +366,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         else:
             grads = torch.autograd.grad(loss_val, params, materialize_grads=True)
             grad_names.extend(get_proxy_slot(g, tracer).proxy.node.name for g in grads)
-        recorder.close("backward")
-        recorder.phase = "optimizer"
+        recorder.close(PHASE_BACKWARD)
+        recorder.phase = PHASE_OPTIMIZER
         with torch.no_grad():
             if scaler:
                 found_inf = torch.zeros((1,), device=device)
@@ -374,7 +378,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
                 torch._amp_update_scale_(scale, growth, found_inf, 2.0, 0.5, 2000)
             if resident_grads:   # the buffers stay allocated; the next step accumulates into zeros
                 opt.zero_grad(set_to_none=False)
-        recorder.close("optimizer")
+        recorder.close(PHASE_OPTIMIZER)
         return loss_val.detach()
 
     with fake.mode, fx_traceback.preserve_node_meta():
@@ -390,7 +394,7 @@ def _grad_buffers(fake: _FakeFactory, graph_args: list[Any], names: list[str], r
     for p in param_pos:
         bufs.append(fake.tensor(graph_args[p], device))
         names.append(f"grad_{names[p]}")
-        roles.append("grad")
+        roles.append(ROLE_GRAD)
         fqns.append(fqns[p])
     return bufs
 
@@ -445,9 +449,9 @@ def _finish(gm: fx.GraphModule, names: list[str], roles: list[str], fqns: list[s
         node._rename(name)
         node.target = node.name
         input_roles[node.name] = role
-        if role == "param" and fqn is not None:
+        if role == ROLE_PARAM and fqn is not None:
             param_names[node.name] = fqn
-    phases = {n.name: recorder.by_name.get(n.name, "forward")
+    phases = {n.name: recorder.by_name.get(n.name, PHASE_FORWARD)
               for n in gm.graph.nodes if n.op == "call_function"}
     _copy_module_stacks(gm.graph, phases)
     _label_accumulations(gm.graph, input_roles)
@@ -471,7 +475,7 @@ def _label_accumulations(graph: fx.Graph, input_roles: dict[str, str]) -> None:
     for node in graph.nodes:
         if node.target is not torch.ops.aten.add_.Tensor or not isinstance(node.args[0], fx.Node):
             continue
-        if input_roles.get(node.args[0].name) != "grad":
+        if input_roles.get(node.args[0].name) != ROLE_GRAD:
             continue
         node.meta.pop("seq_nr", None)
         new_grad = node.args[1]
@@ -493,10 +497,10 @@ def _copy_module_stacks(graph: fx.Graph, phases: dict[str, str]) -> None:
     (autograd's sequence number), as aot_autograd's ``copy_fwd_metadata_to_bw_nodes`` does."""
     by_seq: dict[int, Any] = {}
     for node in graph.nodes:
-        if phases.get(node.name) == "forward" and "seq_nr" in node.meta and "nn_module_stack" in node.meta:
+        if phases.get(node.name) == PHASE_FORWARD and "seq_nr" in node.meta and "nn_module_stack" in node.meta:
             by_seq.setdefault(node.meta["seq_nr"], node.meta["nn_module_stack"])
     for node in graph.nodes:
-        if phases.get(node.name) == "backward" and "nn_module_stack" not in node.meta:
+        if phases.get(node.name) == PHASE_BACKWARD and "nn_module_stack" not in node.meta:
             stack = by_seq.get(node.meta.get("seq_nr", -1))
             if stack is not None:
                 node.meta["nn_module_stack"] = dict(stack)

@@ -9,9 +9,15 @@ FLOPs (the matmuls only, as ``torch.utils.flop_counter.sdpa_flop_count``):
 2. backward recomputes ``q @ k^T`` (``2*BH*L*S*E``), then ``dP = dO @ v^T`` (``2*BH*L*S*Ev``),
    ``dV = P^T @ dO`` (``2*BH*S*L*Ev``), ``dQ = dS @ k`` (``2*BH*L*S*E``), ``dK = dS^T @ q``
    (``2*BH*S*L*E``): ``2 * BH * L * S * (3E + 2Ev)`` in total;
-3. causal (``is_causal``): fused kernels skip the masked upper triangle, halving every term.
+3. causal (``is_causal``): fused kernels skip the masked upper triangle, so every term scales with
+   the (query, key) pairs attended instead of ``L * S`` (``attended_pairs``). PyTorch aligns the
+   causal mask top-left (``tril(ones(L, S))``): query ``i`` sees keys ``0..i``, i.e. ``min(i+1, S)``;
+   summed: ``m(m+1)/2 + (L-m)*S`` with ``m = min(L, S)``, e.g. ``L(L+1)/2`` when ``L == S``.
+   A left window (``window_size_left = W`` of ``_flash_attention_forward/backward``) caps each query at
+   ``W + 1`` keys: with ``w = min(W+1, L)``, ``w(w+1)/2 + (L-w)*w`` pairs (``L == S``, causal).
    NB: intentional difference: ``FlopCounterMode`` counts causal attention as full. The "math"
-   variant computes the full score matrix and then masks it, so it is *not* halved.
+   variant computes the full score matrix and then masks it, so it is *not* reduced. The kernel-time
+   model (``kernels_db/attention_model.py``) prices whole score tiles; FLOPs here are the exact work.
 4. NB: the softmax (about 5 FLOPs per score element: max, sub, exp, sum, div) and the scale are
    not counted, as in ``flop_counter``; they matter on the special-function unit, not the FLOP
    rate, and keep "decomposed math FLOPs == fused FLOPs" true for the matmul work.
@@ -31,10 +37,9 @@ the op itself for the backend-specific ops):
 Example::
 
     >>> # non-causal: 2*BH*L*S*E + 2*BH*L*S*Ev = 2*8*16*16*32*2 = 262144 FLOPs for B=2, H=4, L=S=16, E=Ev=32
+    >>> # causal: 16*17/2 = 136 of the 256 pairs: 262144 * 136/256 = 139264
 
 Known limitations:
-- NB: causal halving is exact only for ``L == S`` in the limit of large L (the diagonal tiles are
-  computed in full); a causal ``L != S`` is also priced at one half.
 - NB: fused kernels re-read k/v once per query tile; that traffic is assumed to hit L2.
 - NB: packed variable-length (nested) inputs are priced at the worst case ``max_q``/``max_k``
   per sequence, like ``flop_counter``.
@@ -92,16 +97,27 @@ def dims_blhe(call: OpCall, q: TensorSpec, k: TensorSpec, v: TensorSpec, max_q: 
     return AttnDims(batch * q.shape[-2], batch * k.shape[-2], L, S, q.shape[-1], v.shape[-1])
 
 
-def forward_flops(d: AttnDims, causal_skip: bool) -> SymExpr:
-    """``2*BH*L*S*E + 2*BH*L*S*Ev``, halved when masked tiles are skipped (step 3)."""
-    flops = 2 * d.bh * d.L * d.S * d.E + 2 * d.bh * d.L * d.S * d.Ev
-    return flops / 2 if causal_skip else flops
+def attended_pairs(d: AttnDims, causal: bool, window_left: Any = None) -> SymExpr:
+    """(query, key) pairs per head attended (step 3): ``L*S``; causal top-left ``m(m+1)/2 + (L-m)*S``;
+    with a left window ``w(w+1)/2 + (L-w)*w`` (``w = min(W+1, L)``, assumes ``L == S``)."""
+    if not causal:
+        return d.L * d.S
+    if window_left is not None and not (isinstance(window_left, int) and window_left < 0):   # -1: no window
+        w = sympy.Min(sympy.sympify(window_left) + 1, d.L)
+        return w * (w + 1) / 2 + (d.L - w) * w
+    m = sympy.Min(d.L, d.S)
+    return m * (m + 1) / 2 + (d.L - m) * d.S
 
 
-def backward_flops(d: AttnDims, causal_skip: bool) -> SymExpr:
-    """``2*BH*L*S*(3E + 2Ev)`` (step 2), halved when masked tiles are skipped."""
-    flops = 2 * d.bh * d.L * d.S * (3 * d.E + 2 * d.Ev)
-    return flops / 2 if causal_skip else flops
+def forward_flops(d: AttnDims, causal_skip: bool, window_left: Any = None) -> SymExpr:
+    """``2*BH*pairs*E + 2*BH*pairs*Ev`` (``pairs = L*S`` unless masked tiles are skipped, step 3)."""
+    pairs = attended_pairs(d, causal_skip, window_left)
+    return 2 * d.bh * pairs * d.E + 2 * d.bh * pairs * d.Ev
+
+
+def backward_flops(d: AttnDims, causal_skip: bool, window_left: Any = None) -> SymExpr:
+    """``2*BH*pairs*(3E + 2Ev)`` (step 2), ``pairs`` as in the forward."""
+    return 2 * d.bh * attended_pairs(d, causal_skip, window_left) * (3 * d.E + 2 * d.Ev)
 
 
 def _backend(call: OpCall) -> str:
@@ -178,14 +194,14 @@ def _low_level_causal(call: OpCall) -> bool:
 
 @register_cost(aten._flash_attention_forward, aten._efficient_attention_forward)
 def low_level_attention_cost(call: OpCall) -> Cost:
-    """The kernels under the SDPA ops, in ``[B, L, H, E]`` layout; same formulas."""
-    return Cost(forward_flops(_low_level_dims(call), _low_level_causal(call)), read_all(call),
-                written_all(call))
+    """The kernels under the SDPA ops, in ``[B, L, H, E]`` layout; same formulas (flash: left window)."""
+    return Cost(forward_flops(_low_level_dims(call), _low_level_causal(call), call.arg("window_size_left")),
+                read_all(call), written_all(call))
 
 
 @register_cost(aten._flash_attention_backward, aten._efficient_attention_backward)
 def low_level_attention_backward_cost(call: OpCall) -> Cost:
     """Backward of the ``[B, L, H, E]`` kernels; same 5-matmul formula."""
-    return Cost(backward_flops(_low_level_dims(call), _low_level_causal(call)), read_all(call),
-                written_all(call))
+    return Cost(backward_flops(_low_level_dims(call), _low_level_causal(call), call.arg("window_size_left")),
+                read_all(call), written_all(call))
 

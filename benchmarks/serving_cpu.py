@@ -1,0 +1,347 @@
+"""Serving ground truth on this CPU: real ``transformers`` prefill and decode steps with a KV cache
+against ``boomfx serve``'s step prices (``--device cpu``, a kernel database collected here), the KV
+bytes of the real cache tensors against the memory plan, and the speed of a 10,000-request simulation.
+
+One command::
+
+    python benchmarks/serving_cpu.py                     # all models
+    python benchmarks/serving_cpu.py --models llama --iters 5
+
+For each model (built from a config, random weights, no download: Llama-style GQA, GPT-BigCode MQA,
+Falcon MQA, Qwen2-MoE):
+
+1. export ``model(input_ids)`` (``strict=False``, dynamic batch and sequence, ``use_cache=False``);
+2. real steps, as ``generate`` runs them (default threads, wall clock, median of ``--iters`` after
+   warm-up): a prefill of P tokens into a fresh ``DynamicCache`` with logits for the last token only,
+   and decode steps of B sequences with C tokens of context (the cache cropped back to C-1 tokens
+   before each timed step); each step ends with a greedy ``argmax``;
+3. the database: every call the serving steps price (``StepPricer.kernel_calls``: token-wise nodes at
+   the step's token count, logits nodes at its sampled count, the attention, cache-write and sampler
+   calls), measured with the protocol ``boomfx kernels collect`` uses, plus the host's cold-start costs;
+4. predicted: ``StepPricer.step_time`` with the ``concat`` cache-write rule (``DynamicCache.update``
+   appends with ``torch.cat``: the mechanism that makes a transformers decode step grow with context).
+
+Writes ``benchmarks/results/serving_cpu.{json,md}``. The machine is shared: the load average is
+recorded at the start and the end.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.export import Dim
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+VOCAB = 4096
+MODELS = ("llama", "bigcode", "falcon", "qwen2moe")
+PREFILL_LENS = (64, 256, 512)
+DECODE_BATCHES = (1, 4, 16)
+DECODE_CONTEXTS = (128, 512)
+
+
+def build(name: str, layers: int = 4) -> torch.nn.Module:
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB)
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=2048, **common)
+        model = tf.LlamaForCausalLM(cfg)
+    elif name == "bigcode":
+        cfg = tf.GPTBigCodeConfig(n_layer=4, n_embd=256, n_head=4, multi_query=True, n_positions=2048,
+                                  bos_token_id=0, eos_token_id=0, **common)
+        model = tf.GPTBigCodeForCausalLM(cfg)
+    elif name == "falcon":
+        cfg = tf.FalconConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, multi_query=True,
+                              new_decoder_architecture=False, **common)
+        model = tf.FalconForCausalLM(cfg)
+    elif name == "qwen2moe":
+        cfg = tf.Qwen2MoeConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, moe_intermediate_size=256,
+                                shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, **common)
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    else:
+        raise KeyError(name)
+    for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if hasattr(model.config, attr):
+            setattr(model.config, attr, 0.0)
+    return model.eval()
+
+
+def export(model: torch.nn.Module) -> Any:
+    model.config.use_cache = False
+    ep = torch.export.export(model, (), {"input_ids": torch.randint(0, VOCAB, (2, 64))},
+                             dynamic_shapes={"input_ids": {0: Dim("batch", min=1, max=256),
+                                                           1: Dim("seq", min=2, max=2048)}}, strict=False)
+    model.config.use_cache = True
+    return ep
+
+
+# -- real steps ----------------------------------------------------------------------------------------
+
+def median_s(step: Callable[[], Any], iters: int, before: Callable[[], Any] = lambda: None,
+             warmup: int = 2) -> tuple[float, float]:
+    """(median wall seconds, median CPU seconds of this thread) of ``step`` after ``warmup`` runs."""
+    for _ in range(warmup):
+        before()
+        step()
+    wall, cpu = [], []
+    for _ in range(iters):
+        before()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        step()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def keeps_one_logit(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def real_prefill(model: torch.nn.Module, p: int, iters: int) -> tuple[float, float]:
+    import transformers as tf
+    ids = torch.randint(0, VOCAB, (1, p))
+    extra = {"logits_to_keep": 1} if keeps_one_logit(model) else {}
+
+    def step() -> None:
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=tf.DynamicCache(config=model.config), use_cache=True, **extra)
+            out.logits[:, -1].float().argmax(-1)
+    return median_s(step, iters)
+
+
+def real_decode(model: torch.nn.Module, b: int, ctx: int, iters: int) -> tuple[float, float]:
+    import transformers as tf
+    cache = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (b, ctx - 1)), past_key_values=cache, use_cache=True)
+    ids = torch.randint(0, VOCAB, (b, 1))
+
+    def step() -> None:
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out.logits[:, -1].float().argmax(-1)
+    def back_to_context() -> None:     # transformers 5.x: crop(-n) removes the last n tokens
+        extra = cache.get_seq_length() - (ctx - 1)
+        if extra > 0:
+            cache.crop(-extra)
+    return median_s(step, iters, before=back_to_context)
+
+
+def real_cache_bytes(model: torch.nn.Module, b: int, tokens: int) -> int:
+    import transformers as tf
+    cache = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (b, tokens)), past_key_values=cache, use_cache=True)
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+# -- prediction ------------------------------------------------------------------------------------------
+
+def collected_setup(model: torch.nn.Module, steps: list[Any], db: str) -> tuple[Any, dict[str, Any]]:
+    """Export ``model``, collect every call ``steps`` price into ``db`` (as ``kernels collect`` does) and
+    return the serving setup priced from it."""
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import cpu_spec
+    from boomfx.kernels_db.collect import collect_calls
+    from boomfx.kernels_db.host_overheads import collect_host_costs
+    from boomfx.kernels_db.measure import protocol_measurer
+    from boomfx.kernels_db.store import Store
+    from boomfx.core.program import ProgramOptions
+    from boomfx.serving.serve import setup
+    from boomfx.serving.steps import KV_WRITE_CONCAT
+    spec = cpu_spec()
+    program = capture(export(model), options=ProgramOptions(target_kind="cpu"))
+    opts = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
+    plain = setup(program, spec, db="none", **opts)
+    calls = [c for st in steps for c in plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st)]
+    t0 = time.perf_counter()
+    measurer = protocol_measurer("cpu")     # thread CPU time with one intra-op thread, else wall time
+    collected = collect_calls(Store(db), calls, "cpu", measurer=measurer)
+    collect_host_costs(Store(db), measurer, compiled=False)
+    info = {"measured": collected.measured, "present": collected.skipped, "failed": len(collected.failed),
+            "seconds": round(time.perf_counter() - t0, 1), "clock": measurer.cpu_clock}
+    return setup(program, spec, db=db, **opts), info
+
+
+CALIBRATION_LAYERS = (1, 3)       # a Llama of 1 and of 3 layers (the benchmark's Llama has 4)
+CALIBRATION_CONTEXT = 32
+
+
+CALIBRATION_ITERS = 21
+
+
+def calibrate_host_overhead(iters: int, tmp: str) -> tuple[Any, list[dict[str, Any]]]:
+    """transformers' Python per module call on this host: (real step - its priced kernels) / module calls,
+    summed over calibration Llamas of 1 and 3 layers (batch 1, 32 tokens of context; not benchmark models)."""
+    from boomfx.serving.steps import KV_WRITE_CONCAT, HostOverhead, Step
+    step = Step((CALIBRATION_CONTEXT,))
+    rows = []
+    for layers in CALIBRATION_LAYERS:
+        model = build("llama", layers)
+        s, _ = collected_setup(model, [step], str(Path(tmp) / f"calib{layers}.sqlite"))
+        pred = s.pricer(kv_write=KV_WRITE_CONCAT).step_time(step).total_ns
+        wall, cpu = real_decode(model, 1, CALIBRATION_CONTEXT, max(iters, CALIBRATION_ITERS))
+        real = (cpu if torch.get_num_threads() == 1 else wall) * 1e9
+        rows.append({"layers": layers, "module_calls": s.model.module_calls, "pred_ns": pred, "real_ns": real,
+                     "gap_ns": real - pred})
+    per_call = sum(r["gap_ns"] for r in rows) / sum(r["module_calls"] for r in rows)
+    return HostOverhead(0.0, per_call, "transformers Python per module call, measured here (calibration Llamas)"), rows
+
+
+def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
+    from boomfx.serving.steps import KV_WRITE_CONCAT, Step
+    model = build(name)
+    one = keeps_one_logit(model)
+    points = [("prefill", 1, p, Step((), ((p, p),), sampled=1 if one else p)) for p in PREFILL_LENS]
+    points += [("decode", b, c, Step((c,) * b)) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+    s, collected = collected_setup(model, [st for *_, st in points], db)
+    clock = collected["clock"]
+    pricer = s.pricer(kv_write=KV_WRITE_CONCAT, host_overhead=overhead)
+    rows = []
+    for kind, b, n, st in points:
+        pred = pricer.step_time(st)
+        wall, cpu = real_prefill(model, n, iters) if kind == "prefill" else real_decode(model, b, n, iters)
+        real = cpu if clock == "thread" else wall     # the clock the database was measured with
+        rows.append({"model": name, "kind": kind, "batch": b, "tokens" if kind == "prefill" else "context": n,
+                     "pred_s": pred.total_ns / 1e9, "real_s": real, "real_wall_s": wall, "real_cpu_s": cpu,
+                     "clock": clock, "err": pred.total_ns / 1e9 / real - 1.0,
+                     "err_wall": pred.total_ns / 1e9 / wall - 1.0,
+                     "err_without_host_overhead": (pred.total_ns - pred.parts["host_overhead"].device_ns) / 1e9 / real
+                     - 1.0,
+                     "parts_s": {k: v.device_ns / 1e9 for k, v in pred.parts.items()},
+                     "sources": sorted({x for v in pred.parts.values() for x in v.sources})})
+    kv = []
+    for b, tokens in ((1, 100), (3, 257)):
+        real = real_cache_bytes(model, b, tokens)
+        planned = s.plan.kv_bytes_per_token * b * tokens
+        kv.append({"model": name, "batch": b, "tokens": tokens, "real_bytes": real, "plan_bytes": planned,
+                   "equal": real == planned})
+    site = s.model.uniform_site()
+    return {"rows": rows, "kv": kv, "collect": collected,
+            "facts": {"layers": s.model.num_layers, "module_calls": s.model.module_calls, "q_heads": site.q_heads, "kv_heads": site.kv_heads,
+                      "head_dim": site.head_dim, "kv_bytes_per_token": s.plan.kv_bytes_per_token}}
+
+
+def simulation_speed() -> list[dict[str, Any]]:
+    """Wall time of 10,000-request simulations (pricing included) of the Llama model on an H100."""
+    from boomfx.frontend.capture import capture
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
+    from boomfx.serving.serve import run_workload, setup
+    from boomfx.serving.workload import Workload
+    device = get_device("h100-80gb")
+    program = capture(export(build("llama")), options=ProgramOptions(target_kind="cuda"))
+    s = setup(program, device, db="none", max_model_len=2048)
+    out = []
+    for rate in (20.0, 200.0, 2000.0, 20000.0):
+        wl = Workload(10_000, 512, 128, request_rate=rate, seed=0)
+        t0 = time.perf_counter()
+        rep = run_workload(s, wl, find_max_rate=False)
+        out.append({"requests": 10_000, "rate": rate, "seconds": time.perf_counter() - t0, "steps": rep.steps,
+                    "sustainable": rep.sustainable, "ttft_p50_ms": rep.ttft.p50_ns / 1e6,
+                    "tpot_p50_ms": rep.tpot.p50_ns / 1e6, "output_tokens_per_s": rep.output_tokens_per_s,
+                    "loadavg": os.getloadavg()})
+    return out
+
+
+def write(results: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "serving_cpu.json").write_text(json.dumps(results, indent=1, default=str))
+    rows = results["rows"]
+    lines = ["# boomfx serve --device cpu vs real transformers steps with a DynamicCache", "",
+             f"{results['meta']['cpu']}, torch {results['meta']['torch']}, transformers "
+             f"{results['meta']['transformers']}, {results['meta']['threads']} intra-op thread(s), clock "
+             f"{results['rows'][0]['clock'] if results['rows'] else '?'} (the database's; wall error also in the JSON), median "
+             f"of {results['meta']['iters']} steps after 2 warm-ups; {results['meta']['date']}. Load average at start "
+             f"{results['meta']['loadavg_start']}, at end {results['meta']['loadavg_end']} (shared machine).",
+             "", "| model | step | batch | tokens / context | predicted | real | error | error without host overhead |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:  # price sources per row are in the JSON
+        size = r.get("tokens", r.get("context"))
+        lines.append(f"| {r['model']} | {r['kind']} | {r['batch']} | {size} | {1e3 * r['pred_s']:.2f} ms | "
+                     f"{1e3 * r['real_s']:.2f} ms | {100 * r['err']:+.1f}% | {100 * r['err_without_host_overhead']:+.1f}% |")
+    ho = results["meta"]["host_overhead"]
+    lines += ["", f"Host overhead per step (transformers' Python outside the kernels), measured on calibration "
+                  f"Llamas of {', '.join(str(c['layers']) for c in ho['calibration'])} layers (not the benchmark "
+                  f"models): {ho['per_module_call_ns'] / 1e3:.1f} us per module call (module calls per forward: "
+                  + ", ".join(f"{m} {v['facts']['module_calls']}" for m, v in results["models"].items())
+                  + "). "
+                  "Errors without it are in the JSON (err_without_host_overhead)."]
+    lines += ["", "Summary (|error|): " + "; ".join(
+        f"{m}: median {100 * v['median']:.1f}%, worst {100 * v['worst']:.1f}%" for m, v in results["summary"].items()),
+        "", "KV-cache bytes of the real DynamicCache tensors after a prefill vs the plan "
+            "(2 x layers x KV heads x head dim x dtype bytes x tokens):", "",
+        "| model | batch | tokens | real bytes | plan bytes | equal |", "|---|---|---|---|---|---|"]
+    for k in results["kv"]:
+        lines.append(f"| {k['model']} | {k['batch']} | {k['tokens']} | {k['real_bytes']} | {k['plan_bytes']} | "
+                     f"{'yes' if k['equal'] else 'NO'} |")
+    if results.get("simulation"):
+        lines += ["", "10,000-request simulations (Llama model on h100-80gb, 512 + 128 tokens, pricing included):", "",
+                  "| rate (req/s) | seconds | steps | sustainable | TTFT p50 | TPOT p50 | load avg |",
+                  "|---|---|---|---|---|---|---|"]
+        for x in results["simulation"]:
+            lines.append(f"| {x['rate']:g} | {x['seconds']:.2f} | {x['steps']} | {x['sustainable']} | "
+                         f"{x['ttft_p50_ms']:.2f} ms | {x['tpot_p50_ms']:.3f} ms | "
+                         f"{', '.join(f'{v:.1f}' for v in x['loadavg'])} |")
+    (RESULTS / "serving_cpu.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--iters", type=int, default=9)
+    ap.add_argument("--no-simulation", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (default: torch's); 1 on a shared host: timed by this thread's CPU time")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    meta = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "iters": args.iters,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_start": os.getloadavg(),
+            "command": " ".join(sys.argv)}
+    rows, kv, per_model = [], [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        overhead, calibration = calibrate_host_overhead(args.iters, tmp)
+        print(f"host overhead: {overhead.per_module_call_ns / 1e3:.1f} us per module call", flush=True)
+        for name in args.models.split(","):
+            res = run_model(name, args.iters, str(Path(tmp) / f"{name}.sqlite"), overhead)
+            rows += res["rows"]
+            kv += res["kv"]
+            per_model[name] = {"collect": res["collect"], "facts": res["facts"]}
+            for r in res["rows"]:
+                print(f"{name:9} {r['kind']:8} b={r['batch']:<3} {r.get('tokens', r.get('context')):>5}  pred "
+                      f"{1e3 * r['pred_s']:8.2f} ms  real {1e3 * r['real_s']:8.2f} ms  {100 * r['err']:+6.1f}%", flush=True)
+    summary = {}
+    for name in per_model:
+        errs = [abs(r["err"]) for r in rows if r["model"] == name]
+        summary[name] = {"median": statistics.median(errs), "worst": max(errs)}
+    errs = [abs(r["err"]) for r in rows]
+    summary["all"] = {"median": statistics.median(errs), "worst": max(errs)}
+    simulation = [] if args.no_simulation else simulation_speed()
+    meta["loadavg_end"] = os.getloadavg()
+    meta["host_overhead"] = {"per_module_call_ns": overhead.per_module_call_ns,
+                             "calibration": calibration}
+    write({"meta": meta, "summary": summary, "models": per_model, "rows": rows, "kv": kv, "simulation": simulation})
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""What a serving engine needs to know about an exported decoder, read off its graph.
+
+A plain inference export (``model(input_ids)``, dynamic batch and sequence) attends every token to
+every earlier token of the same sequence. A serving engine runs the same weights differently: all
+scheduled tokens of all sequences are flattened into one batch for the token-wise ops, attention
+reads each sequence's cached K/V instead, and logits are computed only for the tokens it samples.
+This module splits the graph's nodes into those three roles:
+
+1. **attention sites**: every ``scaled_dot_product_attention`` (one per attention layer), with its
+   query heads, KV heads, head sizes and dtype. KV heads are read *before* any GQA expansion
+   (``repeat_kv``'s ``unsqueeze -> expand -> reshape``), which the engine's kernels never run;
+2. **attention-side nodes** (replaced by the engine's attention): the SDPA nodes, the GQA expansion
+   chains feeding their key/value, and the nodes that only build the attention mask (ancestors of
+   the mask that no query/key/value depends on: a ``[B, 1, S, S]`` causal mask is quadratic in the
+   export's sequence, and a paged kernel builds none);
+3. **logits nodes**: the last matmul before the graph's output (the LM head) and what follows it,
+   computed per sampled token, not per scheduled token;
+4. everything else is **token-wise**: priced at ``batch=1 x seq=N`` for ``N`` scheduled tokens.
+
+Known limitations:
+- NB: models whose attention is not an SDPA op (eager ``matmul -> softmax -> matmul``) are refused:
+  their score matrix cannot be told apart from token-wise work.
+- NB: exports that already carry a KV cache (past key/values as inputs) are refused for now.
+- NB: sliding-window attention is not seen in the graph (it lives in the mask); its layers are
+  treated as full attention (KV bytes per token are exact, blocks per request are an upper bound).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx
+
+from boomfx.core.errors import BoomfxError
+from boomfx.core.program import ROLE_BUFFER, ROLE_CONSTANT, ROLE_PARAM, Program, SymbolInfo
+
+aten = torch.ops.aten
+
+SDPA_OPS = frozenset({aten.scaled_dot_product_attention})
+# ops a GQA/MQA expansion of K or V is built from (repeat_kv: slice/unsqueeze -> expand -> reshape)
+_EXPANSION_OPS = frozenset({aten.expand, aten.repeat_interleave, aten.repeat})
+_CHAIN_OPS = frozenset({aten.expand, aten.repeat_interleave, aten.repeat, aten.unsqueeze, aten.reshape, aten.view,
+                        aten._unsafe_view, aten.clone, aten.contiguous, aten.slice, aten.alias, aten.index})
+_INSERT_DIM_OPS = frozenset({aten.unsqueeze, aten.slice, aten.index, aten.alias})
+_LOGITS_MATMULS = frozenset({aten.linear, aten.mm, aten.addmm, aten.matmul, aten.bmm})
+_LOGITS_TAIL_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous,
+                              aten.clone, aten.slice, aten.alias, aten.squeeze, aten.unsqueeze,
+                              aten._assert_tensor_metadata})
+_MAX_LOGITS_HOPS = 8
+
+
+class ServingModelError(BoomfxError):
+    """The export is not a decoder the serving model can read."""
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention layer: its SDPA node and the shapes the KV cache is made of."""
+
+    node: str
+    module: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    causal: bool
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    """The roles of an export's nodes, and the model facts a serving engine sizes its cache by."""
+
+    program: Program
+    sites: tuple[AttentionSite, ...]
+    attention_side: frozenset[str]   # replaced by the engine's attention (SDPA, GQA expansion, mask)
+    logits_nodes: frozenset[str]     # the LM head and its tail: per sampled token
+    weights_bytes: int
+    batch: SymbolInfo
+    seq: SymbolInfo
+    module_calls: int = 0            # distinct nn.Module invocations the export traced (nn_module_stack)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.sites)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sites[0].dtype
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+    @property
+    def max_seq_len(self) -> Optional[int]:
+        return self.seq.max_value
+
+    def uniform_site(self) -> AttentionSite:
+        """The shape every layer shares (the engine's uniform KV-cache spec); mixed shapes are refused."""
+        first = self.sites[0]
+        for s in self.sites[1:]:
+            if (s.kv_heads, s.head_dim, s.v_head_dim, s.q_heads) != (first.kv_heads, first.head_dim, first.v_head_dim,
+                                                                     first.q_heads):
+                raise ServingModelError(f"attention layers differ in shape ({first.node} vs {s.node}); "
+                                        "only uniform KV-cache specs are modelled")
+        return first
+
+
+def _int(value: object, what: str, node: torch.fx.Node) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ServingModelError(f"{node.name}: the {what} is symbolic ({value}); a serving model needs it fixed") from None
+
+
+def _packet(node: torch.fx.Node) -> object:
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _arg(node: torch.fx.Node, index: int, name: str) -> object:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def _expansion_chain(start: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node]:
+    """(the nodes of a GQA expansion feeding an SDPA input, the unexpanded tensor). No expansion: ([], start).
+
+    Walks back from the SDPA input through reshapes/copies to an ``expand`` (or ``repeat``), then
+    through the ``[:, :, None]`` views in front of it: repeat_kv's ``unsqueeze -> expand -> reshape``."""
+    chain: list[torch.fx.Node] = []
+    cur = start
+    expanded = False
+    while cur.op == "call_function" and cur.args and isinstance(cur.args[0], torch.fx.Node):
+        packet = _packet(cur)
+        allowed = _INSERT_DIM_OPS if expanded else _CHAIN_OPS
+        if packet not in allowed:
+            break
+        chain.append(cur)
+        expanded = expanded or packet in _EXPANSION_OPS
+        cur = cur.args[0]
+    if not expanded:
+        return [], start
+    return chain, cur
+
+
+def _ancestors(roots: list[torch.fx.Node], skip_masks: bool = False) -> set[torch.fx.Node]:
+    """Every node ``roots`` depend on; with ``skip_masks`` not through an SDPA's mask (a later layer's
+    query depends on the earlier layer's attention output, not on how its mask was built)."""
+    seen: set[torch.fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if skip_masks and n.op == "call_function" and _packet(n) in SDPA_OPS:
+            stack.extend(a for a in n.args[:3] if isinstance(a, torch.fx.Node))
+        else:
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _module_of(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _logits_nodes(graph: torch.fx.Graph) -> frozenset[str]:
+    """The LM head matmul and the views/casts between it and the graph output."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    first = out.args[0]
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if not isinstance(first, torch.fx.Node):
+        return frozenset()
+    found: list[str] = []
+    cur = first
+    for _ in range(_MAX_LOGITS_HOPS):
+        if cur.op != "call_function":
+            return frozenset()
+        found.append(cur.name)
+        if _packet(cur) in _LOGITS_MATMULS:
+            return frozenset(found)
+        if _packet(cur) not in _LOGITS_TAIL_OPS or not cur.args or not isinstance(cur.args[0], torch.fx.Node):
+            return frozenset()
+        cur = cur.args[0]
+    return frozenset()
+
+
+def serving_model(program: Program) -> ServingModel:
+    """Read the serving roles of ``program``'s nodes (see the module docstring)."""
+    if program.options.train:
+        raise ServingModelError("serving needs an inference program, not a training step")
+    graph = program.graph
+    sdpa = [n for n in graph.nodes if n.op == "call_function" and _packet(n) in SDPA_OPS]
+    if not sdpa:
+        raise ServingModelError("no scaled_dot_product_attention in the graph: boomfx serve needs a decoder whose "
+                                "attention is exported as SDPA")
+    try:
+        batch, seq = program.symbol("batch"), program.symbol("seq")
+    except KeyError:
+        raise ServingModelError("the export needs a dynamic batch and sequence dimension "
+                                "(dynamic_shapes={'input_ids': {0: Dim('batch'), 1: Dim('seq')}})") from None
+    sites: list[AttentionSite] = []
+    replaced: set[torch.fx.Node] = set()
+    qkv_bases: list[torch.fx.Node] = []
+    masks: list[torch.fx.Node] = []
+    for node in sdpa:
+        q, k, v = (_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+        if not all(isinstance(t, torch.fx.Node) for t in (q, k, v)):
+            raise ServingModelError(f"{node.name}: query, key and value must be graph values")
+        k_chain, k_base = _expansion_chain(k)   # type: ignore[arg-type]
+        v_chain, v_base = _expansion_chain(v)   # type: ignore[arg-type]
+        replaced.update(k_chain, v_chain)
+        replaced.add(node)
+        qkv_bases.extend([q, k_base, v_base])   # type: ignore[list-item]
+        mask = _arg(node, 3, "attn_mask")
+        if isinstance(mask, torch.fx.Node):
+            masks.append(mask)
+        qv, kv, vv = q.meta["val"], k_base.meta["val"], v_base.meta["val"]   # type: ignore[union-attr]
+        if qv.dim() != 4 or kv.dim() != 4 or vv.dim() != 4:
+            raise ServingModelError(f"{node.name}: expected [batch, heads, seq, head_dim] attention inputs")
+        if str(kv.shape[2]) != str(qv.shape[2]):
+            raise ServingModelError(f"{node.name}: key length {kv.shape[2]} differs from the query's {qv.shape[2]}; "
+                                    "exports that carry a KV cache are not supported yet: export model(input_ids)")
+        sites.append(AttentionSite(
+            node=node.name, module=_module_of(node), q_heads=_int(qv.shape[1], "query head count", node),
+            kv_heads=_int(kv.shape[1], "KV head count", node), head_dim=_int(kv.shape[3], "head size", node),
+            v_head_dim=_int(vv.shape[3], "value head size", node), dtype=kv.dtype,
+            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node)))
+    mask_only = _ancestors(masks) - _ancestors(qkv_bases, skip_masks=True)
+    replaced.update(n for n in mask_only if n.op == "call_function")
+    weights = 0
+    for n in graph.nodes:
+        if n.op in ("placeholder", "get_attr") and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER,
+                                                                                      ROLE_CONSTANT):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                weights += val.numel() * val.element_size()
+    logits = _logits_nodes(graph) - {n.name for n in replaced}
+    return ServingModel(program, tuple(sites), frozenset(n.name for n in replaced), frozenset(logits), weights,
+                        batch, seq, _module_calls(graph))
+
+
+def _module_calls(graph: torch.fx.Graph) -> int:
+    """How many module ``forward`` calls the traced forward made: the distinct entries of every node's
+    ``nn_module_stack`` (each entry is one module instance on the call path; export keys repeated
+    calls of one instance apart with a ``@n`` suffix)."""
+    seen: set[str] = set()
+    for n in graph.nodes:
+        for key in (n.meta.get("nn_module_stack") or {}):
+            seen.add(key)
+    return len(seen)

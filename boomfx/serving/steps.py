@@ -1,0 +1,441 @@
+"""Price the steps a serving engine runs: prefill chunks, decode batches and the mixed steps of
+continuous batching, from the model's own graph and the same pricer every other kernel uses.
+
+A step schedules ``N`` tokens: the decode tokens of ``B`` running sequences plus chunks of prompts.
+Its time is the sum of five parts (``docs/design.md`` "Where a kernel gets its price" for each price):
+
+1. **token-wise**: every node of the export that is neither attention-side nor logits
+   (``boomfx/serving/model.py``), priced by ``Analysis.evaluate`` at ``batch=1, seq=N`` (the engine
+   flattens batch x sequence into ``N`` tokens);
+2. **attention**, per layer: one ``scaled_dot_product_attention`` call per prefill chunk, its ``c``
+   new queries against the ``t`` tokens of context so far (causal when the chunk is the whole
+   context; an explicit ``[c, t]`` mask otherwise), and one call for the decode batch: ``B`` single
+   queries against their cached K/V (``B x ceil(mean context)`` tokens: the bytes of a paged kernel's
+   read are linear in the total context). K/V are passed unexpanded (``enable_gqa``): a memory-bound
+   read of the cache;
+3. **KV-cache writes**, per layer: ``paged`` (vLLM ``reshape_and_cache``): ``index_copy_`` of the
+   ``N`` new K and V rows into the cache; ``concat`` (``transformers``' ``DynamicCache.update``):
+   ``torch.cat`` of each decoding sequence's whole cache with its new token, a copy that grows with
+   the context (a fresh prefill stores its K/V without a copy);
+4. **logits**: the LM head and its tail at ``batch=1, seq=S`` for the ``S`` sampled tokens;
+5. **sampler**: greedy ``argmax`` over the ``[S, vocab]`` float32 logits.
+
+Host time: on a CPU every op runs on the host (the sum of device + issue times, cold starts
+included); on a GPU a decode-only batch of at most the largest captured size replays one CUDA graph
+(padded to the next captured size, one replay's host time); other steps run piecewise (one replay per
+layer plus the eager attention calls), the step taking the longer of host issue and device time.
+
+Known limitations:
+- NB: the engine's own per-step host work (scheduler, input preparation, detokenisation) is a
+  ``HostOverhead`` given by the caller; zero unless measured (no vLLM values are known here).
+- NB: tensor parallelism is not priced (no all-reduce, weights not split): step times are TP=1.
+- NB: the decode call prices all sequences at their mean context; a paged kernel's split-KV
+  imbalance between short and long sequences is not modelled.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+
+from boomfx.analysis.analysis import Analysis
+from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS
+from boomfx.passes.costs.registry import Cost, OpCall, price_call
+from boomfx.passes.specs import TensorSpec, contiguous_strides
+from boomfx.serving.engine import EngineConfig, EngineRules
+from boomfx.serving.model import ServingModel
+
+aten = torch.ops.aten
+
+KV_WRITE_PAGED = "paged"
+KV_WRITE_CONCAT = "concat"
+SAMPLER_DTYPE = torch.float32      # vLLM's sampler upcasts logits to float32
+
+
+@dataclass(frozen=True)
+class PartTime:
+    """Device and host time of one part of a step (ns); on a CPU the device time includes the host's."""
+
+    device_ns: float = 0.0
+    host_ns: float = 0.0
+    sources: tuple[str, ...] = ()
+
+    def __add__(self, other: "PartTime") -> "PartTime":
+        return PartTime(self.device_ns + other.device_ns, self.host_ns + other.host_ns,
+                        tuple(dict.fromkeys(self.sources + other.sources)))
+
+    def scale(self, k: float) -> "PartTime":
+        return PartTime(self.device_ns * k, self.host_ns * k, self.sources)
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Host time of one step outside the priced kernels: the serving framework's own Python (each
+    module's ``forward``, cache bookkeeping, mask and position logic), ``fixed_ns + per_module_call_ns x``
+    the module calls of a forward (``ServingModel.module_calls``). Zero by default (not modelled);
+    ``source`` says where measured values came from (benchmarks/serving_cpu.py measures transformers'
+    on this host with calibration models that are not among the benchmark's)."""
+
+    fixed_ns: float = 0.0
+    per_module_call_ns: float = 0.0
+    source: str = "not modelled"
+
+    def step_ns(self, module_calls: int) -> float:
+        return self.fixed_ns + self.per_module_call_ns * module_calls
+
+
+@dataclass(frozen=True)
+class Step:
+    """One scheduled step: decode contexts (tokens cached per decoding sequence, the new one included)
+    and prefill chunks ``(chunk_tokens, context_tokens_after_the_chunk)``; ``sampled`` sequences sample."""
+
+    decode_contexts: tuple[int, ...] = ()
+    prefills: tuple[tuple[int, int], ...] = ()
+    sampled: Optional[int] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_contexts) + sum(c for c, _ in self.prefills)
+
+    @property
+    def num_sampled(self) -> int:
+        if self.sampled is not None:
+            return self.sampled
+        return len(self.decode_contexts) + sum(1 for c, t in self.prefills if c == t)
+
+
+@dataclass
+class StepTime:
+    """A priced step: its total, each part, and whether it replayed a CUDA graph."""
+
+    total_ns: float
+    parts: dict[str, PartTime] = field(default_factory=dict)
+    cuda_graph: bool = False
+    padded_tokens: int = 0
+
+
+def _spec(shape: Sequence[int], dtype: torch.dtype) -> TensorSpec:
+    shp = tuple(sympy.Integer(int(s)) for s in shape)
+    return TensorSpec(shp, contiguous_strides(shp), dtype)
+
+
+class StepPricer:
+    """Prices steps of one model on one device under one engine's rules (see the module docstring)."""
+
+    def __init__(self, analysis: Analysis, model: ServingModel, engine: EngineRules, config: EngineConfig,
+                 kv_dtype: torch.dtype, kv_heads_per_rank: int, kv_write: Optional[str] = None,
+                 bucket_tokens: int = 1, interpolate: bool = False, host_overhead: HostOverhead = HostOverhead()) -> None:
+        self.analysis = analysis
+        self.model = model
+        self.engine = engine
+        self.config = config
+        self.kv_dtype = kv_dtype
+        self.kv_heads = kv_heads_per_rank
+        self.kv_write = kv_write or engine.kv_write
+        self.host_overhead = host_overhead
+        self.site = model.uniform_site()
+        self.cpu = analysis.device.kind == "cpu"
+        self.graphs = (not self.cpu) and not config.enforce_eager
+        self.capture_sizes = engine.cudagraph_sizes(config.max_num_seqs, config.max_num_batched_tokens) \
+            if self.graphs else ()
+        self._token_cache: dict[int, PartTime] = {}
+        self._logits_cache: dict[int, PartTime] = {}
+        self._call_cache: dict[Any, PartTime] = {}
+        self._layer_cache: dict[Any, PartTime] = {}
+        self._step_cache: dict[Any, StepTime] = {}
+        # the workload simulation rounds contexts up to whole blocks and interpolates the token-wise
+        # part between priced sizes, so a 10,000-request run prices a few hundred distinct calls
+        self.bucket = max(1, bucket_tokens)
+        self.interpolate = interpolate
+        self.vocab = self._vocab()
+
+    # -- parts priced from the graph --------------------------------------------------------------
+    def _graph_part(self, n_tokens: int, logits: bool) -> PartTime:
+        """Sum of the token-wise (or logits) nodes' times with the graph bound at batch=1, seq=n."""
+        point = self.analysis.evaluate({self.model.batch.symbol: 1, self.model.seq.symbol: max(1, n_tokens)})
+        skip = self.model.attention_side
+        chosen = self.model.logits_nodes
+        device = host = 0.0
+        sources: dict[str, None] = {}
+        for k, span in zip(point.report.kernels, point.timeline.spans):
+            if k.node in skip or ((k.node in chosen) != logits):
+                continue
+            device += span.end_ns - span.start_ns
+            host += k.host_ns
+            sources[k.source] = None
+        return PartTime(device, host, tuple(sources))
+
+    def token_part(self, n_tokens: int) -> PartTime:
+        if self.interpolate and n_tokens not in self._token_cache:
+            return self._interpolated_token_part(n_tokens)
+        hit = self._token_cache.get(n_tokens)
+        if hit is None:
+            hit = self._token_cache[n_tokens] = self._graph_part(n_tokens, logits=False)
+        return hit
+
+    def token_grid(self) -> tuple[int, ...]:
+        """Sizes the token-wise part is priced at when interpolating: powers of two, the captured
+        sizes and the token budget."""
+        top = self.config.max_num_batched_tokens
+        grid = {1, top} | {2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | set(self.capture_sizes)
+        return tuple(sorted(g for g in grid if g <= top))
+
+    def _interpolated_token_part(self, n_tokens: int) -> PartTime:
+        grid = self.token_grid()
+        i = bisect.bisect_left(grid, n_tokens)
+        if i < len(grid) and grid[i] == n_tokens:
+            return self.token_part_exact(n_tokens)
+        if i == 0 or i >= len(grid):
+            return self.token_part_exact(n_tokens)
+        lo, hi = grid[i - 1], grid[i]
+        a, b = self.token_part_exact(lo), self.token_part_exact(hi)
+        w = (n_tokens - lo) / (hi - lo)
+        return PartTime(a.device_ns + w * (b.device_ns - a.device_ns), a.host_ns + w * (b.host_ns - a.host_ns),
+                        tuple(dict.fromkeys(a.sources + b.sources)))
+
+    def token_part_exact(self, n_tokens: int) -> PartTime:
+        hit = self._token_cache.get(n_tokens)
+        if hit is None:
+            hit = self._token_cache[n_tokens] = self._graph_part(n_tokens, logits=False)
+        return hit
+
+    def logits_part(self, n_sampled: int) -> PartTime:
+        """The LM head and its tail for ``n_sampled`` tokens: each logits node priced at batch=1, seq=n."""
+        if n_sampled <= 0 or not self.model.logits_nodes:
+            return PartTime()
+        hit = self._logits_cache.get(n_sampled)
+        if hit is None:
+            ev = self.analysis.evaluator({self.model.batch.symbol: 1, self.model.seq.symbol: n_sampled})
+            total = PartTime()
+            for name in self.model.logits_nodes:
+                if name not in self.analysis.costs.by_node:
+                    continue
+                price, _ = self.analysis._price_node(name, ev)
+                device = price.time_ns
+                if self.cpu and not getattr(price, "host_in_time", False):
+                    device += price.host_ns
+                total = total + PartTime(device, price.host_ns, (str(getattr(price.source, "value", price.source)),))
+            hit = self._logits_cache[n_sampled] = total
+        return hit
+
+    # -- parts priced as calls -------------------------------------------------------------------
+    def price(self, call: OpCall) -> PartTime:
+        """One call through the analysis' pricer (database > interpolation > model > roofline)."""
+        key = (str(call.op), tuple((k, repr(v)) for k, v in call.args.items()), repr(call.outputs))
+        hit = self._call_cache.get(key)
+        if hit is None:
+            c = price_call(call).cost
+            cost = Cost(c.flops, c.bytes_read, c.bytes_written)
+            p = self.analysis.pricer.price(call, cost)
+            device = p.time_ns
+            if self.cpu and not getattr(p, "host_in_time", False):
+                device += p.host_ns
+            source = str(getattr(p.source, "value", p.source))
+            hit = self._call_cache[key] = PartTime(device, p.host_ns, (source,))
+        return hit
+
+    def _sdpa(self, batch: int, q_len: int, kv_len: int, causal: bool, mask: bool) -> OpCall:
+        s = self.site
+        q = _spec((batch, s.q_heads, q_len, s.head_dim), s.dtype)
+        k = _spec((batch, self.kv_heads, kv_len, s.head_dim), self.kv_dtype)
+        v = _spec((batch, self.kv_heads, kv_len, s.v_head_dim), self.kv_dtype)
+        attn_mask = _spec((1, 1, q_len, kv_len), torch.bool) if mask else None
+        out = _spec((batch, s.q_heads, q_len, s.v_head_dim), s.dtype)
+        backend = "flash" if self.cpu else ("flash" if s.dtype in (torch.float16, torch.bfloat16) else "efficient")
+        return OpCall.build(aten.scaled_dot_product_attention.default, (q, k, v),
+                            {"attn_mask": attn_mask, "is_causal": causal,
+                             "enable_gqa": self.kv_heads != s.q_heads},
+                            (out,), {"sdpa_backend": backend})
+
+    def attention_calls(self, step: Step) -> list[OpCall]:
+        """The attention calls of one layer of ``step``."""
+        calls = []
+        for chunk, context in step.prefills:
+            whole = chunk == context
+            calls.append(self._sdpa(1, chunk, context, causal=whole, mask=not whole))
+        if step.decode_contexts:
+            b = len(step.decode_contexts)
+            mean_ctx = math.ceil(sum(step.decode_contexts) / b)
+            calls.append(self._sdpa(b, 1, mean_ctx, causal=False, mask=False))
+        return calls
+
+    def kv_write_calls(self, step: Step) -> list[OpCall]:
+        """The K and V cache writes of one layer of ``step``."""
+        s, h = self.site, self.kv_heads
+        calls = []
+        if self.kv_write == KV_WRITE_PAGED:
+            n = step.num_tokens
+            for dim in (s.head_dim, s.v_head_dim):
+                cache = _spec((n, h, dim), self.kv_dtype)
+                calls.append(OpCall.build(aten.index_copy_.default, (cache, 0, _spec((n,), torch.int64),
+                                                                     _spec((n, h, dim), self.kv_dtype)), {}, (cache,)))
+            return calls
+        if step.decode_contexts:
+            b = len(step.decode_contexts)
+            ctx = math.ceil(sum(step.decode_contexts) / b)
+            for dim in (s.head_dim, s.v_head_dim):
+                past, new = _spec((b, h, ctx - 1, dim), self.kv_dtype), _spec((b, h, 1, dim), self.kv_dtype)
+                calls.append(OpCall.build(aten.cat.default, ([past, new], -2), {}, (_spec((b, h, ctx, dim),
+                                                                                         self.kv_dtype),)))
+        for chunk, context in step.prefills:
+            if chunk != context:   # a later chunk appends to what earlier chunks cached
+                for dim in (s.head_dim, s.v_head_dim):
+                    past, new = _spec((1, h, context - chunk, dim), self.kv_dtype), _spec((1, h, chunk, dim),
+                                                                                          self.kv_dtype)
+                    calls.append(OpCall.build(aten.cat.default, ([past, new], -2), {},
+                                              (_spec((1, h, context, dim), self.kv_dtype),)))
+        return calls
+
+    def sampler_call(self, n_sampled: int) -> Optional[OpCall]:
+        if n_sampled <= 0 or not self.vocab:
+            return None
+        logits = _spec((n_sampled, self.vocab), SAMPLER_DTYPE)
+        return OpCall.build(aten.argmax.default, (logits, -1), {}, (_spec((n_sampled,), torch.int64),))
+
+    def _vocab(self) -> int:
+        for node in self.model.program.graph.nodes:
+            if node.name in self.model.logits_nodes and node.op == "call_function":
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    try:
+                        return int(val.shape[-1])
+                    except TypeError:
+                        return 0
+        return 0
+
+    def calls(self, step: Step) -> list[OpCall]:
+        """Every call priced outside the graph for ``step`` (one layer's attention and writes; what a
+        kernel database for serving must measure)."""
+        out = self.attention_calls(step) + self.kv_write_calls(step)
+        sampler = self.sampler_call(step.num_sampled)
+        return out + ([sampler] if sampler is not None else [])
+
+    def kernel_calls(self, step: Step) -> list[OpCall]:
+        """Every bound call ``step`` prices: the token-wise nodes at its token count, the logits nodes at
+        its sampled count, and the calls of ``calls`` (the serving form of ``Analysis.kernel_calls``, for
+        collecting a kernel database)."""
+        from boomfx.passes.opcall import bind_call
+        out: list[OpCall] = []
+        for n, names in ((self.graph_batch(step) or step.num_tokens, None), (step.num_sampled, self.model.logits_nodes)):
+            if n <= 0:
+                continue
+            ev = self.analysis.evaluator({self.model.batch.symbol: 1, self.model.seq.symbol: n})
+            for name, nc in self.analysis.costs.by_node.items():
+                if name in self.model.attention_side:
+                    continue
+                if (names is None) == (name in self.model.logits_nodes):
+                    continue
+                out.append(bind_call(nc.call, ev))
+        return out + self.calls(step)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def graph_batch(self, step: Step) -> Optional[int]:
+        """The captured size a decode-only step replays (None: it runs piecewise / eagerly)."""
+        if not self.capture_sizes or step.prefills or not step.decode_contexts:
+            return None
+        i = bisect.bisect_left(self.capture_sizes, len(step.decode_contexts))
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def _rounded(self, tokens: int) -> int:
+        return -(-tokens // self.bucket) * self.bucket
+
+    def _cached(self, key: Any, step: Step, kind: str) -> PartTime:
+        hit = self._layer_cache.get(key)
+        if hit is None:
+            calls = self.attention_calls(step) if kind == "attention" else self.kv_write_calls(step)
+            hit = self._layer_cache[key] = sum((self.price(c) for c in calls), PartTime())
+        return hit
+
+    def _layer_part(self, kind: str, step: Step) -> PartTime:
+        """One layer's attention or KV-write calls: the decode batch and each prefill chunk priced and
+        cached on their own (sizes rounded up to the bucket), so mixed steps reuse their pieces."""
+        if kind == "write" and self.kv_write == KV_WRITE_PAGED:   # one write of every scheduled token's row
+            n = self._rounded(step.num_tokens)
+            return self._cached((kind, "rows", n), Step((), ((n, n),)), kind)
+        total = PartTime()
+        b = len(step.decode_contexts)
+        if b:
+            mean_ctx = self._rounded(math.ceil(sum(step.decode_contexts) / b))
+            total = total + self._cached((kind, "decode", b, mean_ctx), Step((mean_ctx,) * b), kind)
+        for chunk, context in step.prefills:
+            whole = chunk == context
+            c = self._rounded(chunk)
+            t = c if whole else max(c, self._rounded(context))
+            total = total + self._cached((kind, "prefill", c, t), Step((), ((c, t),)), kind)
+        return total
+
+    def step_time(self, step: Step) -> StepTime:
+        """The time of ``step`` (see the module docstring for the parts and the host model)."""
+        if self.bucket > 1:   # the simulation: one price per bucketed step shape
+            b = len(step.decode_contexts)
+            key = (b, self._rounded(math.ceil(sum(step.decode_contexts) / b)) if b else 0, step.prefills, step.sampled)
+            hit = self._step_cache.get(key)
+            if hit is None:
+                hit = self._step_cache[key] = self._step_time(step)
+            return hit
+        return self._step_time(step)
+
+    def _step_time(self, step: Step) -> StepTime:
+        padded = self.graph_batch(step)
+        n = padded or step.num_tokens
+        layers = self.model.num_layers
+        parts = {
+            "token_wise": self.token_part(n),
+            "attention": self._layer_part("attention", step).scale(layers),
+            "kv_cache_write": self._layer_part("write", step).scale(layers),
+            "logits": self.logits_part(step.num_sampled if padded is None else padded),
+        }
+        parts["sampler"] = self.sampler_part(step.num_sampled)
+        device = sum(p.device_ns for p in parts.values())
+        overhead = self.host_overhead.step_ns(self.model.module_calls)   # the framework's host work, before it launches anything
+        parts["host_overhead"] = PartTime(overhead, overhead, (self.host_overhead.source,))
+        if self.cpu:
+            return StepTime(device + overhead, parts, False, n)
+        if padded is not None:
+            return StepTime(overhead + device + CUDAGRAPH_REPLAY_HOST_NS, parts, True, n)
+        if self.graphs:   # piecewise: one replay per layer's token-wise pieces, attention eager
+            host = (layers + 1) * CUDAGRAPH_REPLAY_HOST_NS + parts["attention"].host_ns + parts["kv_cache_write"].host_ns
+        else:
+            host = sum(p.host_ns for name, p in parts.items() if name != "host_overhead")
+        return StepTime(overhead + max(device, host), parts, False, n)
+
+    def sampler_part(self, n_sampled: int) -> PartTime:
+        key = ("sampler", n_sampled)
+        hit = self._layer_cache.get(key)
+        if hit is None:
+            call = self.sampler_call(n_sampled)
+            hit = self._layer_cache[key] = self.price(call) if call is not None else PartTime()
+        return hit
+
+
+# -- the engine's profiling run ------------------------------------------------------------------------
+
+def profile_activation_bytes(analysis: Analysis, model: ServingModel, num_tokens: int, num_sampled: int) -> int:
+    """Peak bytes above the weights of the engine's profiling forward of ``num_tokens`` tokens.
+
+    The liveness intervals of the graph at ``batch=1, seq=num_tokens``, less the storages only the
+    export makes (its attention mask and GQA-expanded K/V: attention-side nodes other than SDPA), with
+    the logits nodes' storages sized for the ``num_sampled`` tokens the engine computes logits for."""
+    from boomfx.serving.model import SDPA_OPS
+    graph_nodes = {n.name: n for n in model.program.graph.nodes}
+    dropped = {name for name in model.attention_side
+               if getattr(graph_nodes[name].target, "overloadpacket", None) not in SDPA_OPS}
+    body = analysis.evaluator({model.batch.symbol: 1, model.seq.symbol: max(1, num_tokens)})
+    head = analysis.evaluator({model.batch.symbol: 1, model.seq.symbol: max(1, num_sampled)})
+    info = analysis.liveness
+    diff = [0] * (len(info.order) + 1)
+    for iv in info.intervals:
+        if iv.resident or iv.node in dropped:
+            continue
+        size = (head if iv.node in model.logits_nodes else body)(iv.nbytes)
+        diff[iv.start_step] += size
+        diff[iv.end_step + 1] -= size
+    live = peak = 0
+    for d in diff[:-1]:
+        live += d
+        peak = max(peak, live)
+    return int(peak)
