@@ -25,7 +25,7 @@ def build_report(program: Program, device: DeviceSpec, options: Any, bindings: M
     time_report = TimeReport(total, timeline.device_busy_ns, timeline.host_busy_ns, timeline.host_bound_fraction,
                              len(kernels), sum(k.flops for k in kernels), sum(k.bytes_moved for k in kernels))
     busy = sum(k.time_ns for k in kernels) or 1.0
-    symbols = [SymbolReport(i.name, i.role, i.min_value, i.max_value, bindings.get(i.symbol))
+    symbols = [SymbolReport(i.name, i.role, i.min_value, i.max_value, bindings.get(i.symbol), list(i.names))
                for i in program.symbols.values()]
     opts = program.options
     return Report(

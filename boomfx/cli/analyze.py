@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import sys
 
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.frontend.capture import DEFAULT_OPTIMIZER, capture, resolve_bindings
 from boomfx.cli.args import parse_dim, parse_sweep
 from boomfx.core.device_spec_file import load_device_spec
 from boomfx.core.devices import get_device
@@ -23,7 +25,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     sweeps = [parse_sweep(s) for s in args.sweep]
     if (args.max_batch or args.max_seq) and sweeps:
         raise OptionError("--max-batch/--max-seq and --sweep cannot be combined")
-    options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=device.kind,
+    if args.optimizer is not None and not args.train:
+        raise OptionError("--optimizer needs --train (an inference step has no optimizer)")
+    options = ProgramOptions(args.train, args.optimizer or DEFAULT_OPTIMIZER, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
                              resident_grads=args.resident_grads)
@@ -55,14 +59,16 @@ def run_analyze(args: argparse.Namespace) -> int:
     progress.done()
     report = point.report
     report.analysis_seconds = progress.elapsed_s
+    if args.memory_snapshot and point.replay is None:   # refused before anything is written
+        raise OptionError("--memory-snapshot needs a CUDA device (the CPU has no caching allocator)")
     if args.trace:
         from boomfx.report.trace import write_trace
         write_trace(args.trace, report, point.timeline, point.events)
+        _say_written(args.trace, "Chrome/Perfetto trace of the simulated step (open in ui.perfetto.dev)")
     if args.memory_snapshot:
-        if point.replay is None:
-            raise OptionError("--memory-snapshot needs a CUDA device (the CPU has no caching allocator)")
         from boomfx.report.snapshot import write_snapshot
         write_snapshot(args.memory_snapshot, point.replay.allocator)
+        _say_written(args.memory_snapshot, "memory snapshot (open in pytorch.org/memory_viz)")
     if args.json == "-":
         print(report.to_json())
     else:
@@ -75,6 +81,11 @@ def run_analyze(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(report.to_json())
     return 0
+
+
+def _say_written(path: str, what: str) -> None:
+    """One stderr line per file written, so stdout stays the report (or the JSON of --json)."""
+    print(f"boomfx: wrote {path} ({fmt_bytes(os.path.getsize(path))}): {what}", file=sys.stderr)
 
 
 def _run_sweep(args: argparse.Namespace, analysis: Analysis, dims: dict, sweeps: list, progress: StageProgress) -> int:

@@ -8,12 +8,31 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from boomfx import __version__
 from boomfx.core.errors import BoomfxError
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each option's default, except where there is none to show (off flags, unset values)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default in (None, False, "", []) or default is argparse.SUPPRESS
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, not usage + error
-        raise BoomfxError(f"{self.prog}: {message}")
+        # main() prefixes "boomfx: error: "; a subcommand's parser adds only its own name ("analyze: ...")
+        command = self.prog.removeprefix("boomfx").strip()
+        raise BoomfxError(f"{command}: {message}" if command else message)
 
 
 def _add_program_args(p: argparse.ArgumentParser) -> None:
@@ -22,11 +41,14 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-spec", default=None, metavar="FILE.json",
                    help="an unlisted device described in JSON with DeviceSpec's fields (overrides --device)")
     p.add_argument("--dim", action="append", default=[], type=str, metavar="NAME=VALUE",
-                   help="bind a symbolic dimension by symbol name (s0) or role (batch, seq)")
+                   help="bind a symbolic dimension (repeatable) by the Dim name given at export (in-memory "
+                        "programs; a .pt2 does not keep it), by input and dimension (input_ids.1: dimension 1 "
+                        "of input input_ids), by symbol (s0) or by role (batch, seq); the report lists every "
+                        "symbol's names and an unknown name gets the list of valid ones")
     p.add_argument("--batch", type=int, help="bind the batch dimension")
     p.add_argument("--seq", type=int, help="bind the sequence dimension")
     p.add_argument("--train", action="store_true", help="predict a training step (forward + backward + optimizer)")
-    p.add_argument("--optimizer", default="adamw", help="sgd | adam | adamw (with --train)")
+    p.add_argument("--optimizer", default=None, help="sgd | adam | adamw; needs --train (default with --train: adamw)")
     p.add_argument("--amp", default=None, help="bf16 | fp16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
     p.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME",
@@ -44,8 +66,17 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", "-v", action="store_true", help="say what each stage does")
 
 
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="boomfx", description="Predict step time and GPU memory from a torch.export graph.")
+    parser.add_argument("--version", action="version", version=f"boomfx {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     a = sub.add_parser("analyze", help="analyse an exported program")
     _add_program_args(a)

@@ -1,4 +1,9 @@
-"""Stage progress on stderr: shown on a terminal or with --verbose, silent otherwise (CI logs stay clean)."""
+"""Stage progress on stderr: shown on a terminal or with --verbose, silent otherwise (CI logs stay clean).
+
+A stage prints ``[boomfx] NAME...`` and, when it ends, its time on the same line. A message logged
+while a stage runs (the loader's "loaded X in 0.29 s") ends that open line first, so the stage's time
+is then printed on a line of its own (``[boomfx] NAME: 0.7 s``) instead of after the message.
+"""
 from __future__ import annotations
 
 import sys
@@ -13,6 +18,7 @@ class StageProgress:
         self.started = time.perf_counter()
         self._stage: Optional[str] = None
         self._stage_started = self.started
+        self._line_open = False     # the current stage's "NAME..." waits for its time on this line
 
     def stage(self, name: str) -> None:
         self.done()
@@ -21,17 +27,23 @@ class StageProgress:
         if self.enabled:
             self.stream.write(f"[boomfx] {name}...")
             self.stream.flush()
+            self._line_open = True
 
     def log(self, message: str) -> None:
         if self.enabled:
-            self.stream.write(f"\n[boomfx]   {message}" if self._stage else f"[boomfx] {message}\n")
+            opened = "\n" if self._line_open else ""
+            indent = "  " if self._stage else ""
+            self.stream.write(f"{opened}[boomfx] {indent}{message}\n")
             self.stream.flush()
+            self._line_open = False
 
     def done(self) -> None:
         if self._stage is not None and self.enabled:
-            self.stream.write(f" {time.perf_counter() - self._stage_started:.1f}s\n")
+            took = f"{time.perf_counter() - self._stage_started:.1f} s"
+            self.stream.write(f" {took}\n" if self._line_open else f"[boomfx] {self._stage}: {took}\n")
             self.stream.flush()
         self._stage = None
+        self._line_open = False
 
     @property
     def elapsed_s(self) -> float:

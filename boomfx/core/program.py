@@ -38,6 +38,8 @@ class SymbolInfo:
     max_value: Optional[int]           # None: unbounded above
     hint: Optional[int] = None         # the example size seen at export
     role: Optional[str] = None         # "batch" | "seq" | None
+    # other names --dim accepts: the export's Dim names, then "<input>.<dim>" (boomfx/frontend/symbol_names.py)
+    names: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -45,8 +47,8 @@ class SymbolInfo:
 
     def describe(self) -> str:
         hi = "inf" if self.max_value is None else str(self.max_value)
-        role = f" ({self.role})" if self.role else ""
-        return f"{self.name}{role} in [{self.min_value}, {hi}]"
+        aka = ([self.role] if self.role else []) + [n for n in self.names if n != self.role]
+        return f"{self.name}{' (' + ', '.join(aka) + ')' if aka else ''} in [{self.min_value}, {hi}]"
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,12 @@ class Program:
         return self.gm.graph
 
     def symbol(self, name_or_role: str) -> SymbolInfo:
+        """By symbol (``s77``), then by a name of ``SymbolInfo.names``, then by role (``batch``)."""
         if name_or_role in self.symbols:
             return self.symbols[name_or_role]
+        for info in self.symbols.values():
+            if name_or_role in info.names:
+                return info
         for info in self.symbols.values():
             if info.role == name_or_role:
                 return info

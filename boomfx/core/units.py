@@ -13,6 +13,9 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_time(ns: float) -> str:
+    """A time in ns with the unit that keeps it short; negative times (net corrections) keep their sign."""
+    if ns < 0:
+        return "-" + fmt_time(-ns)
     if ns >= 1e9:
         return f"{ns / 1e9:.3f} s"
     if ns >= 1e6:

@@ -39,6 +39,7 @@ CONSTANTS_DIR = "data/constants/"
 WEIGHTS_CONFIG = f"{WEIGHTS_DIR}{MODEL_NAME}_weights_config.json"
 CONSTANTS_CONFIG = f"{CONSTANTS_DIR}{MODEL_NAME}_constants_config.json"
 TENSOR_CONSTANT_PREFIX = "tensor_"
+ZIP_DIRECTORY = "the zip directory"   # named by errors about the container rather than one entry
 
 
 class LoadError(Exception):
@@ -64,15 +65,16 @@ def _root_prefix(names: list[str], path: str) -> str:
     if any(n == "version" or n.endswith("/version") for n in names) and not any(
         "/models/" in n for n in names
     ):
-        raise LoadError(f"{path} is a legacy (torch <= 2.7) export archive, which boomfx does not read.")
+        raise LoadError(f"{path} has no archive_format entry: a legacy (torch <= 2.7) export archive, which "
+                        "boomfx does not read.")
     raise LoadError(f"{path} is a zip file but not a torch.export .pt2 archive (no archive_format record).")
 
 
-def _read_json(zf: zipfile.ZipFile, name: str, path: str) -> Any:
+def _parse_json(data: bytes, name: str, path: str) -> Any:
     try:
-        return json.loads(zf.read(name).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{path} is corrupt: {name} is not valid JSON ({e}).") from e
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise LoadError(f"{path} is corrupt: {name} is not valid JSON ({str(e)[:200]}).") from e
 
 
 def read_archive(path: str | os.PathLike) -> ArchiveContents:
@@ -82,26 +84,38 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
         raise LoadError(f"{path} does not exist.")
     if not os.path.isfile(path):
         raise LoadError(f"{path} is not a file.")
-    if not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except zipfile.BadZipFile as e:   # a damaged end record can raise instead of answering False
+        raise LoadError(f"{path} is a corrupt zip archive: {ZIP_DIRECTORY} cannot be read ({e}).") from e
+    if not is_zip:
         raise LoadError(f"{path} is not a .pt2 file (not a zip archive).")
+    reading = ZIP_DIRECTORY  # what a corrupt-zip error is about: the directory, then each entry read
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
             prefix = _root_prefix(names, path)
-            fmt = zf.read(prefix + "archive_format").decode("utf-8", "replace").strip()
+
+            def read(entry: str) -> bytes:
+                nonlocal reading
+                reading = entry
+                return zf.read(prefix + entry)
+
+            fmt = read("archive_format").decode("utf-8", "replace").strip()
             if fmt != ARCHIVE_FORMAT_VALUE:
-                raise LoadError(f"{path} has archive format {fmt!r}, not {ARCHIVE_FORMAT_VALUE!r}.")
+                raise LoadError(f"{path}: its archive_format entry is {fmt!r}, not {ARCHIVE_FORMAT_VALUE!r}.")
             if prefix + "archive_version" in names:
-                version = zf.read(prefix + "archive_version").decode("utf-8", "replace").strip()
+                version = read("archive_version").decode("utf-8", "replace").strip()
                 if version != ARCHIVE_VERSION_VALUE:
                     raise LoadError(
-                        f"{path} has archive version {version!r}; boomfx reads version {ARCHIVE_VERSION_VALUE!r}."
+                        f"{path}: its archive_version entry is {version!r}; boomfx reads version {ARCHIVE_VERSION_VALUE!r}."
                     )
             if prefix + MODEL_JSON not in names:
                 raise LoadError(f"{path} is corrupt: it has no {MODEL_JSON} record.")
-            program = _read_json(zf, prefix + MODEL_JSON, path)
-            weights = _read_json(zf, prefix + WEIGHTS_CONFIG, path) if prefix + WEIGHTS_CONFIG in names else {}
-            consts = _read_json(zf, prefix + CONSTANTS_CONFIG, path) if prefix + CONSTANTS_CONFIG in names else {}
+            program = _parse_json(read(MODEL_JSON), MODEL_JSON, path)
+            weights = _parse_json(read(WEIGHTS_CONFIG), WEIGHTS_CONFIG, path) if prefix + WEIGHTS_CONFIG in names else {}
+            consts = _parse_json(read(CONSTANTS_CONFIG), CONSTANTS_CONFIG, path) if prefix + CONSTANTS_CONFIG in names else {}
+            reading = ZIP_DIRECTORY
             sizes = {
                 info.filename[len(prefix) :]: info.file_size
                 for info in zf.infolist()
@@ -110,10 +124,19 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
     except LoadError:
         raise
     except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as e:
-        raise LoadError(f"{path} is a corrupt zip archive ({type(e).__name__}: {e}).") from e
+        raise LoadError(f"{path} is a corrupt zip archive: {reading} cannot be read ({type(e).__name__}: {e}).") from e
     if not isinstance(program, dict) or "graph_module" not in program:
         raise LoadError(f"{path} is corrupt: {MODEL_JSON} does not describe an exported program.")
-    return ArchiveContents(path, program, weights.get("config", {}), consts.get("config", {}), sizes)
+    return ArchiveContents(path, program, _config(weights, WEIGHTS_CONFIG, path), _config(consts, CONSTANTS_CONFIG, path),
+                           sizes)
+
+
+def _config(doc: Any, entry: str, path: str) -> dict[str, Any]:
+    """The ``config`` object (fqn -> payload) of a payload config entry."""
+    config = doc.get("config", {}) if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise LoadError(f"{path} is corrupt: {entry} config is not an object of fqn -> payload.")
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,22 +177,23 @@ def meta_tensors(
     """
     parsed: dict[str, tuple[str, torch.dtype, list[int], list[int], int, dict[str, Any]]] = {}
     base_numel: dict[str, int] = {}
+    entry = f"{base_dir}{MODEL_NAME}_{'constants' if constants else 'weights'}_config.json"
     for fqn, payload in config.items():
         name = payload.get("path_name", "")
         meta = payload.get("tensor_meta")
         if constants and not name.startswith(TENSOR_CONSTANT_PREFIX):
             raise LoadError(
-                f"{path} holds a pickled custom object constant {fqn!r}, which boomfx refuses to unpickle."
+                f"{path} holds a pickled custom object constant {fqn!r} ({entry}), which boomfx refuses to unpickle."
             )
         if meta is None:
-            raise LoadError(f"{path} holds a pickled payload {fqn!r} without tensor metadata; boomfx does not unpickle it.")
+            raise LoadError(f"{path} holds a pickled payload {fqn!r} without tensor metadata ({entry}); boomfx does not unpickle it.")
         try:
             dtype = _dtype(meta["dtype"])
-            sizes = _int_list(meta["sizes"], "weight", path)
-            strides = _int_list(meta["strides"], "weight", path)
+            sizes = _int_list(meta["sizes"], f"weight ({entry} {fqn})", path)
+            strides = _int_list(meta["strides"], f"weight ({entry} {fqn})", path)
             offset = int(meta.get("storage_offset", {"as_int": 0}).get("as_int", 0))
         except (KeyError, ValueError, TypeError) as e:
-            raise LoadError(f"{path} is corrupt: bad tensor metadata for {fqn!r} ({e}).") from e
+            raise LoadError(f"{path} is corrupt: {entry} has bad tensor metadata for {fqn!r} ({e}).") from e
         record_numel = record_sizes_bytes.get(base_dir + name, 0) // max(1, dtype.itemsize)
         # A shared record with data means shared storage (tied weights). Meta exports write every
         # tensor to one empty record (meta tensors have no storage to tell apart), so an empty
@@ -180,11 +204,16 @@ def meta_tensors(
     bases: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for fqn, (key, dtype, sizes, strides, offset, payload) in parsed.items():
-        if key not in bases:
-            bases[key] = torch.empty(base_numel[key], dtype=dtype, device="meta")
-        tensor = torch.as_strided(bases[key], sizes, strides, offset)
         requires_grad = bool(payload["tensor_meta"].get("requires_grad", False))
-        if payload.get("is_param"):
-            tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        try:
+            if key not in bases:
+                bases[key] = torch.empty(base_numel[key], dtype=dtype, device="meta")
+            tensor = torch.as_strided(bases[key], sizes, strides, offset)
+            if payload.get("is_param"):
+                tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        except (RuntimeError, ValueError, OverflowError, TypeError) as e:
+            # sizes no tensor can have (numel overflows), a parameter of an integer dtype needing grad
+            raise LoadError(f"{path} is corrupt: {entry} describes {fqn!r} as no tensor can be "
+                            f"({str(e).splitlines()[0][:200]}).") from e
         out[fqn] = tensor
     return out

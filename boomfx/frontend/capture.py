@@ -26,6 +26,7 @@ __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", 
            "to_exported_program", "load_exported", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "none")   # none: forward + backward only (a micro-batch step)
+DEFAULT_OPTIMIZER = "adamw"
 AMP_DTYPES = ("bf16", "fp16")
 NO_OPTIMIZER = "none"
 
@@ -147,7 +148,8 @@ def _rename_symbols(gm: torch.fx.GraphModule, symbol_map: Mapping[sympy.Symbol, 
 
 def resolve_bindings(program: Program, dims: Mapping[str, int], batch: Optional[int] = None,
                      seq: Optional[int] = None, allow_unbound: bool = False) -> dict[sympy.Symbol, int]:
-    """Bind symbols by name (``s77``), by role (``batch``/``seq``), or via --batch/--seq; check ranges."""
+    """Bind symbols by symbol (``s77``), by another name (the export's Dim name, ``input_ids.1``), by role
+    (``batch``/``seq``), or via --batch/--seq; check ranges."""
     bindings: dict[sympy.Symbol, int] = {}
     requests = dict(dims)
     if batch is not None:
@@ -163,7 +165,7 @@ def resolve_bindings(program: Program, dims: Mapping[str, int], batch: Optional[
                     continue  # a static export: --batch/--seq have nothing to bind, the shapes are fixed
                 raise DimError(f"no symbol of the program could be identified as {name}; bind it with --dim "
                                f"NAME=VALUE (symbols: {_describe(program)})") from None
-            raise DimError(f"unknown dimension '{name}' (symbols: {_describe(program) or 'none, the export is static'})") from None
+            raise DimError(f"unknown dimension '{name}' (valid names: {_describe(program) or 'none, the export is static'})") from None
         value = int(value)
         if value < info.min_value or (info.max_value is not None and value > info.max_value):
             raise DimError(f"{name}={value} is outside the exported range of {info.describe()}")

@@ -6,11 +6,17 @@ and spends seconds re-parsing the same symbolic shape strings. boomfx needs the 
 values on its nodes and the shapes of weights, nothing more.
 
 Steps:
-1. ``pt2_archive.read_archive``: zip + JSON only, weights and constants as meta tensors.
-2. ``pt2_treespec.sanitize_program``: unknown pytree types become plain dicts/tuples.
-3. ``pt2_fast.deserialize_fast``: torch's graph deserializer with cached schema conversion and
-   memoized symbol parsing. If it fails for any reason, ``pt2_fast.deserialize_torch`` (torch's
+1. ``archive.read_archive``: zip + JSON only, weights and constants as meta tensors.
+2. ``validate.check_program_json`` / ``check_payload_configs``: the JSON checked against torch's
+   export schema and for references that resolve; a damaged file stops here with a ``LoadError``
+   naming the entry and the field.
+3. ``treespec.sanitize_program``: unknown pytree types become plain dicts/tuples.
+4. ``deserialize.deserialize_fast``: torch's graph deserializer with cached schema conversion and
+   memoized symbol parsing. If it fails for any reason, ``deserialize.deserialize_torch`` (torch's
    unpatched deserializer, still fed only JSON and meta tensors) is tried, and the log says why.
+5. ``graph_check.check_graph``: the loaded graph's shapes must fit together (weights vs
+   placeholders, each ATen call re-run on its recorded inputs), so an edited size is refused rather
+   than analysed into a wrong number.
 
 Example::
 
@@ -36,8 +42,10 @@ from collections.abc import Callable
 import torch
 
 from boomfx.frontend import deserialize as pt2_fast
-from boomfx.frontend.archive import CONSTANTS_DIR, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
+from boomfx.frontend.archive import CONSTANTS_DIR, MODEL_JSON, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
+from boomfx.frontend.graph_check import check_graph
 from boomfx.frontend.treespec import sanitize_program
+from boomfx.frontend.validate import check_payload_configs, check_program_json
 
 __all__ = ["LoadError", "load_program"]
 
@@ -82,6 +90,8 @@ def load_program(
     start = time.perf_counter()
     contents = read_archive(path)
     name = contents.path
+    check_program_json(contents.program, name)
+    check_payload_configs(contents.weights_config, contents.constants_config, name, contents.program)
     replaced = sanitize_program(contents.program)
     if replaced:
         say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")
@@ -92,16 +102,19 @@ def load_program(
     try:
         program = pt2_fast.fast_dict_to_dataclass(contents.program)
         ep = pt2_fast.deserialize_fast(program, state_dict, constants)
-        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
-        return ep
     except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
         fast_error = err
+    else:
+        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
+        check_graph(ep, name)
+        return ep
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
-        raise LoadError(f"{name} could not be deserialized: {_short(err)}.") from err
+        raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
+    check_graph(ep, name)
     return ep
 
 
@@ -110,10 +123,10 @@ def _check_version(program: dict, path: str) -> None:
     version = program.get("schema_version") or {}
     major, minor = version.get("major"), version.get("minor")
     if not isinstance(major, int) or not isinstance(minor, int):
-        raise LoadError(f"{path} is corrupt: models/model.json has no schema_version.")
+        raise LoadError(f"{path} is corrupt: {MODEL_JSON} has no schema_version.")
     supported = pt2_fast.serde.SCHEMA_VERSION
     if major != supported[0] and (major, minor) != (0, 0):
         raise LoadError(
-            f"{path} uses export schema version {major}.{minor}, but this torch reads "
+            f"{path} uses export schema version {major}.{minor} ({MODEL_JSON} schema_version), but this torch reads "
             f"{supported[0]}.x (schema {supported[0]}.{supported[1]})."
         )

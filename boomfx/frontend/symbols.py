@@ -14,6 +14,7 @@ from torch.export import ExportedProgram
 from torch.utils._sympy.numbers import int_oo
 
 from boomfx.core.program import ROLE_INPUT, SymbolInfo
+from boomfx.frontend.symbol_names import symbol_names
 
 
 def symbol_ranges(ep: ExportedProgram) -> dict[sympy.Symbol, tuple[int, Optional[int]]]:
@@ -70,7 +71,8 @@ def symbols_of(ep: ExportedProgram, roles: Mapping[str, str]) -> dict[str, Symbo
     user_inputs = user_input_vals(ep.graph_module, roles)
     sym_roles = infer_symbol_roles(user_inputs)
     hints = symbol_hints(user_inputs)
+    names = symbol_names(ep)
     return {
-        str(sym): SymbolInfo(sym, lo, hi, hints.get(sym), sym_roles.get(sym))
+        str(sym): SymbolInfo(sym, lo, hi, hints.get(sym), sym_roles.get(sym), names.get(sym, ()))
         for sym, (lo, hi) in symbol_ranges(ep).items()
     }

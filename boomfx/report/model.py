@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from boomfx.kernels_db.price import PriceSource
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 # Where a time figure came from, best first (the one vocabulary: kernels_db/price.py)
 SOURCES = tuple(source.value for source in PriceSource)
@@ -26,6 +26,7 @@ class SymbolReport:
     min_value: int
     max_value: Optional[int]
     value: Optional[int]
+    names: list[str] = field(default_factory=list)   # other names --dim accepts (Dim names, "input.dim")
 
 
 @dataclass

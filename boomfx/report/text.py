@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from boomfx.report.model import GroupTime, Report
+from boomfx.report.model import GroupTime, Report, TimeReport
 from boomfx.core.units import fmt_bytes, fmt_flops, fmt_time
 
 
@@ -33,9 +33,25 @@ def render_kernels(report: Report, limit: int) -> list[str]:
     return ["", title] + _table(rows, ["node", "op", "module", "phase", "time", "priced by"])
 
 
+# The step is called device-bound only when the device runs kernels for at least this share of it: below,
+# the device waits for the host long enough that a faster host (fewer launches, CUDA graphs, compile)
+# would shorten the step by more than 1 - DEVICE_BOUND_BUSY_FRACTION. A 50% busy device is host-bound.
+DEVICE_BOUND_BUSY_FRACTION = 0.9
+
+
+def device_busy_fraction(t: TimeReport) -> float:
+    """Share of the simulated step during which the device runs kernels (the timeline's busy time)."""
+    return min(1.0, t.device_busy_ns / t.total_ns) if t.total_ns > 0 else 0.0
+
+
+def bound_label(t: TimeReport) -> str:
+    """``device-bound`` when the device is busy >= DEVICE_BOUND_BUSY_FRACTION of the step, else ``host-bound``."""
+    return "device-bound" if device_busy_fraction(t) >= DEVICE_BOUND_BUSY_FRACTION else "host-bound"
+
+
 def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> str:
     t, m = report.time, report.memory
-    dims = ", ".join(f"{s.name}{'(' + s.role + ')' if s.role else ''}={s.value} "
+    dims = ", ".join(f"{'/'.join([*s.names, s.name])}{'(' + s.role + ')' if s.role else ''}={s.value} "
                      f"[{s.min_value}..{'inf' if s.max_value is None else s.max_value}]"
                      for s in report.symbols) or "static"
     opts = [report.mode]
@@ -53,8 +69,8 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
         opts.append("torch.compile" + (" + CUDA graphs" if report.options.get("cudagraphs") else ""))
     out = [f"boomfx: {report.source} on {report.device_description} ({report.device})",
            f"  mode: {', '.join(opts)}; dims: {dims}", ""]
-    bound = "host-bound" if t.host_bound_fraction > 0.5 else "device-bound"
-    out.append(f"Predicted step time: {fmt_time(t.total_ns)}  ({bound}: device busy {fmt_time(t.device_busy_ns)}, "
+    out.append(f"Predicted step time: {fmt_time(t.total_ns)}  ({bound_label(t)}: device busy "
+               f"{fmt_time(t.device_busy_ns)} ({100 * device_busy_fraction(t):.0f}% of the step), "
                f"host issue {fmt_time(t.host_busy_ns)})")
     out.append(f"  {t.kernels} kernels, {fmt_flops(t.flops)}, {fmt_bytes(t.bytes_moved)} moved")
     if t.graph_entry_ns:
