@@ -48,7 +48,7 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, help="bind the batch dimension")
     p.add_argument("--seq", type=int, help="bind the sequence dimension")
     p.add_argument("--train", action="store_true", help="predict a training step (forward + backward + optimizer)")
-    p.add_argument("--optimizer", default=None, help="sgd | adam | adamw; needs --train (default with --train: adamw)")
+    p.add_argument("--optimizer", default=None, help="sgd | adam | adamw | none (forward + backward only); needs --train (default with --train: adamw)")
     p.add_argument("--amp", default=None, help="bf16 | fp16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
     p.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME",
