@@ -11,6 +11,8 @@ Steps:
 3. ``pt2_fast.deserialize_fast``: torch's graph deserializer with cached schema conversion and
    memoized symbol parsing. If it fails for any reason, ``pt2_fast.deserialize_torch`` (torch's
    unpatched deserializer, still fed only JSON and meta tensors) is tried, and the log says why.
+4. ``ties.apply_ties``: tied weights (shared records, or for meta exports the graph's structure)
+   become one tensor with one fake storage again, as they are in memory.
 
 Example::
 
@@ -38,6 +40,7 @@ import torch
 from boomfx import pt2_fast
 from boomfx.pt2_archive import CONSTANTS_DIR, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
 from boomfx.pt2_treespec import sanitize_program
+from boomfx.ties import apply_ties
 
 __all__ = ["LoadError", "load_program"]
 
@@ -93,7 +96,7 @@ def load_program(
         program = pt2_fast.fast_dict_to_dataclass(contents.program)
         ep = pt2_fast.deserialize_fast(program, state_dict, constants)
         say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
-        return ep
+        return _tied(ep, say)
     except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
         fast_error = err
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
@@ -102,6 +105,13 @@ def load_program(
     except Exception as err:  # noqa: BLE001
         raise LoadError(f"{name} could not be deserialized: {_short(err)}.") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
+    return _tied(ep, say)
+
+
+def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch.export.ExportedProgram:
+    """A file does not record that tied weights share one fake storage: restore it (``boomfx.ties``)."""
+    for kept, *others in apply_ties(ep):
+        say(f"tied weights counted once: {kept} = {', '.join(others)}")
     return ep
 
 
