@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx import amp as amp_policy
 from boomfx.checkpointing import GraphRunner, Segment, checkpoint_segments
+from boomfx.fake_kernels import fake_kernel_fixes
 
 
 ROLES = ("param", "buffer", "grad", "opt_state", "input", "label", "constant")
@@ -377,7 +378,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         recorder.close("optimizer")
         return loss_val.detach()
 
-    with fake.mode, fx_traceback.preserve_node_meta():
+    with fake_kernel_fixes(), fake.mode, fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="real")(*graph_args, *grad_args, *opt_args)
     return _finish(gm, names, roles, fqns, recorder, grad_names, param_pos, fake, symbols)
 
