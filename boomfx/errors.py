@@ -11,3 +11,7 @@ class DimError(BoomfxError):
 
 class OptionError(BoomfxError):
     """An option has a value boomfx does not know."""
+
+
+class UnsupportedError(BoomfxError):
+    """The program needs something boomfx cannot model; the message says what and what to do instead."""

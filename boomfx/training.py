@@ -39,10 +39,12 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks_from_tensors
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx import amp as amp_policy
 from boomfx.checkpointing import GraphRunner, Segment, checkpoint_segments
+from boomfx.errors import UnsupportedError
 from boomfx.fake_kernels import fake_kernel_fixes
 
 
@@ -378,9 +380,24 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         recorder.close("optimizer")
         return loss_val.detach()
 
-    with fake_kernel_fixes(), fake.mode, fx_traceback.preserve_node_meta():
+    # The Python dispatcher runs torch's SymInt-aware Python meta functions and decompositions (as
+    # export and symbolic make_fx do); without it C++ kernels that read sizes as ints (constant_pad_nd
+    # under MobileNetV2's and Swin's padding) fix the batch symbol to its example size.
+    with fake_kernel_fixes(), fake.mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="real")(*graph_args, *grad_args, *opt_args)
+    _check_no_specialisation(fake.shape_env, symbols)
     return _finish(gm, names, roles, fqns, recorder, grad_names, param_pos, fake, symbols)
+
+
+def _check_no_specialisation(shape_env: ShapeEnv, symbols: set[sympy.Symbol]) -> None:
+    """A size symbol fixed to its example value during the re-trace would price every later kernel at that
+    size: refuse, never a silently smaller step."""
+    fixed = {s: v for s, v in shape_env.replacements.items() if s in symbols and getattr(v, "is_number", False)}
+    if fixed:
+        names = ", ".join(f"{s}={v}" for s, v in sorted(fixed.items(), key=lambda kv: str(kv[0])))
+        raise UnsupportedError(f"re-tracing the step fixed symbolic size(s) {names} to the trace's example value (an "
+                           f"op of the graph reads sizes as plain integers); analyse without --train/--amp, or "
+                           f"export with static shapes")
 
 
 def _grad_buffers(fake: _FakeFactory, graph_args: list[Any], names: list[str], roles: list[str],

@@ -26,8 +26,10 @@ _MAYBE_COPY = {
 MAYBE_COPY_OPS = frozenset(_MAYBE_COPY)
 
 # Dropout in eval mode (train=False) or with p=0 returns its input tensor itself (ATen's dropout).
+# The in-place forms (``nn.Dropout(inplace=True)``, MobileNetV2's classifier) return their input too.
 _IDENTITY_WHEN_INACTIVE = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
-                           aten.feature_alpha_dropout.default}
+                           aten.feature_alpha_dropout.default, aten.dropout_.default, aten.feature_dropout_.default,
+                           aten.alpha_dropout_.default, aten.feature_alpha_dropout_.default}
 
 
 def _inactive_dropout(node: torch.fx.Node) -> bool:
