@@ -56,6 +56,7 @@ from boomfx.passes.fusion import CLASS_NONE, backend_for, fusion_groups, node_cl
 from boomfx.passes.layout import channels_last_convolutions
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.opcall import opcall_from_node
+from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
 from boomfx.program import Program
 
@@ -563,7 +564,7 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     backend = backend_for(program)
-    program = fuse_addmm(channels_last_convolutions(program, backend), backend)
+    program = fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend)
     program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph
