@@ -100,6 +100,7 @@ def load_program(
     except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
         fast_error = err
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
+    _refuse_unknown_ops(contents.program, name)
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
@@ -113,6 +114,31 @@ def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch
     for kept, *others in apply_ties(ep):
         say(f"tied weights counted once: {kept} = {', '.join(others)}")
     return ep
+
+
+def _refuse_unknown_ops(program: dict, path: str) -> None:
+    """Ops of a package that is not imported (``transformers``' grouped-mm fallback) cannot be rebuilt:
+    say which, and what to do, in one line."""
+    targets = {n.get("target", "") for n in program.get("graph_module", {}).get("graph", {}).get("nodes", [])
+               if isinstance(n, dict)}
+    unknown = sorted(t for t in targets if isinstance(t, str) and t.startswith("torch.ops.") and not _op_exists(t))
+    if unknown:
+        raise LoadError(f"{path} uses custom op(s) {', '.join(unknown)} that boomfx cannot rebuild without their "
+                        f"library; export with the library's plain-ATen implementation instead (transformers MoE: "
+                        f"config experts_implementation='batched_mm').")
+
+
+def _op_exists(target: str) -> bool:
+    parts = target.split(".")[2:]           # torch.ops.<namespace>.<op>.<overload>
+    if len(parts) < 2:
+        return True
+    namespace, op = parts[0], parts[1]
+    if namespace in ("aten", "prims", "higher_order", "_operator", "profiler", "math", "builtins"):
+        return True
+    try:
+        return hasattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _check_version(program: dict, path: str) -> None:
