@@ -44,15 +44,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import cpu_accuracy  # noqa: E402
 from cpu_accuracy import densify_adam_state, first_output  # noqa: E402
 
-from boomfx.analyze import Analysis, AnalyzeOptions  # noqa: E402
-from boomfx.capture import capture, resolve_bindings  # noqa: E402
-from boomfx.devices import get_device  # noqa: E402
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions  # noqa: E402
+from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
+from boomfx.core.devices import get_device  # noqa: E402
 from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled  # noqa: E402
 from boomfx.kernels_db.measure import (Measurer, effective_cache_bytes, l2_cache_bytes,  # noqa: E402
                                        step_flush_bytes)
 from boomfx.kernels_db.store import Store  # noqa: E402
-from boomfx.live_bytes import profiler_peak_bytes  # noqa: E402
-from boomfx.program import ProgramOptions  # noqa: E402
+from boomfx.memory.live_bytes import profiler_peak_bytes  # noqa: E402
+from boomfx.core.program import ProgramOptions  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -94,7 +94,7 @@ class _WithLoss(torch.nn.Module):
 def make_step(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool) -> tuple[Callable[[], None], Any]:
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    # Training: the loss (boomfx.training's ``mean`` of the output) is compiled with the model, as the
+    # Training: the loss (boomfx.training.trace's ``mean`` of the output) is compiled with the model, as the
     # predicted program fuses it into the forward/backward graphs; an eager loss outside the compiled
     # region would add an unfused mean and MeanBackward (0.4 ms of GPT-tiny's 12 ms step).
     compiled_loss = torch.compile(_WithLoss(model)) if train else None
@@ -255,7 +255,7 @@ NOTES: list[str] = [
     "(traffic counts re-reads of the same lines: the wrong distance). The knee itself is load-dependent: "
     "back-to-back searches on a busy day found 8, 32, 64, 64 and 128 MiB, and the same GPT-2 training row "
     "was -22.6% with a 32 MiB flush, -2.9% with 64 MiB and +35% with 128 MiB, hence the fixed value.",
-    "Training: the loss (mean of the output, what boomfx.training adds) is compiled with the model, as the "
+    "Training: the loss (mean of the output, what boomfx.training.trace adds) is compiled with the model, as the "
     "predicted program fuses it; AdamW runs eagerly (foreach) in both. Its data-dependent scalars are keyed "
     "as boomfx.analyze binds them (Analysis.kernel_calls), so every kernel is measured (no roofline left).",
     "Optimizer state: after one warm-up step the AdamW moments are filled with dense values "
@@ -272,7 +272,7 @@ NOTES: list[str] = [
     "benchmarks/cpu_accuracy.py (hf-*: GPT-2, BERT, Llama, ViT, ResNet at the same configs and shapes), "
     "exported static.",
     "Host time outside the kernels' prices is priced since this run (kernels_db/host_overheads.py, "
-    "boomfx/host_time.py; graph_entry_ns and cold_start_ns in the JSON), measured on this CPU by "
+    "boomfx/analysis/host_time.py; graph_entry_ns and cold_start_ns in the JSON), measured on this CPU by "
     "collect_compiled for each database: (1) entering the compiled graphs (dynamo's cache lookup and guards on "
     "every parameter, AOTAutograd's wrappers, the backward call and gradient hand-over): a real compiled step "
     "of a calibration module minus its recorded Inductor graphs called directly, ~47 us + 0.3 us per input "

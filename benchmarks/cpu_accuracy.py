@@ -180,14 +180,14 @@ def time_samples(step: Callable[[], Any], iters: int, warmup: int = 2) -> list[t
 
 def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "wall", flush_bytes: int = 0,
             progress: bool = False) -> dict[str, Any]:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import capture, resolve_bindings
-    from boomfx.devices import cpu_spec
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.core.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.host_overheads import collect_host_costs
     from boomfx.kernels_db.measure import Measurer
     from boomfx.kernels_db.store import Store
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
     spec = cpu_spec()
     t0 = time.perf_counter()
     program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu"))
@@ -228,7 +228,7 @@ def export_for(model: torch.nn.Module, kwargs: dict, dyn: dict, train: bool) -> 
 
 
 def run_case(name: str, train: bool, db: str, iters: int, clock: str, flush_bytes: int) -> dict[str, Any]:
-    from boomfx.live_bytes import profiler_peak_bytes
+    from boomfx.memory.live_bytes import profiler_peak_bytes
     model, kwargs, dyn, dims = build(name)
     ep = export_for(model, kwargs, dyn, train)
     model.train(train)
@@ -360,11 +360,11 @@ NOTES = [
     "Inference memory of the *model* differs from the *graph* where the model's Python keeps tensors in "
     "local variables until forward returns (no graph shows Python locals); the graph run frees each value "
     "after its last use, which is what the liveness pass models.",
-    "Gradients are held by `.grad` until `zero_grad` after `opt.step()`; boomfx/analyze.py extends "
+    "Gradients are held by `.grad` until `zero_grad` after `opt.step()`; boomfx/analysis/analysis.py extends "
     "gradient lifetimes to the end of the optimizer phase for this reason (AdamW's foreach sqrt "
     "temporaries coexist with all gradients: the training peak of small models).",
     "Eager autograd frees memory differently from the traced graph's last-use rule in two ways that "
-    "boomfx/analyze.py now models for training programs (_eager_autograd_liveness): a `sym_size`/`sym_numel` "
+    "boomfx/analysis/analysis.py now models for training programs (_eager_autograd_liveness): a `sym_size`/`sym_numel` "
     "query does not keep a tensor alive (it did in the liveness pass: Llama's K/V projections, +1 MiB), and a "
     "backward autograd node (graph nodes sharing a seq_nr) releases its saved tensors and incoming gradients "
     "when the whole node finishes (MmBackward0 keeps its input until both mm's ran: -0.5 MiB for Llama's "
@@ -393,7 +393,7 @@ NOTES = [
     "loss's division 0.45-0.96 of their cold (flushed) price; ~2% of the step outside aten ops (autograd "
     "engine, Python); ~4000 minor page faults per step (16 MiB of fresh pages) that isolated kernels never "
     "take. Training steps therefore come out 5-13% under.",
-    "Cold starts are priced since this run (kernels_db/host_overheads.py, boomfx/host_time.py; cold_start_s in "
+    "Cold starts are priced since this run (kernels_db/host_overheads.py, boomfx/analysis/host_time.py; cold_start_s in "
     "the JSON): an op run right after a kernel that streamed the L2 finds the interpreter's and dispatcher's "
     "code and data evicted (a one-element add: 2 us warm, 24-33 us after 3-64 MB kernels here), so each "
     "kernel pays op_cold x min(1, bytes of the kernel before / L2), net of the cold start that a flushed "

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from boomfx.devices import DeviceSpec, get_device
+from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.fit_gpu_model import fit_calibration, memory_bytes
 from boomfx.kernels_db.gpu_model import GpuKernelModel

@@ -200,12 +200,12 @@ def stage_export(run: Run) -> None:
 
 
 def _program_options(case: Case, run: Run) -> Any:
-    from boomfx.program import ProgramOptions
+    from boomfx.core.program import ProgramOptions
     return ProgramOptions(case.train, "adamw", case.amp, False, target_kind=run.target.kind)
 
 
 def stage_capture(run: Run) -> None:
-    from boomfx.capture import capture
+    from boomfx.frontend.capture import capture
     for case in run.cases:
         if case.model not in run.exports:
             continue
@@ -348,8 +348,8 @@ def stage_snapshot(run: Run) -> Optional[Path]:
 
 
 def stage_collect(run: Run, db: Path) -> None:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import resolve_bindings
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import resolve_bindings
     from boomfx.kernels_db.collect import collect_calls, collect_sweep
     from boomfx.kernels_db.store import Store
     reserve = 30.0 if run.dry_run else 120.0      # left for predictions and the report
@@ -379,8 +379,8 @@ def stage_collect(run: Run, db: Path) -> None:
 
 
 def predict_case(run: Run, case: Case, db: Optional[Path]) -> dict:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import resolve_bindings
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import resolve_bindings
     program = run.programs[case.name]
     t0 = time.monotonic()
     analysis = Analysis(program, run.target, AnalyzeOptions(run.target.name, db=str(db) if db else "none"))
@@ -414,8 +414,8 @@ def stage_predict(run: Run, db: Path) -> None:
 def stage_blocks(run: Run, db: Path) -> None:
     """Block mode (kernels_db/blocks_db.py): measure each repeated block whole at the case's sizes, then
     predict again; the kernels of measured blocks are priced "block-measured"."""
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import resolve_bindings
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import resolve_bindings
     from boomfx.kernels_db.blocks_db import collect_blocks
     from boomfx.kernels_db.store import Store
     for case in run.cases:
@@ -510,7 +510,7 @@ def stage_report(run: Run, db: Path) -> None:
 # Entry point
 # ---------------------------------------------------------------------------------------------------
 def _local_target(device: torch.device, name: Optional[str]) -> Any:
-    from boomfx.devices import get_device
+    from boomfx.core.devices import get_device
     from boomfx.kernels_db.measure import local_device_spec
     if name:
         return get_device(name)

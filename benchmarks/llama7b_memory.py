@@ -42,12 +42,12 @@ def export_llama7b(dtype: torch.dtype) -> Path:
 
 
 def main() -> None:
-    from boomfx.analyze import Analysis, AnalyzeOptions
-    from boomfx.capture import capture, resolve_bindings
-    from boomfx.devices import get_device
-    from boomfx.program import ProgramOptions
-    from boomfx.search import largest_fitting
-    from boomfx.units import fmt_bytes, fmt_time
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
+    from boomfx.analysis.search import largest_fitting
+    from boomfx.core.units import fmt_bytes, fmt_time
 
     results: dict = {"torch": torch.__version__, "cases": []}
     bf16, fp32 = export_llama7b(torch.bfloat16), export_llama7b(torch.float32)

@@ -1,4 +1,4 @@
-"""Time ``torch.export.load`` against ``boomfx.loader.load_program`` on Llama-70B-shaped exports.
+"""Time ``torch.export.load`` against ``boomfx.frontend.loader.load_program`` on Llama-70B-shaped exports.
 
 Why: the analyzer must answer in seconds, and torch's loader spends most of its time re-parsing
 symbolic shape strings. This script records how much the boomfx loader saves.
@@ -80,7 +80,7 @@ import sys, time, json
 import torch
 which, path = sys.argv[1], sys.argv[2]
 if which == "boomfx":
-    from boomfx.loader import load_program
+    from boomfx.frontend.loader import load_program
     import transformers.modeling_outputs  # noqa: F401  same imports as the torch run, for a fair comparison
     start, cpu_start = time.perf_counter(), time.process_time()
     ep = load_program(path)
@@ -146,7 +146,7 @@ def run(layers: list[int], repeats: int, cache_dir: Path) -> list[dict]:
 def to_markdown(rows: list[dict], meta: dict) -> str:
     """Render the results as a markdown table with the conditions of the run."""
     lines = [
-        "# Load speed: torch.export.load vs boomfx.loader.load_program",
+        "# Load speed: torch.export.load vs boomfx.frontend.loader.load_program",
         "",
         f"Llama-70B-shaped exports on meta (hidden 8192, MLP 28672, 64 heads, 8 KV heads, vocab 32000), "
         f"median of {meta['repeats']} fresh-process loads each; torch {meta['torch']}, "

@@ -17,9 +17,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def replay_100k() -> float:
-    from boomfx.alloc_config import AllocatorConfig
+    from boomfx.memory.config import AllocatorConfig
     GiB = 1 << 30
-    from boomfx.memory_replay import AllocEvent, replay
+    from boomfx.memory.replay import AllocEvent, replay
     rng = random.Random(0)
     events, live, next_id = [], [], 0
     while len(events) < 100_000:
@@ -36,7 +36,7 @@ def replay_100k() -> float:
 
 
 def price_per_call_ms(n: int = 500) -> float:
-    from boomfx.devices import get_device
+    from boomfx.core.devices import get_device
     from boomfx.kernels_db.lookup import KernelPricer
     from boomfx.passes.costs.registry import OpCall, price_call
     from boomfx.passes.specs import TensorSpec, contiguous_strides

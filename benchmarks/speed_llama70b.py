@@ -72,9 +72,9 @@ print(json.dumps({"seconds": time.perf_counter() - start, "nodes": len(ep.graph.
 # Block detection alone on the loaded inference graph (boomfx's own loader).
 _BLOCKS = """
 import sys, time, json
-from boomfx.loader import load_program
-from boomfx.capture import export_roles
-from boomfx.program import Program
+from boomfx.frontend.loader import load_program
+from boomfx.frontend.capture import export_roles
+from boomfx.core.program import Program
 from boomfx.passes.blocks import block_pass
 ep = load_program(sys.argv[1])
 program = Program(ep.graph_module, {}, export_roles(ep))
@@ -109,7 +109,7 @@ def _run(cmd: list[str], parse_json: bool = False) -> dict[str, Any]:
 
 
 def _analyze(path: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "boomfx.cli", "analyze", str(path), "--device", DEVICE, *extra]
+    return [sys.executable, "-m", "boomfx.cli.main", "analyze", str(path), "--device", DEVICE, *extra]
 
 
 def measure(num_layers: int) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Choose which layers to checkpoint for a memory budget with the annotate pass, then verify it.
 
 Steps:
-1. ``boomfx.passes.annotate(model, x, train=True)`` predicts a training step and writes each node's
+1. ``boomfx.annotate(model, x, train=True)`` predicts a training step and writes each node's
    numbers into ``node.meta["boomfx"]``; the forward storages a backward node reads are in the
    "activation" category, so summing ``alloc_bytes`` of those nodes per layer gives the bytes each
    layer keeps alive for the backward pass.
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 
 import boomfx
-import boomfx.passes
-from boomfx.modules import layer_of
-from boomfx.units import fmt_bytes
+from boomfx.core.layers import layer_of
+from boomfx.core.units import fmt_bytes
 
 
 class Block(torch.nn.Module):
@@ -84,7 +83,7 @@ class Plan:
 
 def plan_checkpointing(model: torch.nn.Module, *inputs: torch.Tensor, budget_bytes: int,
                        device: str = "a100-80gb", optimizer: str = "sgd") -> Plan:
-    before = boomfx.passes.annotate(model, *inputs, device=device, train=True, optimizer=optimizer)
+    before = boomfx.annotate(model, *inputs, device=device, train=True, optimizer=optimizer)
     peak_before = peak_bytes(before.report)
     acts = {k: v for k, v in activation_bytes_by_layer(before.gm).items() if k != "(top level)"}
     order = sorted(acts, key=lambda layer: -acts[layer])     # stable: ties keep graph order

@@ -46,7 +46,7 @@ from torch.fx.node import map_aggregate
 from boomfx.kernels_db.measure import NS_PER_MS, NS_PER_S, Measurement, summarize
 from boomfx.passes.blocks import BlockClass
 from boomfx.passes.specs import to_sympy
-from boomfx.program import PHASE_BACKWARD, Program
+from boomfx.core.program import PHASE_BACKWARD, Program
 
 # What a block input stands for (informational; the key uses only shapes and dtypes).
 INPUT_PARAM = "param"

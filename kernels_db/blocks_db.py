@@ -13,7 +13,7 @@ The device is the row's fingerprint (device name, torch/CUDA versions, host), as
 class name ("h.*") is not part of the key: two models whose blocks compute the same thing share rows.
 
 ``collect_blocks`` measures each class (``block_runner``) and stores one row per class;
-``apply_block_measurements`` is the ``Analysis.evaluate`` hook: for a class with a row at these
+``boomfx/analysis/block_mode.py:apply_block_measurements`` is the ``Analysis.evaluate`` hook: for a class with a row at these
 bindings, the kernels of every instance keep their shares of the per-kernel prices but are scaled so
 that the instance sums to the measured time, with source "block-measured".
 
@@ -35,20 +35,36 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Protocol, Union
 
 import sympy
 import torch
 
+from boomfx.core.devices import DeviceSpec
+from boomfx.core.program import Program
+from boomfx.passes.blocks import BlockInfo
+from boomfx.passes.evaluate import Evaluator
 from boomfx.kernels_db.block_runner import BlockGraph, BlockTooLargeError, extract_block, make_block_inputs, \
     time_block
 from boomfx.kernels_db.measure import current_fingerprint
 from boomfx.kernels_db.progress import Progress
-from boomfx.kernels_db.schema import KernelKey, KernelRecord, canonical_json
+from boomfx.kernels_db.price import PriceSource
+from boomfx.kernels_db.schema import BLOCK_OP, KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
 
-BLOCK_OP = "block"                     # KernelKey.op of block rows; kernel lookups skip these rows
-SOURCE_BLOCK_MEASURED = "block-measured"   # report.SOURCES
+SOURCE_BLOCK_MEASURED = PriceSource.BLOCK_MEASURED.value   # the report's label (report.SOURCES)
+
+class BlockAnalysis(Protocol):
+    """What block collection reads of a symbolic analysis (boomfx/analysis/analysis.py:Analysis)."""
+
+    program: Program
+    blocks: BlockInfo
+    device: DeviceSpec
+
+    def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
+        ...
+
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -106,7 +122,7 @@ class BlockCollectResult:
         return "\n".join(lines)
 
 
-def collect_blocks(store: Store, analysis: Any, bindings: Mapping[sympy.Symbol, int],
+def collect_blocks(store: Store, analysis: BlockAnalysis, bindings: Mapping[sympy.Symbol, int],
                    device: Union[str, torch.device] = "cpu", budget_s: Optional[float] = None,
                    progress: Union[bool, Progress, None] = None, **timing: Any) -> BlockCollectResult:
     """Measure instance 0 of every block class of ``analysis`` at ``bindings`` on ``device``; one row each.
@@ -159,59 +175,5 @@ def collect_blocks(store: Store, analysis: Any, bindings: Mapping[sympy.Symbol, 
                               time.monotonic() - start, times)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The analysis hook
-# ---------------------------------------------------------------------------------------------------
-def measured_block_times(analysis: Any, bindings: Mapping[sympy.Symbol, int]) -> dict[int, KernelRecord]:
-    """class index -> the block row measured for it at ``bindings`` on the analysis' device (if any)."""
-    from boomfx.pricing import resolve_db_path
-    if not analysis.blocks.classes:
-        return {}
-    path = resolve_db_path(analysis.options.db, analysis.device)
-    if path is None:
-        return {}
-    rows = block_records(Store(path), analysis.device.name)
-    if not rows:
-        return {}
-    ev = analysis.evaluator(bindings)
-    found = {}
-    for c, cls in enumerate(analysis.blocks.classes):
-        key = block_key(extract_block(analysis.program, cls, ev, build=False))
-        if key.key_hash in rows:
-            found[c] = rows[key.key_hash]
-    return found
-
-
-def apply_block_measurements(analysis: Any, bindings: Mapping[sympy.Symbol, int], kernels: Sequence[Any],
-                             scheduled: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """``kernels`` (KernelReport) and ``scheduled`` (ScheduledKernel, index-aligned) with every instance of a
-    measured block scaled to the measured time: kernel i of an instance gets
-    ``measured_ns * t_i / sum(t)`` (equal shares when the per-kernel prices sum to 0), source "block-measured".
-    """
-    kernels, scheduled = list(kernels), list(scheduled)
-    if not kernels:
-        return kernels, scheduled
-    rows = measured_block_times(analysis, bindings)
-    if not rows:
-        return kernels, scheduled
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, k in enumerate(kernels):
-        ref = analysis.blocks.node_to_block.get(k.node)
-        if ref is not None and ref.class_index in rows:
-            groups.setdefault((ref.class_index, ref.instance), []).append(i)
-    on_cpu = analysis.device.kind == "cpu"
-    for (c, _), members in groups.items():
-        rec = rows[c]
-        total = sum(kernels[i].time_ns for i in members)
-        for i in members:
-            share = kernels[i].time_ns / total if total > 0 else 1.0 / len(members)
-            time_ns = rec.median_ns * share
-            kernels[i] = dataclasses.replace(kernels[i], time_ns=time_ns, source=SOURCE_BLOCK_MEASURED)
-            # the measured time is the whole instance: on a CPU it already holds dispatch (no host added)
-            device_ns = time_ns if (rec.host_in_time or not on_cpu) else time_ns + kernels[i].host_ns
-            scheduled[i] = dataclasses.replace(scheduled[i], device_ns=device_ns)
-    return kernels, scheduled
-
-
-__all__ = ["BLOCK_OP", "BlockCollectResult", "apply_block_measurements", "block_key", "block_records",
-           "collect_blocks", "is_block_record", "measured_block_times"]
+__all__ = ["BLOCK_OP", "BlockAnalysis", "BlockCollectResult", "block_key", "block_records", "collect_blocks",
+           "is_block_record"]

@@ -32,7 +32,7 @@ from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_
 from boomfx.kernels_db.measure import Measurer
 from boomfx.kernels_db.schema import KernelKey
 from boomfx.kernels_db.store import Store
-from boomfx.passes.compiled import compiled_group
+from boomfx.passes.fused_op import compiled_group
 from boomfx.passes.costs.registry import OpCall
 from boomfx.passes.opcall import bind_call
 

@@ -37,7 +37,7 @@ import numpy as np
 import sympy
 import torch
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model_core import GemmParams, MemoryParams
 from boomfx.passes.costs.registry import OpCall

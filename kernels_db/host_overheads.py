@@ -25,7 +25,7 @@ a real compiled step of a calibration module (tiny Linear layers, at two depths 
 and the Inductor graphs it compiled, recorded and called directly, warm and after ``_Polluter`` (a fill
 of four L2s); ``op_cold`` as a one-element ``add`` after the polluter minus warm. ``boomfx kernels
 collect`` on a CPU stores them as rows of op ``HOST_OP`` next to the kernels; ``Analysis`` adds them to
-the step (``boomfx/host_time.py``), or ``DEFAULT_NS`` of the target's kind without them.
+the step (``boomfx/analysis/host_time.py``), or ``DEFAULT_NS`` of the target's kind without them.
 
 Known limitations:
 - One backward per forward, no graph breaks (each break is another graph call; boomfx traces one graph).

@@ -37,6 +37,7 @@ import torch
 from boomfx.kernels_db.schema import KernelKey, canonical_json
 from boomfx.passes.costs.registry import OpCall
 from boomfx.passes.specs import TensorSpec
+from boomfx.passes.op_names import op_from_name, op_name  # noqa: F401  (re-exported: the one codec)
 
 aten = torch.ops.aten
 
@@ -47,16 +48,6 @@ class SymbolicKeyError(ValueError):
 
 class UnkeyableCallError(TypeError):
     """An argument of a type the key cannot represent."""
-
-
-def op_name(op: torch._ops.OpOverload) -> str:
-    """'aten.mm.default': the overload's qualified name, the one string form the DB stores."""
-    return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
-
-
-def op_from_name(name: str) -> torch._ops.OpOverload:
-    namespace, packet, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
 # ---------------------------------------------------------------------------------------------------------

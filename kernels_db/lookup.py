@@ -42,18 +42,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from boomfx.devices import DeviceSpec
-from boomfx.kernels_db.blocks_db import BLOCK_OP  # block mode
+from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
-from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord, canonical_json
+from boomfx.kernels_db.price import KernelPrice, PriceSource
+from boomfx.kernels_db.schema import BLOCK_OP, DeviceFingerprint, KernelKey, KernelRecord, canonical_json
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import Cost, OpCall
 
@@ -61,30 +60,6 @@ aten = torch.ops.aten
 EXTRAPOLATION_MARGIN = math.log(1.25)
 MAX_NEIGHBOUR_RATIO = 4.0
 TimeModel = Callable[[OpCall, DeviceSpec], Optional[float]]
-
-
-class PriceSource(str, Enum):
-    MEASURED = "measured"
-    INTERPOLATED = "interpolated"
-    TRANSFERRED = "transferred"
-    MODEL = "model"
-    ROOFLINE = "roofline"
-
-
-@dataclass(frozen=True)
-class KernelPrice:
-    """Time of one kernel, its host issue time and workspace, and where the numbers came from.
-
-    ``host_in_time`` is True when ``time_ns`` already includes ``host_ns`` (CPU measurements, where
-    issue and execution share one thread); a simulator must not add the two then.
-    """
-
-    time_ns: float
-    host_ns: float
-    workspace_bytes: int
-    source: PriceSource
-    detail: str = ""
-    host_in_time: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------

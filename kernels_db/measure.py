@@ -61,7 +61,7 @@ from boomfx.kernels_db.schema import DeviceFingerprint, KernelKey, KernelRecord
 from boomfx.kernels_db.store import device_slug
 
 if TYPE_CHECKING:
-    from boomfx.devices import DeviceSpec
+    from boomfx.core.devices import DeviceSpec
 
 NS_PER_S = 1_000_000_000
 NS_PER_MS = 1_000_000
@@ -114,7 +114,7 @@ def registry_device_name(raw_name: str) -> Optional[str]:
     ('h100-80gb-hbm3' -> 'h100-80gb', an alias of 'h100-sxm'). Using the registry name in the
     fingerprint makes ``default_db_path`` and ``get_device`` agree with the DeviceSpec a user picks.
     """
-    from boomfx.devices import UnknownDeviceError, get_device
+    from boomfx.core.devices import UnknownDeviceError, get_device
 
     parts = [p for p in device_slug(raw_name).split("-") if p not in _VENDOR_WORDS]
     for end in range(len(parts), 0, -1):
@@ -130,7 +130,7 @@ def local_device_spec(device: torch.device) -> "DeviceSpec":
 
     Raises LookupError for a GPU the registry does not know.
     """
-    from boomfx.devices import cpu_spec, get_device
+    from boomfx.core.devices import cpu_spec, get_device
 
     if device.type == "cpu":
         return cpu_spec()

@@ -53,7 +53,7 @@ CSV_FILES: tuple[str, ...] = ("linear.csv", "bmm.csv", "elem.csv", "ln.csv", "so
 SOURCE = "NeuSight (ASPLOS'25) public data"
 SOURCE_URL = "https://github.com/sitar-lab/NeuSight (scripts/asplos/data, MIT licence)"
 
-# The CSV's Device column -> boomfx device name (boomfx/devices.py).
+# The CSV's Device column -> boomfx device name (boomfx/core/devices.py).
 DEVICE_NAMES: Mapping[str, str] = {
     "NVIDIA L4": "l4",
     "Tesla V100-PCIE-32GB": "v100-pcie-32gb",

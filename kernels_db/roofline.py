@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import Cost, OpCall
 
 aten = torch.ops.aten

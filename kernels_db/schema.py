@@ -34,6 +34,9 @@ from typing import Any, Optional
 SCHEMA_VERSION = 1
 HASH_CHARS = 20  # 80 bits of sha256: collisions are not a practical concern at DB sizes
 SOURCE_PREFIXES = ("measured:", "import:")
+# KernelKey.op of rows that are not single kernels: whole repeated blocks (kernels_db/blocks_db.py) and
+# host overheads (kernels_db/host_overheads.py); kernel lookups skip them
+BLOCK_OP = "block"
 
 
 class InvalidRecordError(ValueError):

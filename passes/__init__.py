@@ -1,26 +1,7 @@
-"""Analysis passes over a captured program: shapes/costs, blocks, kernels, liveness.
+"""Analysis passes over a captured program: shapes/costs, blocks, kernels, liveness, and the compiled-mode
+rewrites (layout, post-grad, fusion). Each pass is a function of the Program (and the AnalysisManager) that
+returns a frozen result; this layer imports only ``boomfx.core``.
 
-``boomfx.passes.annotate(gm_or_program, *example_inputs, device=...)`` writes each node's prediction
-into ``node.meta["boomfx"]`` (see ``passes/annotate.py``). It is loaded lazily, and like
-``boomfx.analyze`` it is the submodule made callable, so ``boomfx.passes.annotate.META_KEY`` works too.
+The FX pass that writes predictions into ``node.meta`` sits above the driver: ``boomfx.annotate``
+(boomfx/integrations/annotate.py).
 """
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-from boomfx import make_package_lazy
-
-_CALLABLE_SUBMODULES = frozenset({"annotate"})
-_LAZY = {"annotate": "boomfx.passes.annotate"}
-
-__all__ = ["annotate"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'boomfx.passes' has no attribute {name!r}")
-    return importlib.import_module(_LAZY[name])
-
-
-make_package_lazy(__name__)

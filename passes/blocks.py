@@ -4,8 +4,8 @@ classes of isomorphic subgraphs, so each unique block can be priced once and rep
 Two ways to find the instances, then one exact check that groups them:
 
 1. **Module metadata** (``nn_module_stack``, also copied onto backward/recompute nodes by
-   ``boomfx.training``): a node belongs to the list entry of its module path (``h.3``,
-   ``model.layers.7``, ``encoder.layer.2``; see ``boomfx.modules.layer_of``). In a training graph the
+   ``boomfx.training.trace``): a node belongs to the list entry of its module path (``h.3``,
+   ``model.layers.7``, ``encoder.layer.2``; see ``boomfx.core.layers.layer_of``). In a training graph the
    forward, recompute and backward nodes of one layer therefore form one instance.
 2. **Structure** (no metadata, or metadata without list entries): the graph's value nodes, in their
    topological order, are labelled by (phase, op, output dtype/shape/stride). A layer stack shows up
@@ -57,11 +57,10 @@ import numpy as np
 import torch
 import torch.fx
 
-from boomfx.modules import layer_of, layer_pattern, module_stack
+from boomfx.core.layers import layer_of, layer_pattern, module_stack
 from boomfx.passes.errors import node_error
 from boomfx.passes.opcall import spec_of
-from boomfx.program import Program
-from boomfx.report import BlockReport, KernelReport
+from boomfx.core.program import Program
 
 METHOD_MODULES = "modules"
 METHOD_STRUCTURE = "structure"
@@ -495,27 +494,3 @@ def representatives(info: BlockInfo) -> dict[str, str]:
             for i, name in enumerate(names):
                 reps[name] = first[i]
     return reps
-
-
-def block_reports(info: BlockInfo, kernels: Sequence[KernelReport], liveness: Any,
-                  evaluator: Any) -> list[BlockReport]:
-    """One BlockReport per class: time per instance (mean over instances of the summed kernel time of
-    its nodes) and activation bytes per instance (mean over instances of the ACT storages its nodes
-    create; zero for inference graphs, which keep no activations for a backward pass)."""
-    from boomfx.passes.liveness import Category
-
-    time_ns = {k.node: k.time_ns for k in kernels}
-    act_bytes: dict[str, int] = {}
-    for iv in liveness.intervals:
-        if iv.category == Category.ACT:
-            act_bytes[iv.node] = act_bytes.get(iv.node, 0) + int(evaluator(iv.nbytes))
-    reports = []
-    for cls in info.classes:
-        times = [sum(time_ns.get(n, 0.0) for n in names) for names in cls.nodes]
-        acts = [sum(act_bytes.get(n, 0) for n in names) for names in cls.nodes]
-        reports.append(BlockReport(
-            name=cls.name, instances=len(cls.instances), instance_names=list(cls.instances),
-            time_ns_per_instance=sum(times) / len(times),
-            activation_bytes_per_instance=round(sum(acts) / len(acts))))
-    return reports
-

@@ -35,30 +35,31 @@ Known limitations:
   (``kernels_db/collect_fused.py``: ~3.8 us for a one-element group on the 2-vCPU dev VM, more than the
   ~1 us Inductor's wrapper pays per kernel inside a graph: small groups come out a little high). The
   cost of entering the compiled graphs (dynamo guards, AOTAutograd's wrappers and Function, the backward
-  call) is added by ``boomfx/host_time.py`` (measured by ``kernels_db/host_overheads.py``).
+  call) is added by ``boomfx/analysis/host_time.py`` (measured by ``kernels_db/host_overheads.py``).
 """
 from __future__ import annotations
 
 import heapq
 import json
-import math
 import operator
-from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import sympy
 import torch
 import torch.fx
 
-from boomfx.passes.costs.registry import Cost, OpCall, price_call
+from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import channels_last_convolutions
 from boomfx.passes.post_grad import fuse_addmm
+from boomfx.passes.fused_op import FusedKernel, encode, fused_op
+from boomfx.passes.op_names import op_name
 from boomfx.passes.opcall import opcall_from_node
+from boomfx.passes.partitioner import _is_tensor, recompute_for_backward
 from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
 
@@ -73,191 +74,8 @@ CUDAGRAPH_REPLAY_HOST_NS = 20_000.0
 CUDAGRAPH_POOL_STREAM = 1
 
 # ---------------------------------------------------------------------------------------------------------
-# The custom op a fused kernel is keyed and run as
-# ---------------------------------------------------------------------------------------------------------
-
-_LIB: Optional[torch.library.Library] = None
-
-
-def fused_op() -> torch._ops.OpOverload:
-    """``torch.ops.boomfx.fused.default``, defined on first use."""
-    global _LIB
-    if _LIB is None:
-        if not hasattr(torch.ops.boomfx, "fused"):
-            _LIB = torch.library.Library("boomfx", "DEF")
-            _LIB.define("fused(Tensor[] inputs, SymInt[] scalars, str desc) -> Tensor[]")
-            _LIB.impl("fused", _fused_impl, "CompositeExplicitAutograd")
-        else:  # defined by an earlier import of this module under another name
-            _LIB = torch.library.Library("boomfx", "FRAGMENT")
-    return torch.ops.boomfx.fused.default
-
-
-def _fused_impl(inputs: Sequence[torch.Tensor], scalars: Sequence[int], desc: str) -> list[torch.Tensor]:
-    return list(run_fused(desc, tuple(int(s) for s in scalars), inputs))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Descriptions: member ops with references to inputs ($in), member results ($v) and size scalars ($s)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _op_name(op: torch._ops.OpOverload) -> str:
-    return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
-
-
-def _op_from_name(name: str) -> Any:
-    if name == "getitem":
-        return operator.getitem
-    namespace, packet, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-
-
-def _encode(value: Any, ref: Any, scalars: list) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return ref(value)
-    if isinstance(value, (list, tuple)):
-        return [_encode(v, ref, scalars) for v in value]
-    if isinstance(value, (torch.SymInt, torch.SymFloat)):
-        value = to_sympy(value)
-    if isinstance(value, sympy.Basic) and not value.free_symbols:
-        value = int(value) if value.is_Integer else float(value)
-    if isinstance(value, sympy.Basic):
-        scalars.append(value)
-        return {"$s": len(scalars) - 1}
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, torch.dtype):
-        return {"$dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"$device": None}
-    if isinstance(value, torch.layout):
-        return {"$layout": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.memory_format):
-        return {"$memory_format": str(value).removeprefix("torch.")}
-    raise TypeError(f"cannot describe an argument of type {type(value).__name__} in a fused kernel")
-
-
-def _decode(value: Any, env: dict, device: torch.device) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, env, device) for v in value]
-    if isinstance(value, dict):
-        if "$in" in value:
-            return env["in"][value["$in"]]
-        if "$v" in value:
-            return env["v"][value["$v"]]
-        if "$s" in value:
-            return env["s"][value["$s"]]
-        if "$dtype" in value:
-            return getattr(torch, value["$dtype"])
-        if "$device" in value:
-            return device
-        if "$layout" in value:
-            return getattr(torch, value["$layout"])
-        if "$memory_format" in value:
-            return getattr(torch, value["$memory_format"])
-        if "$float" in value:
-            return float(value["$float"])
-    return value
-
-
-def _interpret(desc: dict, inputs: Sequence[torch.Tensor], scalars: Sequence[int]) -> list[torch.Tensor]:
-    device = inputs[0].device if inputs else torch.device("cpu")
-    env: dict = {"in": list(inputs), "v": [], "s": list(scalars)}
-    for name, args, kwargs in desc["ops"]:
-        fn = _op_from_name(name)
-        kw = {k: _decode(v, env, device) for k, v in kwargs.items()}
-        env["v"].append(fn(*_decode(args, env, device), **kw))
-    return [env["v"][i] for i in desc["outputs"]]
-
-
-@lru_cache(maxsize=None)
-def _compiled(desc: str, scalars: tuple[int, ...], signature: tuple) -> Any:
-    """The group compiled by Inductor for one set of input shapes (no dynamo guards on the call)."""
-    from torch._inductor.compile_fx import compile_fx
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    spec = json.loads(desc)
-    example = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in signature]
-
-    def fn(*inputs: torch.Tensor) -> list[torch.Tensor]:
-        return _interpret(spec, inputs, scalars)
-
-    gm = make_fx(fn, tracing_mode="fake")(*example)   # fake: the empty inputs hold no valid indices
-    return compile_fx(gm, example)
-
-
-def compiled_group(desc: str, scalars: tuple[int, ...], inputs: Sequence[torch.Tensor]) -> Any:
-    """The Inductor-compiled callable of a fused group for the shapes, strides and dtypes of ``inputs``."""
-    signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
-    return _compiled(desc, scalars, signature)
-
-
-def run_fused(desc: str, scalars: tuple[int, ...], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run a fused kernel for real, compiled by Inductor (cached per shapes)."""
-    out = compiled_group(desc, scalars, inputs)(*inputs)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The fx target
-# ---------------------------------------------------------------------------------------------------------
-
-
-class FusedKernel:
-    """The target of one fused node: the members' description, its inputs/outputs and its Cost.
-
-    ``cost.flops`` is the sum of the members' FLOPs (symbolic); bytes are the external tensor inputs
-    read once and the outputs written once: intermediates stay in registers.
-    """
-
-    overloadpacket = None         # not an aten op: never in an op set of the other passes
-    boomfx_fused = True           # what the hooks in kernels.py / shapes.py test for
-    __name__ = "fused"
-
-    def __init__(self, name: str, members: tuple[str, ...], ops: tuple[str, ...], desc: str,
-                 n_tensor_inputs: int, scalars: tuple[Any, ...], input_specs: tuple[TensorSpec, ...],
-                 output_specs: tuple[TensorSpec, ...], cost: Cost, phase: str) -> None:
-        self.name = name
-        self.members = members
-        self.ops = ops
-        self.desc = desc
-        self.n_tensor_inputs = n_tensor_inputs
-        self.scalars = scalars
-        self.input_specs = input_specs
-        self.output_specs = output_specs
-        self.cost = cost
-        self.phase = phase
-        self.inplace: tuple = (None,) * len(output_specs)
-
-    def __repr__(self) -> str:
-        return f"FusedKernel({self.name}: {' + '.join(self.ops)})"
-
-    def __call__(self, *args: Any) -> Any:
-        tensors = args[:self.n_tensor_inputs]
-        scalars = [int(a) for a in args[self.n_tensor_inputs:]]
-        spec = json.loads(self.desc)
-        out = _interpret(spec, tensors, scalars)
-        return out[0] if len(out) == 1 else tuple(out)
-
-    def output_aliases(self, node: torch.fx.Node) -> list:
-        """Per output: ``(input node, True)`` when it is written in place into a dead input, else None."""
-        return [(node.args[i], True) if i is not None else None for i in self.inplace]
-
-    def opcall(self) -> OpCall:
-        """The OpCall of ``boomfx::fused`` the pricer keys and the roofline prices."""
-        return OpCall(fused_op(), {"inputs": list(self.input_specs), "scalars": list(self.scalars),
-                                   "desc": self.desc}, tuple(self.output_specs), {})
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The rewrite
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _is_tensor(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _nbytes(spec: TensorSpec) -> sympy.Expr:
@@ -326,8 +144,8 @@ def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], li
 
     ops = []
     for node in nodes:
-        name = "getitem" if node.target is operator.getitem else _op_name(node.target)
-        ops.append([name, _encode(list(node.args), ref, scalars), {k: _encode(v, ref, scalars) for k, v in node.kwargs.items()}])
+        name = "getitem" if node.target is operator.getitem else op_name(node.target)
+        ops.append([name, encode(list(node.args), ref, scalars), {k: encode(v, ref, scalars) for k, v in node.kwargs.items()}])
     return {"ops": ops}, tensor_inputs, scalar_nodes, scalars
 
 
@@ -377,138 +195,6 @@ def _member_flops(node: torch.fx.Node) -> sympy.Expr:
     if call is None:
         return sympy.Integer(0)
     return price_call(call).cost.flops
-
-
-_RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
-    "native_dropout", "bernoulli", "rand_like", "randn_like", "rand", "randn", "randint", "randperm", "normal",
-    "uniform", "exponential", "multinomial") if hasattr(torch.ops.aten, n))
-
-
-def recompute_for_backward(program: Program) -> Program:
-    """Model AOTAutograd's min-cut partitioner: cheap pointwise values are recomputed in the backward
-    graph instead of being saved, when recomputing needs no extra saved tensor.
-
-    A forward pointwise node ``o`` of a fused group whose backward users are all fusible (pointwise or
-    reduction: the value is not materialised for a matmul/extern in backward) is recomputed when its
-    chain of pointwise/view ancestors inside the group reads only "free" leaves: parameters and inputs,
-    values saved for backward anyway, or values at most a quarter of its size (norm statistics). The
-    chain is copied in front of its first backward user (phase backward, so it fuses there) and the
-    backward users read the copy; the forward value then dies in the forward pass. Random ops are never
-    recomputed. Not modelled: the min-cut's trade-offs when recomputing would save a *new* tensor (we
-    keep the eager choice), its banning of long recompute chains and of reductions.
-    """
-    from boomfx.program import PHASE_BACKWARD, PHASE_FORWARD
-    from boomfx.passes.fusion import CLASS_POINTWISE, FUSIBLE
-    if PHASE_BACKWARD not in set(program.phases.values()):
-        return program
-    fusion = fusion_groups(program)
-    graph, val_map = program.copied_graph()
-    phases = dict(program.phases)
-
-    def phase(n: torch.fx.Node) -> str:
-        return phases.get(n.name, PHASE_FORWARD)
-
-    group_of = {graph_node_name: g for graph_node_name, g in fusion.group_of.items()}
-    kinds = [g.kind for g in fusion.groups]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    recomputed: set[torch.fx.Node] = set()
-
-    def numel(n: torch.fx.Node) -> Any:
-        v = n.meta.get("val")
-        return _numel_of(v) if isinstance(v, torch.Tensor) else None
-
-    def base_of(n: torch.fx.Node) -> torch.fx.Node:
-        while (isinstance(n.target, torch._ops.OpOverload) and node_class(n) == CLASS_NONE and is_view_node(n)
-               and n.args and isinstance(n.args[0], torch.fx.Node)):
-            n = n.args[0]
-        return n
-
-    def saved_anyway(leaf: torch.fx.Node) -> bool:
-        base = base_of(leaf)
-        if base.op == "placeholder" or not _is_tensor(base):
-            return True
-        if base in recomputed:
-            return False
-        stack, seen = [base], set()
-        while stack:           # the base or one of its views is read by a backward node
-            cur = stack.pop()
-            for u in cur.users:
-                if u in seen:
-                    continue
-                seen.add(u)
-                if phase(u) == PHASE_BACKWARD:
-                    return True
-                if node_class(u) == CLASS_NONE and is_view_node(u):
-                    stack.append(u)
-        return False
-
-    for o in list(graph.nodes):
-        if phase(o) != PHASE_FORWARD or node_class(o) != CLASS_POINTWISE or not _is_tensor(o):
-            continue
-        g = group_of.get(o.name)
-        if g is None or kinds[g] != "fused" or o.target.overloadpacket in _RANDOM:
-            continue
-        bw_users = [u for u in o.users if phase(u) == PHASE_BACKWARD]
-        if not bw_users or any(node_class(u) not in FUSIBLE for u in bw_users):
-            continue
-        if any(phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE and
-               any(phase(w) == PHASE_BACKWARD for w in u.users) for u in o.users):
-            continue   # read in backward through a forward view: not handled
-        chain: list[torch.fx.Node] = []
-        leaves: list[torch.fx.Node] = []
-        stack, seen, ok = [o], set(), True
-        while stack and ok:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            inner = (n.op == "call_function" and phase(n) == PHASE_FORWARD and isinstance(n.target, torch._ops.OpOverload)
-                     and ((node_class(n) == CLASS_POINTWISE and group_of.get(n.name) == g)
-                          or (node_class(n) == CLASS_NONE and is_view_node(n))))
-            if n is o or inner:
-                if n.target.overloadpacket in _RANDOM:
-                    ok = False
-                chain.append(n)
-                stack.extend(n.all_input_nodes)
-            else:
-                leaves.append(n)
-            if len(chain) > 16:
-                ok = False
-        if not ok:
-            continue
-        size = numel(o)
-        free = True
-        for leaf in leaves:
-            if saved_anyway(leaf):
-                continue
-            small = numel(leaf)
-            try:
-                if small is not None and size is not None and bool(4 * small <= size):
-                    continue
-            except TypeError:
-                pass
-            free = False
-            break
-        if not free:
-            continue
-        first = min(bw_users, key=order.__getitem__)
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        with graph.inserting_before(first):
-            for n in sorted(chain, key=order.__getitem__):
-                copy = graph.node_copy(n, lambda a: env.get(a, a))
-                env[n] = copy
-                phases[copy.name] = PHASE_BACKWARD
-        for u in bw_users:
-            u.replace_input_with(o, env[o])
-        recomputed.add(o)
-    return program.rewritten(graph, phases=phases)
-
-
-def _numel_of(v: torch.Tensor) -> Any:
-    n = sympy.Integer(1)
-    for d in v.shape:
-        n = n * to_sympy(d)
-    return sympy.expand(n)
 
 
 def recompute_inlined(program: Program) -> Program:

@@ -13,10 +13,11 @@ from typing import Mapping, Optional
 import torch
 import torch.fx
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.manager import AnalysisManager
-from boomfx.program import Program
+from boomfx.passes.op_sets import NO_KERNEL_OPS
+from boomfx.core.program import Program
 
 aten = torch.ops.aten
 
@@ -28,7 +29,6 @@ OP_CLASS_MEMORY = "memory"
 def _packets(*names: str) -> frozenset:
     """Op packets by name, skipping those this torch version does not have."""
     return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
-
 
 _MATMUL = _packets("mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul", "mv", "addmv", "dot",
                    "_addmm_activation", "_scaled_mm", "_int_mm", "einsum")
@@ -44,13 +44,6 @@ _SDPA_BACKWARD = _packets("_scaled_dot_product_flash_attention_backward",
                           "_scaled_dot_product_flash_attention_for_cpu_backward",
                           "_scaled_dot_product_cudnn_attention_backward", "_flash_attention_backward",
                           "_efficient_attention_backward")
-# Ops that allocate or check but launch no kernel.
-_NO_KERNEL = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.empty, aten.empty_like,
-              aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten._assert_async,
-              aten._assert_scalar, aten.sym_constrain_range, aten.sym_constrain_range_for_size,
-              aten._assert_tensor_metadata, aten.lift_fresh, aten.alias, aten.detach, aten._local_scalar_dense,
-              aten.sym_is_contiguous}
-
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -58,9 +51,7 @@ class KernelChoice:
     op_class: str = OP_CLASS_MEMORY
     sdpa_backend: Optional[str] = None
 
-
 NO_KERNEL = KernelChoice(False, "none")
-
 
 @dataclass(frozen=True)
 class KernelInfo:
@@ -68,7 +59,6 @@ class KernelInfo:
 
     def choice(self, node: torch.fx.Node) -> KernelChoice:
         return self.by_node.get(node.name, NO_KERNEL)
-
 
 def op_class(op: torch._ops.OpOverload) -> str:
     packet = op.overloadpacket
@@ -79,7 +69,6 @@ def op_class(op: torch._ops.OpOverload) -> str:
     if packet in SDPA_OPS or packet in _SDPA_BACKWARD:
         return OP_CLASS_ATTENTION
     return OP_CLASS_MEMORY
-
 
 def sdpa_backend_for(node: torch.fx.Node, device: DeviceSpec) -> str:
     """The backend PyTorch would pick on ``device`` for this attention call (sdp_utils priority order)."""
@@ -101,7 +90,6 @@ def sdpa_backend_for(node: torch.fx.Node, device: DeviceSpec) -> str:
         return "efficient"
     return "math"
 
-
 def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
     by_node: dict[str, KernelChoice] = {}
     for node in program.graph.nodes:
@@ -111,7 +99,7 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
         if getattr(target, "boomfx_fused", False):  # compiled execution: one Inductor kernel (passes/compiled.py)
             by_node[node.name] = KernelChoice(True, OP_CLASS_MEMORY)
             continue
-        if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket in _NO_KERNEL:
+        if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket in NO_KERNEL_OPS:
             by_node[node.name] = NO_KERNEL
             continue
         if target.namespace not in ("aten", "prims", "quantized", "torchvision"):
@@ -126,7 +114,6 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
             backend = sdpa_backend_for(node, am.device)
         by_node[node.name] = KernelChoice(True, cls, backend)
     return KernelInfo(by_node)
-
 
 def is_bookkeeping(node: torch.fx.Node) -> bool:
     """Non-aten call_function nodes (getitem, SymInt arithmetic) that never touch the device."""

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from boomfx.passes.specs import to_sympy
-from boomfx.program import META_EAGER, PHASE_FORWARD, PHASE_OPTIMIZER, Program
+from boomfx.core.program import META_EAGER, PHASE_FORWARD, PHASE_OPTIMIZER, Program
 
 _aten = torch.ops.aten
 _FORWARD_CONVS = (_aten.convolution.default, _aten.conv2d.default)

@@ -14,7 +14,7 @@ Known limitations:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import sympy
@@ -25,8 +25,8 @@ from boomfx.passes.aliasing import output_aliases
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
-from boomfx.program import (
-    PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
+from boomfx.core.program import (
+    PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
     ROLE_OPT_STATE, ROLE_PARAM, Program,
 )
 
@@ -154,7 +154,7 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                   uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None) -> LivenessInfo:
     """``uses``: for the nodes it names, the nodes they keep alive in place of ``all_input_nodes``
-    (boomfx/analyze.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
+    (boomfx/analysis/analysis.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
     the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments."""
     graph = program.graph
     inputs_of = _inputs_of(uses)
@@ -187,7 +187,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                 val = getattr(program.gm, str(node.target), None)
             role = program.input_roles.get(node.name, ROLE_PARAM if node.op == "get_attr" else ROLE_INPUT)
             if isinstance(val, torch.Tensor):
-                # synthesised layers (boomfx/training_expand.py) share fake values but not storages
+                # synthesised layers (boomfx/training/expand.py) share fake values but not storages
                 key = node.meta.get("boomfx.storage_key") or _storage_key(val)
                 if key is not None and key in resident_by_storage:     # tied weights: one storage
                     out_sids[node] = [resident_by_storage[key]]
@@ -272,3 +272,89 @@ def _assign_categories(program: Program, nodes: list[torch.fx.Node],
             for sid in _sids(out_sids, inp):
                 if storage_cat[sid] is None and program.phase_of(storage_nodes[sid]) == PHASE_FORWARD:
                     storage_cat[sid] = Category.ACT
+
+
+# ---------------------------------------------------------------------------------------------------
+# The step's liveness: what an eager training step really keeps alive (used by the analysis driver)
+# ---------------------------------------------------------------------------------------------------
+def step_liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -> LivenessInfo:
+    """The liveness of one step as PyTorch runs it: ``liveness_pass`` for inference; for training, eager
+    autograd's release rules (``_eager_autograd_liveness``) and gradients held by ``.grad`` to the step's
+    end (``_grads_held_to_step_end``). Every rule that decides a tensor's lifetime lives in this module."""
+    if not program.options.train:
+        return am.get(liveness_pass) if am is not None else liveness_pass(program)
+    return _grads_held_to_step_end(_eager_autograd_liveness(program), program)
+
+
+aten = torch.ops.aten
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+
+
+def _eager_autograd_liveness(program: Program) -> LivenessInfo:
+    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): the liveness of a training step as eager autograd
+    frees memory: the liveness pass with two changes to what a node keeps alive:
+
+    1. size queries (``sym_size``/``sym_numel``/...) are not uses: eager reads a size off a live tensor's
+       metadata and never keeps a tensor alive for it, while in the traced graph a backward
+       ``sym_size`` of a forward value extended its life into the backward (Llama: the K/V
+       projections, +1 MiB at the training peak);
+    2. a backward autograd node (the run of backward graph nodes sharing a ``seq_nr``) releases its
+       saved tensors and incoming gradients when it finishes, not at their last use inside it
+       (MmBackward0 keeps its input until both of its mm's are done: the real step's peak).
+    Measured against the profiler peak of real CPU steps (tests/test_cpu_memory_accuracy.py).
+
+    Scale: the changed uses go to ``liveness_pass(uses=...)``; the graph is not copied (an 80-layer
+    training graph's copy and its GraphModule cost seconds)."""
+    uses: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
+
+    def inputs(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+        hit = uses.get(node)
+        return hit if hit is not None else tuple(node.all_input_nodes)
+
+    def close(nodes: list[torch.fx.Node]) -> None:
+        if len(nodes) > 1:
+            used: dict[torch.fx.Node, None] = {}
+            for n in nodes:
+                if n.target not in _SIZE_QUERIES:
+                    used.update(dict.fromkeys(inputs(n)))
+            last = nodes[-1]
+            own = inputs(last)
+            extra = tuple(u for u in used if u is not last and u not in own)
+            if extra:
+                uses[last] = tuple(dict.fromkeys(own + extra))
+    group: list[torch.fx.Node] = []
+    phases = program.phases
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _SIZE_QUERIES:     # a size query reads metadata: not a use of its tensor
+            rest: dict[torch.fx.Node, None] = {}
+            torch.fx.node.map_arg((tuple(node.args[1:]), node.kwargs), lambda a: rest.setdefault(a))
+            uses[node] = tuple(rest)
+        seq = node.meta.get("seq_nr") if phases.get(node.name) == PHASE_BACKWARD else None
+        if group and (seq is None or group[-1].meta.get("seq_nr") != seq):
+            close(group)
+            group = []
+        if seq is not None:
+            group.append(node)
+    close(group)
+    return liveness_pass(program, uses=uses)
+
+
+def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInfo:
+    """cpu-accuracy fix (benchmarks/cpu_accuracy.py): in an eager step (``loss.backward();
+    opt.step(); opt.zero_grad(set_to_none=True)``) every gradient is held by its parameter's
+    ``.grad`` until ``zero_grad``, i.e. to the end of the optimizer phase, not to its last use inside
+    the traced optimizer (AdamW's foreach ``sqrt`` temporaries coexist with all gradients: the
+    profiler peak of a real CPU step sits there). Gradient storages end at the last optimizer op.
+    Not with ``resident_grads``: there the ``.grad`` buffers are resident and each new gradient is a
+    temporary that its AccumulateGrad ``add_`` frees (boomfx/training/trace.py)."""
+    if not program.options.train or not program.grad_nodes or program.options.resident_grads:
+        return info
+    opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
+    if not opt_steps:
+        return info
+    end = opt_steps[-1]
+    intervals = tuple(replace(iv, end_step=max(iv.end_step, end))
+                      if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
+    return replace(info, intervals=intervals)

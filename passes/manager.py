@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, TypeVar
 
-from boomfx.devices import DeviceSpec
+from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import CostRegistry, default_registry
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 R = TypeVar("R")
 

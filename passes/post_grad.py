@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from boomfx.passes.fusion import CLASS_POINTWISE, node_class
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 _aten = torch.ops.aten
 

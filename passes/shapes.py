@@ -18,7 +18,7 @@ from boomfx.passes.errors import node_error
 from boomfx.passes.kernels import kernel_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import opcall_from_node
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 aten = torch.ops.aten
 

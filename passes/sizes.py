@@ -19,7 +19,7 @@ import sympy
 import torch
 import torch.fx
 
-from boomfx.program import Program
+from boomfx.core.program import Program
 
 aten = torch.ops.aten
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from boomfx.alloc_config import AllocatorConfig, MiB
-from boomfx.memory_outside import (CUBLAS_WORKSPACE_DEFAULT_BYTES, OutsideMemory, cublas_workspace_bytes,
+from boomfx.memory.config import AllocatorConfig, MiB
+from boomfx.memory.outside import (CUBLAS_WORKSPACE_DEFAULT_BYTES, OutsideMemory, cublas_workspace_bytes,
                                    parse_bytes)
 
 
@@ -35,7 +35,7 @@ def test_parse_roundup_list_form():
 
 def test_round_size_power2_division_example():
     """roundup_power2_next_division comment: 1200 with 4 divisions of [1024, 2048) -> 1280 (helper)."""
-    from boomfx.alloc_config import _roundup_power2_next_division
+    from boomfx.memory.config import _roundup_power2_next_division
     assert _roundup_power2_next_division(1200, 4) == 1280
     assert _roundup_power2_next_division(2048, 4) == 2048
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from boomfx.alloc_config import AllocatorConfig, MiB
-from boomfx.allocator import CachingAllocator, SimulatedOutOfMemory
-from boomfx.memory_replay import AllocEvent, fits, replay
+from boomfx.memory.config import AllocatorConfig, MiB
+from boomfx.memory.allocator import CachingAllocator, SimulatedOutOfMemory
+from boomfx.memory.replay import AllocEvent, fits, replay
 
 GiB = 1024 * MiB
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from boomfx.alloc_config import AllocatorConfig, MiB
-from boomfx.allocator import CachingAllocator, SimulatedOutOfMemory
+from boomfx.memory.config import AllocatorConfig, MiB
+from boomfx.memory.allocator import CachingAllocator, SimulatedOutOfMemory
 
 CONFIGS = ["", "max_split_size_mb:24", "roundup_power2_divisions:4", "expandable_segments:True",
            "max_split_size_mb:40,roundup_power2_divisions:[1:2,64:8,>:1]"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import boomfx
-from boomfx.capture import capture
-from boomfx.program import ProgramOptions
+from boomfx.frontend.capture import capture
+from boomfx.core.program import ProgramOptions
 
 CONV_MODELS = ["mobilenet_v2", "swin", "efficientnet"]
 BATCH = 1024

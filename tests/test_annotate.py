@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import boomfx.passes
-from boomfx.passes.annotate import META_KEY, NO_SOURCE
+import boomfx
+from boomfx.integrations.annotate import META_KEY, NO_SOURCE
 
 DEVICE = "a100-80gb"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "checkpoint_under_budget.py"
@@ -43,7 +43,7 @@ def _check_totals(result) -> None:
 def test_aten_graph_module_is_annotated_in_place():
     gm = make_fx(_f, tracing_mode="fake")(torch.randn(16, 32))
     before = list(gm.graph.nodes)
-    result = boomfx.passes.annotate(gm, device=DEVICE)
+    result = boomfx.annotate(gm, device=DEVICE)
     assert result.gm is gm and list(gm.graph.nodes) == before
     assert all(META_KEY in n.meta for n in before)          # placeholders, views and output too
     by_op = {n.meta[META_KEY]["op"]: n.meta[META_KEY] for n in before if n.op == "call_function"}
@@ -63,7 +63,7 @@ def test_aten_graph_module_is_annotated_in_place():
 def test_exported_program_is_annotated_in_place():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     ep = torch.export.export(model, (torch.randn(4, 8),))
-    result = boomfx.passes.annotate(ep, device=DEVICE)
+    result = boomfx.annotate(ep, device=DEVICE)
     assert result.gm is ep.graph_module
     assert all(META_KEY in n.meta for n in ep.graph.nodes)
     _check_totals(result)
@@ -73,8 +73,8 @@ def test_symbolic_graph_binds_hints_or_dims():
     model = torch.nn.Linear(8, 16)
     batch = torch.export.Dim("batch", min=2, max=1024)
     ep = torch.export.export(model, (torch.randn(4, 8),), dynamic_shapes=({0: batch},))
-    at_hint = boomfx.passes.annotate(ep, device=DEVICE)
-    at_64 = boomfx.passes.annotate(ep, device=DEVICE, batch=64)
+    at_hint = boomfx.annotate(ep, device=DEVICE)
+    at_64 = boomfx.annotate(ep, device=DEVICE, batch=64)
     assert list(at_hint.bindings.values()) == [4] and list(at_64.bindings.values()) == [64]
     # addmm: 2*B*8*16 + B*16 (bias) = 272*B -> linear in B
     assert at_hint.report.time.flops == 272 * 4
@@ -83,7 +83,7 @@ def test_symbolic_graph_binds_hints_or_dims():
 
 def test_training_graph_is_annotated_with_phases_and_categories():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    result = boomfx.passes.annotate(model, torch.randn(64, 16), device=DEVICE, train=True, optimizer="sgd")
+    result = boomfx.annotate(model, torch.randn(64, 16), device=DEVICE, train=True, optimizer="sgd")
     entries = [n.meta[META_KEY] for n in result.gm.graph.nodes]
     assert {"forward", "backward", "optimizer"} <= {e["phase"] for e in entries if e["phase"]}
     assert "activation" in {e["category"] for e in entries}

@@ -53,7 +53,7 @@ def exported(tmp_path_factory):
 
 def run_cli(*args: str) -> dict:
     """``boomfx analyze ... --json`` in a fresh process (as a user runs it); the JSON's numbers."""
-    out = subprocess.run([sys.executable, "-m", "boomfx.cli", "analyze", *args, "--device", DEVICE, "--json"],
+    out = subprocess.run([sys.executable, "-m", "boomfx.cli.main", "analyze", *args, "--device", DEVICE, "--json"],
                          capture_output=True, text=True, check=True)
     return _json_numbers(json.loads(out.stdout))
 
@@ -111,16 +111,20 @@ def test_report_round_trips_through_json(exported):
     assert again.schema_version == boomfx.SCHEMA_VERSION
 
 
-def test_package_root_is_lazy_and_analyze_is_callable_either_way():
+def test_package_root_is_lazy_and_exports_plain_objects():
     code = (
-        "import sys, boomfx\n"
+        "import sys, types, boomfx\n"
         "assert 'torch' not in sys.modules, 'import boomfx imported torch'\n"
-        "from boomfx.analyze import Analysis\n"       # the submodule first ...
-        "assert callable(boomfx.analyze) and boomfx.analyze.Analysis is Analysis\n"   # ... still callable
+        "from boomfx.analysis.analysis import Analysis, analyze\n"
+        "assert isinstance(boomfx.analyze, types.FunctionType) and boomfx.analyze is analyze\n"
+        "assert boomfx.Analysis is Analysis\n"
+        "from boomfx.frontend.capture import capture\n"
+        "assert boomfx.capture is capture\n"
         "assert boomfx.devices.get_device('h100').name == 'h100-sxm'\n"
+        "assert boomfx.get_device('h100').name == 'h100-sxm'\n"
         "assert boomfx.Report.__name__ == 'Report'\n"
-        "import boomfx.passes\n"
-        "assert callable(boomfx.passes.annotate) and boomfx.passes.annotate.META_KEY == 'boomfx'\n"
+        "import boomfx.integrations.annotate as fx_pass\n"
+        "assert boomfx.annotate is fx_pass.annotate and fx_pass.META_KEY == 'boomfx'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -135,7 +139,7 @@ def test_json_schema_doc_names_every_report_field():
     import dataclasses
     from pathlib import Path
 
-    from boomfx import report as rep
+    from boomfx.report import model as rep
     doc = (Path(__file__).resolve().parent.parent / "docs" / "json-schema.md").read_text()
     classes = (rep.Report, rep.SymbolReport, rep.TimeReport, rep.MemoryReport, rep.AllocatorReport,
                rep.KernelReport, rep.GroupTime, rep.BlockReport)

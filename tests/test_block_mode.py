@@ -8,17 +8,17 @@ import pytest
 import torch
 
 import boomfx
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.capture import capture, resolve_bindings
-from boomfx.cli import main
-from boomfx.devices import cpu_spec
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.cli.main import main
+from boomfx.core.devices import cpu_spec
 from boomfx.kernels_db.block_runner import (
     BlockTooLargeError, TensorEntry, extract_block, make_block_inputs, run_graph_values, time_block,
 )
 from boomfx.kernels_db.blocks_db import BLOCK_OP, block_key, block_records, collect_blocks
 from boomfx.kernels_db.store import Store
 from boomfx.passes.blocks import block_pass
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 
 BATCH, SEQ = 2, 8
 

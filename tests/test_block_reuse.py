@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, resolve_bindings
-from boomfx.devices import get_device
-from boomfx.program import ProgramOptions
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import get_device
+from boomfx.core.program import ProgramOptions
 
 
 @pytest.mark.parametrize("name,train", [("gpt", False), ("llama", False), ("gpt", True)])

@@ -16,16 +16,17 @@ from torch.export import Dim
 
 from models import GPT, GPTBlock, Llama
 
-from boomfx.capture import capture, export_param_names, export_roles
+from boomfx.frontend.capture import capture, export_param_names, export_roles
+from boomfx.analysis.build_report import block_reports
 from boomfx.passes.blocks import (
-    METHOD_MODULES, METHOD_STRUCTURE, BlockInfo, block_pass, block_reports, is_value_node, representatives,
+    METHOD_MODULES, METHOD_STRUCTURE, BlockInfo, block_pass, is_value_node, representatives,
 )
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.liveness import Category, liveness_pass
 from boomfx.passes.opcall import opcall_from_node
-from boomfx.program import Program, ProgramOptions
-from boomfx.report import KernelReport
+from boomfx.core.program import Program, ProgramOptions
+from boomfx.report.model import KernelReport
 
 DYNAMIC = {0: Dim("batch"), 1: Dim("seq", min=2)}
 
@@ -84,7 +85,7 @@ def _program(ep: torch.export.ExportedProgram, train: bool = False) -> Program:
     except Exception:  # noqa: BLE001 - the fallback below is the same construction without symbols
         if not train:
             return Program(ep.graph_module, {}, export_roles(ep), param_names=export_param_names(ep))
-        from boomfx import training
+        from boomfx.training import trace as training
         traced = training.build_training_program(ep)
         return Program(traced.gm, {}, dict(traced.input_roles), ProgramOptions(train=True),
                        phases=dict(traced.phases), grad_nodes=dict(traced.grad_nodes),

@@ -13,14 +13,15 @@ import torch
 from torch.export import Dim
 
 import boomfx
-from boomfx import fast_training, training
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
-from boomfx.cli import main
-from boomfx.devices import get_device
-from boomfx.errors import OptionError
-from boomfx.modules import layer_of, module_path
-from boomfx.program import ProgramOptions
+from boomfx.training import truncate as fast_training
+from boomfx.training import trace as training
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
+from boomfx.core.errors import OptionError
+from boomfx.core.layers import layer_of, module_path
+from boomfx.core.program import ProgramOptions
 
 from models import GPT  # examples/ (conftest puts it on the path)
 
@@ -112,7 +113,7 @@ def test_api_analyze_and_annotate_take_checkpoint_layers() -> None:
     ids = torch.randint(0, 64, (2, 8))
     report = boomfx.analyze(model, ids, device="cpu", train=True, checkpoint_layers=["h.1"])
     assert "recompute" in {g.name for g in report.by_phase}
-    result = boomfx.passes.annotate(model, ids, device="cpu", train=True, checkpoint_layers=["h.0"])
+    result = boomfx.annotate(model, ids, device="cpu", train=True, checkpoint_layers=["h.0"])
     recomputed = {layer_of(e["module"]) for e in result.annotations.values() if e["phase"] == "recompute"}
     assert recomputed == {"h.0"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from boomfx.cli import main
+from boomfx.cli.main import main
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -147,7 +147,7 @@ def test_unknown_flag(capsys, examples_dir: Path) -> None:
 def test_console_script_entry_point(examples_dir: Path, tmp_path: Path) -> None:
     """The installed `boomfx` script runs (a separate process, as a user would)."""
     exe = Path(sys.executable).with_name("boomfx")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "boomfx.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "boomfx.cli.main"]
     proc = subprocess.run(cmd + ["analyze", str(tmp_path / "missing.pt2")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from boomfx.cli import main
+from boomfx.cli.main import main
 
 PUBLIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu-kernel-measurements"
 
@@ -79,7 +79,7 @@ def test_threads_option_is_validated_and_applied(capsys, exported, tmp_path: Pat
 def test_scattered_samples_are_reported(tmp_path: Path) -> None:
     """Many kernels whose p90 is far above their median (descheduled worker threads) get one warning."""
     import dataclasses
-    from boomfx.kernels_cli_impl import noisy_measurements_warning
+    from boomfx.cli.kernels_impl import noisy_measurements_warning
     from boomfx.kernels_db.store import Store
     from test_kernels_db_store import make_record
     records = [make_record(i) for i in range(10)]
@@ -143,13 +143,13 @@ def test_fused_groups_are_timed_without_the_custom_op(monkeypatch) -> None:
     not through the ``boomfx::fused`` op and ``run_fused`` (their ~5 us of Python per call is no part of
     a compiled step)."""
     import torch
-    from boomfx.capture import capture, resolve_bindings
-    from boomfx.analyze import Analysis
-    from boomfx.devices import get_device
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.analysis.analysis import Analysis
+    from boomfx.core.devices import get_device
     from boomfx.kernels_db.collect_fused import FusedMeasurer, fused_calls
     from boomfx.kernels_db.keys import kernel_key, make_inputs
-    from boomfx.passes import compiled
-    from boomfx.program import ProgramOptions
+    from boomfx.passes import fused_op
+    from boomfx.core.program import ProgramOptions
 
     class Chain(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ def test_fused_groups_are_timed_without_the_custom_op(monkeypatch) -> None:
     key = kernel_key(fused_calls(analysis, resolve_bindings(program, {}))[0])
     op, args, kwargs = make_inputs(key, torch.device("cpu"))
     expected = op(*args, **kwargs)[0]
-    monkeypatch.setattr(compiled, "run_fused", lambda *a: (_ for _ in ()).throw(AssertionError("via the op")))
+    monkeypatch.setattr(fused_op, "run_fused", lambda *a: (_ for _ in ()).throw(AssertionError("via the op")))
     out = FusedMeasurer._timed_call(op, args, kwargs)()
     out = out[0] if isinstance(out, (list, tuple)) else out
     assert torch.equal(out, expected)

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 import boomfx
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, resolve_bindings
-from boomfx.cli import main
-from boomfx.devices import get_device
-from boomfx.errors import OptionError
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
+from boomfx.core.errors import OptionError
 from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS, fused_nodes
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 
 
 def test_api_compile_flag(exported):

@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.capture import capture, resolve_bindings
-from boomfx.devices import cpu_spec
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import cpu_spec
 from boomfx.kernels_db.collect import collect_calls
 from boomfx.kernels_db.measure import Measurer
 from boomfx.kernels_db.store import Store
-from boomfx.live_bytes import profiler_peak_bytes
-from boomfx.program import ProgramOptions
+from boomfx.memory.live_bytes import profiler_peak_bytes
+from boomfx.core.program import ProgramOptions
 
 from conftest import make_model
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from boomfx.analyze import analyze
-from boomfx.cli import main
+from boomfx.analysis.analysis import analyze
+from boomfx.cli.main import main
 
 PUBLIC = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu-kernel-measurements"
 pytestmark = pytest.mark.skipif(not PUBLIC.exists(), reason="the public GPU measurements are not next to this checkout")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import boomfx
-import boomfx.dynamo_backend as bd
+import boomfx.integrations.dynamo_backend as bd
 
 
 class Branchy(torch.nn.Module):

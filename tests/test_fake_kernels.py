@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-from boomfx.fake_kernels import fake_kernel_fixes
+from boomfx.training.fake_kernels import fake_kernel_fixes
 
 aten = torch.ops.aten
 

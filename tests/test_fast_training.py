@@ -1,4 +1,4 @@
-"""Depth-free training graphs (boomfx/fast_training.py, boomfx/training_expand.py): tracing four layers
+"""Depth-free training graphs (boomfx/training/truncate.py, boomfx/training/expand.py): tracing four layers
 and replicating one must predict exactly what tracing the whole model predicts."""
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 
-from boomfx import fast_training, training
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
-from boomfx.devices import get_device
-from boomfx.program import ProgramOptions
+from boomfx.training import truncate as fast_training
+from boomfx.training import trace as training
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
+from boomfx.core.devices import get_device
+from boomfx.core.program import ProgramOptions
 
 from conftest import export_meta
 
@@ -64,5 +65,5 @@ def test_unsupported_structure_falls_back(monkeypatch: pytest.MonkeyPatch) -> No
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise fast_training.Unsupported("test")
 
-    monkeypatch.setattr("boomfx.training_expand.expand", refuse)
+    monkeypatch.setattr("boomfx.training.expand.expand", refuse)
     assert fast_training.build_training_program_fast(ep) is None

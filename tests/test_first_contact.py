@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import boomfx
-from boomfx.capture import capture
-from boomfx.errors import BoomfxError
-from boomfx.loader import LoadError
+from boomfx.frontend.capture import capture
+from boomfx.core.errors import BoomfxError
+from boomfx.frontend.loader import LoadError
 
 MODELS = ["mistral", "phi", "phi3", "t5", "whisper", "vit", "resnet", "mixtral_batched"]
 MODES = {"inference": {}, "train": {"train": True}, "train_amp": {"train": True, "amp": "bf16"},

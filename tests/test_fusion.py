@@ -9,14 +9,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, resolve_bindings
-from boomfx.devices import get_device
-from boomfx.passes.compiled import FusedKernel, fused_nodes, recompute_for_backward
-from boomfx.passes.fusion import (CLASS_NONE, CLASS_POINTWISE, CLASS_REDUCTION, fusion_groups,
-                                  inductor_groups, node_class)
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import get_device
+from boomfx.passes.compiled import fused_nodes
+from boomfx.passes.fused_op import FusedKernel
+from boomfx.passes.partitioner import recompute_for_backward
+from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, CLASS_REDUCTION, fusion_groups, node_class
+from inductor_reference import inductor_groups
 from boomfx.passes.liveness import liveness_pass
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 from conftest import make_model
 
 

@@ -9,7 +9,7 @@ import pytest
 import sympy
 import torch
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.gpu_model import GpuKernelModel, roofline_ns
 from boomfx.kernels_db.public_data import DEFAULT_DATA_DIR, PublicKernelRow, load_public_rows, to_opcall
 from boomfx.passes.costs.registry import OpCall
@@ -170,7 +170,7 @@ def test_fast_path_matches_predict_ns(model, public_rows):
 
 
 def test_every_gpu_has_a_dram_class():
-    from boomfx.devices import GPUS as SPECS
+    from boomfx.core.devices import GPUS as SPECS
     assert {g.name: g.memory_class for g in SPECS}["v100-pcie-32gb"] == "hbm"
     assert get_device("t4").memory_class == "gddr" and get_device("rtx-4090").memory_class == "gddr"
     assert all(g.memory_class in ("hbm", "gddr") for g in SPECS)

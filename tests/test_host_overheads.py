@@ -1,4 +1,4 @@
-"""Host time outside kernel prices (kernels_db/host_overheads.py, boomfx/host_time.py): compiled graphs'
+"""Host time outside kernel prices (kernels_db/host_overheads.py, boomfx/analysis/host_time.py): compiled graphs'
 entries and a CPU's cold starts, stored like kernels, read by the pricer, placed in the schedule, and
 measured on this CPU."""
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boomfx.analyze import Analysis, AnalyzeOptions
-from boomfx.capture import capture, resolve_bindings
-from boomfx.devices import get_device
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.host_overheads import (DEFAULT_NS, EVENTS, GRAPH_CALL, GRAPH_CALL_COLD, GRAPH_CALL_PER_INPUT,
                                               HOST_OP, OP_COLD, TRAIN_CALLS, TRAIN_CALLS_COLD,
                                               TRAIN_CALLS_PER_INPUT, HostCosts, collect_host_costs, event_of,
                                               host_key)
 from boomfx.kernels_db.measure import Measurement, Measurer, l2_cache_bytes
 from boomfx.kernels_db.store import Store
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 from test_api import TwoLayer
 
 VALUES = {GRAPH_CALL: 40_000.0, GRAPH_CALL_PER_INPUT: 1_000.0, GRAPH_CALL_COLD: 100_000.0,

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.collectors import build_call, spec
 from boomfx.kernels_db.keys import kernel_key
-from boomfx.kernels_db.lookup import KernelPricer, PriceSource
+from boomfx.kernels_db.lookup import KernelPricer
+from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.schema import DeviceFingerprint, KernelRecord
 from boomfx.kernels_db.store import Store

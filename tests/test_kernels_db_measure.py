@@ -85,7 +85,7 @@ def test_registry_device_name_matches_cuda_names() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_mm_cannot_beat_the_datasheet_peak() -> None:
-    from boomfx.devices import get_device
+    from boomfx.core.devices import get_device
 
     m, k, n = 4096, 4096, 4096
     key = kernel_key(build_call(aten.mm.default, (spec((m, k), torch.float16), spec((k, n), torch.float16))))

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from boomfx.capture import capture
+from boomfx.frontend.capture import capture
 from boomfx.passes.layout import channels_last_convolutions, uses_channels_last
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 
 
 class ConvNet(nn.Module):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.export.graph_signature import InputKind
 
-from boomfx.capture import capture, resolve_bindings
-from boomfx.live_bytes import measure_graph_live_bytes
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.memory.live_bytes import measure_graph_live_bytes
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.liveness import Category, liveness_pass
 
@@ -71,7 +71,7 @@ def test_resident_inputs_and_categories(exported) -> None:
 
 def _real_args(program, ep, bindings, vocab: int = 128) -> list:
     """Real tensors for each placeholder of a traced training graph, sized by ``bindings``."""
-    from boomfx.program import ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM, ROLE_BUFFER
+    from boomfx.core.program import ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM, ROLE_BUFFER
 
     ev = Evaluator(bindings)
     args = []
@@ -95,9 +95,9 @@ def _real_args(program, ep, bindings, vocab: int = 128) -> list:
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "hf_gpt2"])
 def test_training_peak_matches_real_run(exported, name: str) -> None:
-    from boomfx import training
-    from boomfx.capture import export_roles, program_from_traced, symbols_of
-    from boomfx.program import ProgramOptions
+    from boomfx.training import trace as training
+    from boomfx.frontend.capture import export_roles, program_from_traced, symbols_of
+    from boomfx.core.program import ProgramOptions
 
     ep, _ = exported(name, "cpu")
     traced = training.build_training_program(ep, optimizer="adamw", fused_attention=False)

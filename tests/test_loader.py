@@ -1,4 +1,4 @@
-"""Contract tests for ``boomfx.loader.load_program``: same graph as torch, no pickle, clear errors.
+"""Contract tests for ``boomfx.frontend.loader.load_program``: same graph as torch, no pickle, clear errors.
 
 Every model is built and exported on the meta device inside the test, so no weights are allocated.
 """
@@ -21,9 +21,9 @@ from torch.export import Dim
 
 from models import GPTBlock, MLP
 
-from boomfx import pt2_fast
-from boomfx.loader import LoadError, load_program
-from boomfx.pt2_treespec import sanitize_treespec
+from boomfx.frontend import deserialize as pt2_fast
+from boomfx.frontend.loader import LoadError, load_program
+from boomfx.frontend.treespec import sanitize_treespec
 
 # ------------------------------------------------------------------------------------------------
 # Models and helpers
@@ -188,7 +188,7 @@ def test_transformers_export_loads_without_importing_transformers(llama_file: Pa
     code = textwrap.dedent(
         """
         import sys
-        from boomfx.loader import load_program
+        from boomfx.frontend.loader import load_program
         messages = []
         ep = load_program(sys.argv[1], log=messages.append)
         assert "transformers" not in sys.modules, "loading imported transformers"

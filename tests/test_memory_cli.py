@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from boomfx.analyze import Analysis
-from boomfx.capture import capture
-from boomfx.cli import main
-from boomfx.devices import get_device
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture
+from boomfx.cli.main import main
+from boomfx.core.devices import get_device
 
 
 def test_max_batch_is_exact_at_the_boundary(capsys, examples_dir: Path) -> None:

@@ -6,10 +6,10 @@ import pickle
 import pytest
 from torch.cuda import _memory_viz
 
-from boomfx.alloc_config import AllocatorConfig, MiB
-from boomfx.allocator import CachingAllocator
-from boomfx.memory_replay import AllocEvent, replay
-from boomfx.memory_snapshot import snapshot, write_snapshot
+from boomfx.memory.config import AllocatorConfig, MiB
+from boomfx.memory.allocator import CachingAllocator
+from boomfx.memory.replay import AllocEvent, replay
+from boomfx.report.snapshot import snapshot, write_snapshot
 
 
 @pytest.fixture

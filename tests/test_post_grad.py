@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from boomfx.capture import capture
+from boomfx.frontend.capture import capture
 from boomfx.passes.post_grad import fuse_addmm
-from boomfx.program import ProgramOptions
+from boomfx.core.program import ProgramOptions
 
 
 class MmAdd(nn.Module):

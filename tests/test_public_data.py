@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from boomfx.devices import get_device
+from boomfx.core.devices import get_device
 from boomfx.kernels_db.public_data import (
     CSV_FILES, DEFAULT_DATA_DIR, DEVICE_NAMES, OP_NAMES, SOURCE, import_rows, load_public_rows, to_opcall,
 )

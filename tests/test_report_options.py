@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import boomfx
-from boomfx.render_text import render_text
+from boomfx.report.text import render_text
 
 
 def test_report_options_and_text_name_every_mode_switch(exported):

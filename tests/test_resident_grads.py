@@ -1,5 +1,5 @@
 """``--resident-grads``: the steady state of ``zero_grad(set_to_none=False)`` / gradient accumulation, where
-every parameter's ``.grad`` stays allocated between steps (boomfx/training.py ``_accumulate_into``).
+every parameter's ``.grad`` stays allocated between steps (boomfx/training/trace.py ``_accumulate_into``).
 
 Independent truths: a hand formula for what becomes resident (one gradient per unique parameter), and
 the profiler peak of a real eager CPU step ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=False)``
@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import boomfx
-from boomfx import fast_training, training
-from boomfx.analyze import Analysis
-from boomfx.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
-from boomfx.cli import main
-from boomfx.devices import cpu_spec, get_device
-from boomfx.errors import OptionError
-from boomfx.program import ProgramOptions
+from boomfx.training import truncate as fast_training
+from boomfx.training import trace as training
+from boomfx.analysis.analysis import Analysis
+from boomfx.frontend.capture import capture, export_roles, program_from_traced, resolve_bindings, symbols_of
+from boomfx.cli.main import main
+from boomfx.core.devices import cpu_spec, get_device
+from boomfx.core.errors import OptionError
+from boomfx.core.program import ProgramOptions
 
 from conftest import export_meta, make_model
 from test_cpu_memory_accuracy import predicted_peak, real_peak
@@ -150,7 +151,7 @@ def test_cli_reports_the_option(capsys: pytest.CaptureFixture, examples_dir: Pat
 
 
 # --------------------------------------------------------------------------------------------------
-# depth-free path (boomfx/fast_training.py)
+# depth-free path (boomfx/training/truncate.py)
 # --------------------------------------------------------------------------------------------------
 
 def _numbers(traced: Any, ep: Any, options: ProgramOptions, device: str) -> tuple:

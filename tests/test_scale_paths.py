@@ -17,9 +17,9 @@ import pytest
 import sympy
 import torch
 
-from boomfx.analyze import _SIZE_QUERIES, _eager_autograd_liveness
-from boomfx.capture import capture
-from boomfx.gc_pause import gc_paused
+from boomfx.passes.liveness import _SIZE_QUERIES, _eager_autograd_liveness
+from boomfx.frontend.capture import capture
+from boomfx.core.gc_pause import gc_paused
 from boomfx.passes.costs.pointwise import bytes_of, numel_of, unique_bytes
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.liveness import liveness_pass
@@ -27,8 +27,8 @@ from boomfx.passes.opcall import bind_call, bind_value
 from boomfx.passes.shapes import cost_pass
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import TensorSpec
-from boomfx.devices import get_device
-from boomfx.program import PHASE_BACKWARD, ProgramOptions
+from boomfx.core.devices import get_device
+from boomfx.core.program import PHASE_BACKWARD, ProgramOptions
 
 from conftest import export_meta
 
@@ -135,7 +135,7 @@ def test_bytes_and_numel_sums_equal_term_by_term_sums() -> None:
 def test_loaded_graph_modules_generate_code_lazily_and_still_run(tmp_path: Path) -> None:
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    from boomfx.loader import load_program
+    from boomfx.frontend.loader import load_program
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
     path = tmp_path / "mlp.pt2"
     torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), path)

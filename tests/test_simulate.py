@@ -1,7 +1,7 @@
 """Scheduler contract: one behaviour per test, answers worked out by hand."""
 from __future__ import annotations
 
-from boomfx.simulate import ScheduledKernel, simulate
+from boomfx.simulate.timeline import ScheduledKernel, simulate
 
 
 def k(name: str, host: float, device: float, **kw) -> ScheduledKernel:

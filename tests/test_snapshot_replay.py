@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from boomfx.alloc_config import AllocatorConfig, MiB
-from boomfx.allocator import CachingAllocator
+from boomfx.memory.config import AllocatorConfig, MiB
+from boomfx.memory.allocator import CachingAllocator
 
 DATA = Path(__file__).resolve().parent / "data"
 _UNBOUNDED_BYTES = 1 << 50          # the recorded run did not run out of memory: neither may the replay

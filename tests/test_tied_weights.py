@@ -3,9 +3,9 @@ one storage, one gradient, one optimizer state. The traced step must treat them 
 from __future__ import annotations
 
 import boomfx
-from boomfx.capture import capture
-from boomfx.program import ProgramOptions
-from boomfx.training import tied_parameters
+from boomfx.frontend.capture import capture
+from boomfx.core.program import ProgramOptions
+from boomfx.training.trace import tied_parameters
 from conftest import make_model
 
 
@@ -53,8 +53,8 @@ def test_tied_inference_counts_the_weight_once(exported) -> None:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from boomfx.loader import load_program  # noqa: E402
-from boomfx.ties import find_ties  # noqa: E402
+from boomfx.frontend.loader import load_program  # noqa: E402
+from boomfx.frontend.ties import find_ties  # noqa: E402
 
 TIED_ZOO = ["tied", "gpt2", "t5", "whisper"]
 

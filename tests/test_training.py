@@ -1,4 +1,4 @@
-"""Tests for boomfx.training: the traced training step computes what eager PyTorch computes.
+"""Tests for boomfx.training.trace: the traced training step computes what eager PyTorch computes.
 
 Graphs are traced on fake tensors; only the equivalence checks run them on real CPU tensors
 (``fused_attention=False`` keeps SDPA runnable on CPU).
@@ -19,7 +19,7 @@ from torch.export import Dim, export
 
 from models import GPT, MLP
 
-from boomfx.training import TracedProgram, build_inference_program, build_training_program
+from boomfx.training.trace import TracedProgram, build_inference_program, build_training_program
 
 aten = torch.ops.aten
 

@@ -1,0 +1,253 @@
+"""The driver: capture -> passes -> pricing -> scheduler + allocator replay -> Report.
+
+``Analysis`` runs the symbolic passes once; ``Analysis.evaluate(bindings)`` prices and simulates one
+point, so sweeps and max-batch searches never re-trace.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import sympy
+import torch
+
+from boomfx.memory.config import AllocatorConfig
+from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.core.devices import DeviceSpec, get_device
+from boomfx.core.errors import OptionError
+from boomfx.analysis.step_schedule import schedule_step
+from boomfx.memory.outside import OutsideMemory
+from boomfx.memory.replay import AllocEvent, ReplayResult
+from boomfx.core.layers import module_path
+from boomfx.passes.blocks import block_pass, representatives
+from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.kernels import kernel_pass
+from boomfx.passes.liveness import LivenessInfo, step_liveness_pass
+from boomfx.passes.manager import AnalysisManager
+from boomfx.passes.opcall import bind_call
+from boomfx.passes.shapes import cost_pass
+from boomfx.kernels_db.pricing import host_costs, make_pricer
+from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
+                            ProgramOptions)
+from boomfx.report.model import KernelReport, Report
+from boomfx.analysis.build_report import block_reports, build_report
+from boomfx.analysis.memory_events import memory_report
+from boomfx.simulate.timeline import ScheduledKernel, Timeline, simulate
+
+aten = torch.ops.aten
+_HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
+
+
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    device: str = "a100-80gb"
+    alloc_conf: str = ""
+    outside_memory: str = ""
+    db: Optional[str] = None
+    from_db: Optional[str] = None
+
+
+@dataclass
+class PointResult:
+    """One evaluated point with the artefacts renderers beyond the Report need."""
+
+    report: Report
+    timeline: Timeline
+    replay: Optional[ReplayResult]
+    events: list[AllocEvent] = field(default_factory=list)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+class Analysis:
+    """Symbolic analysis of one program for one device; evaluate it at any binding of its symbols."""
+
+    def __init__(self, program: Program, device: DeviceSpec, options: AnalyzeOptions = AnalyzeOptions(),
+                 log: Optional[Callable[[str], None]] = None, reuse_blocks: bool = True) -> None:
+        self.program = program
+        self.device = device
+        self.options = options
+        try:
+            self.alloc_config = AllocatorConfig.parse(options.alloc_conf or "")
+        except ValueError as exc:
+            raise OptionError(f"--alloc-conf: {exc}") from None
+        try:
+            base = OutsideMemory.for_device(device.compute_capability[0] or None)
+            self.outside = OutsideMemory.parse(options.outside_memory, base) if options.outside_memory else base
+        except ValueError as exc:
+            raise OptionError(f"--outside-memory: {exc}") from None
+        self.am = AnalysisManager(program, device, reuse_blocks=reuse_blocks)
+        self.kernels = self.am.get(kernel_pass)
+        self.costs = self.am.get(cost_pass)
+        self.liveness: LivenessInfo = self.am.get(step_liveness_pass)   # passes/liveness.py owns every rule
+        self.blocks = self.am.get(block_pass)
+        # depth-free pricing: each node of a repeated block's instance k is priced as its counterpart
+        # in instance 0 (same op, same symbolic shapes: the block pass checks it), once per point
+        self._reps = representatives(self.blocks) if reuse_blocks else {}
+        self.pricer = make_pricer(device, options.db, options.from_db)
+        self.symbol_map = program.gm.meta.get("boomfx.symbol_map", {})
+        self._nodes = list(program.graph.nodes)
+        self._price_cache: dict[Any, Any] = {}
+        self._node_module = _module_paths(self._nodes)  # scale: one lookup per module-stack object
+        # --cudagraphs (passes/compiled.py): host replay cost, and the graph's private memory pool
+        self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
+        # host time outside the prices (boomfx/analysis/host_time.py): read once, not per evaluated point
+        self._host_costs = host_costs(self.pricer, device)
+        self._graph_inputs = sum(1 for n in self._nodes if n.op == "placeholder"
+                                 and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
+
+    # -- pricing -------------------------------------------------------------------------------
+    def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
+        nc = self.costs.by_node[name]
+        call = self._bind(name, ev)
+        key = (str(call.op), _freeze(dict(call.args)), _freeze(call.outputs), _freeze(dict(call.context)))
+        hit = self._price_cache.get(key)
+        if hit is None:
+            cost = nc.priced.cost
+            flops = ev.number(cost.flops)
+            moved = ev(cost.bytes_read) + ev(cost.bytes_written)
+            from boomfx.passes.costs.registry import Cost
+            price = self.pricer.price(call, Cost(flops, ev(cost.bytes_read), ev(cost.bytes_written)))
+            hit = (price, (flops, moved))
+            self._price_cache[key] = hit
+        return hit
+
+    def _bind(self, name: str, ev: Evaluator) -> Any:
+        """The node's call at ``ev``'s sizes (the evaluator also fixes data-dependent scalars)."""
+        return bind_call(self.costs.by_node[name].call, ev)
+
+    def evaluator(self, bindings: Mapping[sympy.Symbol, int]) -> Evaluator:
+        # AdamW's bias corrections depend on the unbacked step count; any steady-state step prices the same
+        return Evaluator(bindings, self.symbol_map, data_dependent_value=DATA_DEPENDENT_SCALAR_VALUE)
+
+    def kernel_calls(self, bindings: Mapping[sympy.Symbol, int]) -> list[Any]:
+        """The bound OpCall of every kernel the step launches, each unique block priced once: exactly
+        what model-guided collection must measure."""
+        ev = self.evaluator(bindings)
+        names = []
+        for node in self._nodes:
+            if node.name in self.costs.by_node:
+                rep = self._reps.get(node.name, node.name)
+                if rep not in names:
+                    names.append(rep)
+        return [self._bind(name, ev) for name in names]
+
+    # -- one point -----------------------------------------------------------------------------
+    def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
+                 memory_only: bool = False) -> PointResult:
+        ev = self.evaluator(bindings)
+        kernels: list[KernelReport] = []
+        scheduled: list[ScheduledKernel] = []
+        workspace_at: dict[int, int] = {}
+        point_prices: dict[str, Any] = {}
+        if not memory_only:
+            for step, node in enumerate(self._nodes):
+                if node.name not in self.costs.by_node:
+                    continue
+                rep = self._reps.get(node.name, node.name)
+                hit = point_prices.get(rep)
+                if hit is None:
+                    hit = point_prices[rep] = self._price_node(rep, ev)
+                price, (flops, moved) = hit
+                nc = self.costs.by_node[node.name]
+                sync = node.target.overloadpacket in _HOST_SYNC_OPS
+                device_ns = price.time_ns
+                if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
+                    device_ns += price.host_ns      # the CPU issues and runs each op on one thread
+                scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
+                workspace_at[step] = int(price.workspace_bytes or 0)
+                kernels.append(KernelReport(
+                    node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
+                    phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
+                    host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
+                    workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
+        # the schedule beyond the prices, in one place (boomfx/analysis/step_schedule.py)
+        costs = self._host_costs
+        opts = self.program.options
+        step = schedule_step(kernels, scheduled, analysis=self, db=self.options.db, bindings=bindings, costs=costs,
+                             cpu=self.device.kind == "cpu", compiled=bool(opts.compile), train=bool(opts.train),
+                             cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs)
+        kernels, scheduled, entries = step.kernels, step.scheduled, step.entries
+        timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
+        spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
+        for k, span in zip(kernels, spans):
+            k.start_ns = span.start_ns
+        memory, rep, events = memory_report(self.liveness, ev, workspace_at, self.device, self.outside,
+                                            self.alloc_config, self.options.alloc_conf, self._node_module,
+                                            self._cudagraphs, record_trace, exact_total=not memory_only)
+        report = build_report(self.program, self.device, self.options, bindings, kernels, timeline, memory,
+                              self.costs.unmodelled_ops())
+        report.time.graph_entry_ns = step.graph_entry_ns
+        report.time.cold_start_ns = step.cold_start_ns
+        report.time.host_costs_source = costs.source if (entries or step.cold_start_ns) else ""
+        report.warnings.extend(self.program.warnings)
+        report.blocks = block_reports(self.blocks, kernels, self.liveness, ev)
+        return PointResult(report, timeline, rep, events)
+
+DATA_DEPENDENT_SCALAR_VALUE = 1  # value given to unbacked scalar symbols (the optimizer's step count)
+
+
+def _module_paths(nodes: list) -> dict[str, str]:
+    """``module_path`` of every node, computed once per ``nn_module_stack`` object (synthesised deep
+    training graphs share one stack per module and layer: boomfx/training/expand.py)."""
+    by_stack: dict[int, str] = {}
+    out = {}
+    for n in nodes:
+        stack = n.meta.get("nn_module_stack")
+        if stack is None:
+            out[n.name] = module_path(n)
+            continue
+        path = by_stack.get(id(stack))
+        if path is None:
+            path = by_stack[id(stack)] = module_path(n)
+        out[n.name] = path
+    return out
+
+
+def _source_name(source: Any) -> str:
+    return str(getattr(source, "value", source))
+
+
+def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-80gb", train: bool = False,
+            optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
+            dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
+            alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None, from_db: Optional[str] = None,
+            dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
+            cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
+            resident_grads: bool = False) -> Report:
+    """Predict time and memory of one step of ``source`` on ``device``.
+
+    ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
+    ``cudagraphs=True`` its mode="reduce-overhead" (implies ``compile``).
+    ``checkpoint_layers=["h.0", "h.2"]`` (with ``train``) checkpoints only those layer instances.
+    ``resident_grads=True`` (with ``train``): every ``.grad`` stays allocated between steps
+    (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
+
+    ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
+    GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
+
+    Example::
+
+        >>> report = boomfx.analyze("gpt2.pt2", device="a100-80gb", train=True, batch=8, seq=1024)
+        >>> report.time.total_ns, report.memory.fits
+    """
+    started = time.perf_counter()
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    program = capture(source, *example_inputs,
+                      options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
+                                                     compile=compile or cudagraphs, cudagraphs=cudagraphs,
+                                                     checkpoint_layers=checkpoint_layers,
+                                                     resident_grads=resident_grads),
+                      dynamic_shapes=dynamic_shapes, log=log)
+    analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
+    bindings = resolve_bindings(program, dims or {}, batch, seq)
+    report = analysis.evaluate(bindings).report
+    report.analysis_seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,98 @@
+"""A point's memory: the liveness intervals turned into allocator events in execution order, replayed
+through the caching-allocator model (CUDA targets), and summarised as the Report's MemoryReport.
+
+Order of events: resident storages first (parameters, buffers, optimizer state), then allocations that
+go through the allocator but live outside the graph (the cuBLAS workspace, boomfx/memory/outside.py),
+then per step the node's outputs, its kernel workspace (allocated and freed at once), and the frees of
+storages whose last use it was.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from boomfx.core.devices import DeviceSpec
+from boomfx.memory.config import AllocatorConfig
+from boomfx.memory.outside import OutsideMemory
+from boomfx.memory.replay import AllocEvent, ReplayResult, replay
+from boomfx.passes.compiled import CUDAGRAPH_POOL_STREAM  # --cudagraphs: the graph's private pool
+from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.liveness import LivenessInfo
+from boomfx.report.model import AllocatorReport, MemoryReport
+
+_UNBOUNDED_BYTES = 1 << 62   # a device too large to run out: what the step would need
+
+
+def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int], outside: OutsideMemory,
+                 node_module: Mapping[str, str], cudagraphs: bool) -> list[AllocEvent]:
+    """The allocator events of one step at ``ev``'s sizes (see module doc for their order)."""
+    events: list[AllocEvent] = []
+    for iv in liveness.intervals:
+        if iv.resident:
+            events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node,
+                                     ((node_module.get(iv.node, ""), 0, iv.node),)))
+    next_id = len(liveness.intervals)
+    for label, size in outside.allocator_sizes():
+        events.append(AllocEvent("alloc", next_id, size, 0, label, (("", 0, label),)))
+        next_id += 1
+    last_step = -1
+    for step, kind, iv in liveness.events():
+        if step != last_step:
+            last_step = step
+        frames = ((node_module.get(iv.node, ""), 0, iv.node),)
+        pool = CUDAGRAPH_POOL_STREAM if cudagraphs else 0   # --cudagraphs: private pool
+        if kind == "alloc":
+            events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
+            ws = workspace_at.get(step, 0)
+            if ws and iv.node == liveness.order[step]:
+                events.append(AllocEvent("alloc", next_id, ws, 0, iv.node + ":workspace", frames))
+                events.append(AllocEvent("free", next_id, ws, 0, iv.node + ":workspace", frames))
+                next_id += 1
+        else:
+            events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
+    return events
+
+
+def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int], device: DeviceSpec,
+                  outside: OutsideMemory, alloc_config: AllocatorConfig, alloc_conf: str,
+                  node_module: Mapping[str, str], cudagraphs: bool, record_trace: bool = False,
+                  exact_total: bool = True) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
+    """The step's memory: the ideal live-bytes peak, and on CUDA the allocator replay (allocated, reserved,
+    fragmentation, out-of-memory with the node that caused it)."""
+    timeline = liveness.timeline(ev)
+    combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
+    peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
+    point = liveness.peak(ev)
+    capacity = device.memory_bytes
+    outside_bytes = {item.name: item.nbytes for item in outside.items()} if device.kind == "cuda" else {}
+    rep: Optional[ReplayResult] = None
+    events: list[AllocEvent] = []
+    oom_node = oom_module = None
+    allocator = None
+    if device.kind == "cuda":
+        events = alloc_events(liveness, ev, workspace_at, outside, node_module, cudagraphs)
+        rep = replay(events, alloc_config, capacity - outside.total_bytes, record_trace=record_trace)
+        allocator = AllocatorReport(
+            rep.peak_allocated_bytes, rep.peak_reserved_bytes, rep.peak_active_bytes,
+            rep.fragmentation_at_peak_bytes, rep.largest_free_block_at_peak_bytes, rep.num_segments_at_peak,
+            int(rep.stats.get("num_alloc_retries", 0)), int(rep.stats.get("num_ooms", 0)),
+            alloc_conf or "(defaults)")
+        if rep.oom is not None:
+            label = rep.oom.label.split(":")[0]
+            oom_node, oom_module = label, node_module.get(label, "")
+        total = rep.peak_reserved_bytes + outside.total_bytes
+        if rep.oom is not None and exact_total:
+            # what the step would need: the same replay on a device too large to run out
+            unbounded = replay(events, alloc_config, _UNBOUNDED_BYTES)
+            total = unbounded.peak_reserved_bytes + outside.total_bytes
+    else:
+        total = combined[peak_step] if combined else 0
+    fits = rep.oom is None if rep is not None else total <= capacity
+    memory = MemoryReport(
+        peak_live_bytes=combined[peak_step] if combined else 0,
+        peak_step_node=liveness.order[peak_step] if combined else "",
+        by_category_bytes={c.value: b for c, b in sorted(point.by_category.items(), key=lambda kv: -kv[1])},
+        resident_bytes=liveness.resident_bytes(ev), workspace_bytes=workspace_at.get(peak_step, 0),
+        allocator=allocator, outside_allocator_bytes=outside_bytes, device_capacity_bytes=capacity,
+        total_device_bytes=total, fits=fits, margin_bytes=capacity - total,
+        oom_node=oom_node, oom_module=oom_module)
+    return memory, rep, events

@@ -1,0 +1,61 @@
+"""The step's schedule after pricing, in one place: what the host and device do beyond each kernel's price.
+
+The priced kernels give one ``ScheduledKernel`` each (host issue time, device time). Four mechanisms then
+change that schedule, always in this order:
+
+1. ``--cudagraphs``: one graph replay issues every kernel (passes/compiled.py): the first kernel's host time is
+   the replay cost, the others' zero.
+2. cold starts (CPU targets, boomfx/analysis/host_time.py): a kernel run after one that streamed the L2 pays
+   its evicted host code.
+3. block mode (boomfx/analysis/block_mode.py): instances of blocks the database measured whole take that time.
+4. graph entries (``--compile``, boomfx/analysis/host_time.py): dynamo's and AOTAutograd's host code before the
+   compiled forward's and backward's first kernels, as host-only entries.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import sympy
+
+from boomfx.analysis.block_mode import apply_block_measurements
+from boomfx.analysis.host_time import with_cold_starts, with_graph_entries
+from boomfx.kernels_db.blocks_db import SOURCE_BLOCK_MEASURED, BlockAnalysis
+from boomfx.kernels_db.host_overheads import HostCosts
+from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS
+from boomfx.report.model import KernelReport
+from boomfx.simulate.timeline import ScheduledKernel
+
+
+@dataclass
+class StepSchedule:
+    """The kernels (report rows) and the schedule the simulator runs; ``entries`` are the indices of
+    host-only graph entries in ``scheduled`` (no report row), ``cold_start_ns`` the cold starts added."""
+
+    kernels: list[KernelReport]
+    scheduled: list[ScheduledKernel]
+    entries: set[int]
+    cold_start_ns: float
+
+    @property
+    def graph_entry_ns(self) -> float:
+        return sum(self.scheduled[i].host_ns + self.scheduled[i].device_ns for i in self.entries)
+
+
+def schedule_step(kernels: list[KernelReport], scheduled: list[ScheduledKernel], *, analysis: BlockAnalysis,
+                  db: Optional[str], bindings: Mapping[sympy.Symbol, int], costs: HostCosts, cpu: bool,
+                  compiled: bool, train: bool, cudagraphs: bool, graph_inputs: int) -> StepSchedule:
+    """Apply the four mechanisms of the module doc to the priced step."""
+    if cudagraphs:
+        scheduled = [dataclasses.replace(sk, host_ns=CUDAGRAPH_REPLAY_HOST_NS if i == 0 else 0.0)
+                     for i, sk in enumerate(scheduled)]
+    added = [0.0] * len(scheduled)
+    if cpu:
+        scheduled, added = with_cold_starts(kernels, scheduled, costs, compiled)
+    kernels, scheduled = apply_block_measurements(analysis, db, bindings, kernels, scheduled)
+    cold_ns = sum(a for a, k in zip(added, kernels) if k.source != SOURCE_BLOCK_MEASURED)
+    entries: set[int] = set()
+    if compiled:
+        scheduled, entries = with_graph_entries(kernels, scheduled, costs, train, graph_inputs, cpu)
+    return StepSchedule(kernels, scheduled, entries, cold_ns)

@@ -1,0 +1,1 @@
+"""The `boomfx` command line: argument parsing and dispatch to the library."""

@@ -1,0 +1,49 @@
+"""``boomfx kernels collect|import|export|info``: build and share kernel databases."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("kernels", help="measure, import and export kernel databases")
+    ksub = k.add_subparsers(dest="kernels_command", parser_class=type(k))
+    c = ksub.add_parser("collect", help="measure kernels on this machine's device")
+    c.add_argument("--device", default="cpu", help="cpu | cuda")
+    c.add_argument("--db", default=None, help="database path (default: per device in the user cache)")
+    c.add_argument("--for", dest="for_file", default=None, metavar="FILE.pt2",
+                   help="measure exactly the kernels this program needs")
+    c.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE")
+    c.add_argument("--batch", type=int)
+    c.add_argument("--seq", type=int)
+    c.add_argument("--train", action="store_true")
+    c.add_argument("--optimizer", default="adamw")
+    c.add_argument("--amp", default=None)
+    c.add_argument("--checkpoint", action="store_true")
+    c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
+    c.add_argument("--resident-grads", action="store_true")
+    c.add_argument("--compile", action="store_true",
+                   help="with --for: the kernels torch.compile (Inductor) runs; each unique fused group is "
+                        "compiled and timed here, so --compile predictions are measured")
+    c.add_argument("--blocks", action="store_true",  # block mode: kernels_db/blocks_db.py
+                   help="with --for: run each repeated block whole at the target sizes and store its time")
+    c.add_argument("--families", default=None, help="sweep mode: comma-separated op families")
+    c.add_argument("--dtypes", default="float32", help="sweep mode: comma-separated dtypes")
+    c.add_argument("--budget", default=None, help="time budget, e.g. 90s, 10m, 1h")
+    c.add_argument("--threads", type=int, default=None,
+                   help="CPU intra-op threads while measuring (default: torch's); match the runs you predict, "
+                        "and use 1 on a machine shared with other jobs")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    i = ksub.add_parser("import", help="import CSV measurements (boomfx CSV or the public GPU data set)")
+    i.add_argument("path", help="a CSV file exported by boomfx, or a directory of public measurements")
+    i.add_argument("--db", default=None)
+    i.add_argument("--device", default=None, help="with public data: import only this device")
+    e = ksub.add_parser("export", help="export a database as CSV")
+    e.add_argument("path")
+    e.add_argument("--db", required=True)
+    n = ksub.add_parser("info", help="summarise a database")
+    n.add_argument("--db", required=True)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    from boomfx.cli.kernels_impl import run
+    return run(args)

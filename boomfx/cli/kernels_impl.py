@@ -1,0 +1,212 @@
+"""What ``boomfx kernels collect|import|export|info`` do (the parser is in ``cli_kernels``)."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from boomfx.core.errors import OptionError
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_budget(text: Optional[str]) -> Optional[float]:
+    """'90s', '10m', '1h', '300' -> seconds."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not m:
+        raise OptionError(f"--budget expects a duration like 90s, 10m or 1h, got '{text}'")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _local_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise OptionError("--device cuda: no CUDA device is available on this machine")
+        return torch.device(name)
+    raise OptionError(f"unknown collection device '{name}' (cpu or cuda)")
+
+
+def _target_spec(device: torch.device):
+    from boomfx.kernels_db.measure import local_device_spec
+    try:
+        return local_device_spec(device)
+    except LookupError as exc:
+        raise OptionError(str(exc)) from None
+
+
+def _db_path(db: Optional[str], spec_name: str) -> Path:
+    from boomfx.kernels_db.store import default_db_path
+    return Path(db) if db and db != "default" else default_db_path(spec_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.kernels_command
+    if command == "collect":
+        return _collect(args)
+    if command == "import":
+        return _import(args)
+    if command == "export":
+        return _export(args)
+    if command == "info":
+        return _info(args)
+    raise OptionError("boomfx kernels: choose collect, import, export or info")
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.collect import collect_calls, collect_sweep
+    from boomfx.kernels_db.measure import protocol_measurer
+    from boomfx.kernels_db.store import Store
+    device = _local_device(args.device)
+    spec = _target_spec(device)
+    budget = parse_budget(args.budget)
+    path = _db_path(args.db, spec.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    progress = False if args.quiet else None
+    threads = args.threads
+    if threads is not None:
+        if threads < 1:
+            raise OptionError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    if args.blocks and not args.for_file:  # --blocks (kernels_db/blocks_db.py) measures a program's blocks
+        raise OptionError("--blocks needs --for FILE.pt2")
+    if args.compile and (not args.for_file or args.blocks):
+        raise OptionError("--compile needs --for FILE.pt2 (and no --blocks)")
+    if args.for_file:
+        from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+        from boomfx.frontend.capture import capture, resolve_bindings
+        from boomfx.cli.args import parse_dim
+        from boomfx.core.program import ProgramOptions
+        program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
+                                                                target_kind=spec.kind,
+                                                                checkpoint_layers=args.checkpoint_layers,
+                                                                resident_grads=args.resident_grads,
+                                                                compile=args.compile))
+        bindings = resolve_bindings(program, dict(parse_dim(d) for d in args.dim), args.batch, args.seq)
+        analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
+        if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
+            from boomfx.kernels_db.blocks_db import collect_blocks
+            blocks = collect_blocks(Store(path), analysis, bindings, device, budget, progress)
+            print(blocks.summary(args.for_file, path))
+            return 0
+        measurer = protocol_measurer(device)   # after the thread count (it picks the clock); not for blocks
+        if args.compile:   # fused groups compiled with Inductor and timed as its graph calls them, then the rest
+            from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled
+            fused, result = collect_compiled(Store(path), analysis, bindings, measurer,
+                                             protocol_measurer(device, FusedMeasurer), budget, progress)
+            print(f"compiled groups of {args.for_file}: measured {fused.measured}, already present "
+                  f"{fused.skipped}, failed {len(fused.failed)}, left for later {fused.pending} "
+                  f"({fused.elapsed_s:.1f} s)")
+            what = f"the library kernels of {args.for_file}"
+        else:
+            calls = analysis.kernel_calls(bindings)
+            result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
+            what = f"{len(calls)} kernels of {args.for_file}"
+    else:
+        dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
+        families = [f.strip() for f in args.families.split(",")] if args.families else None
+        measurer = protocol_measurer(device)
+        result = collect_sweep(Store(path), device, families=families, dtypes=dtypes, budget_s=budget,
+                               progress=progress, measurer=measurer)
+        what = "the sweep grid"
+    if device.type == "cpu":   # the host's cold-start cost (kernels_db/host_overheads.py)
+        from boomfx.kernels_db.host_overheads import collect_host_costs
+        collect_host_costs(Store(path), measurer, compiled=bool(args.compile))
+    print(f"collected {what} into {path}: measured {result.measured}, already present {result.skipped}, "
+          f"failed {len(result.failed)}, left for later {result.pending} ({result.elapsed_s:.1f} s)")
+    for key, why in result.failed[:10]:
+        print(f"  could not measure {key.op}: {why}", file=sys.stderr)
+    warning = noisy_measurements_warning(path, result.measured_keys)
+    if warning:
+        print(warning, file=sys.stderr)
+    return 0
+
+
+NOISY_SPREAD = 3.0      # p90 / median above which a kernel's samples disagree
+NOISY_SHARE = 0.2       # share of a collection's kernels that may be noisy before the user is told
+
+
+def noisy_measurements_warning(path: Path, key_hashes: tuple[str, ...]) -> Optional[str]:
+    """One line when many kernels just measured have a p90 far above their median.
+
+    Why: on a machine shared with other jobs, worker threads of a parallel region get descheduled and a
+    kernel's samples scatter (seen on a loaded 2-vCPU VM: microsecond matmuls at 6 ms with 2 threads).
+    Such a database silently over-predicts; the fix is ``--threads 1`` or a quieter machine.
+    """
+    from boomfx.kernels_db.store import Store
+    if not key_hashes:
+        return None
+    wanted = set(key_hashes)
+    with Store(path) as store:
+        rows = [r for r in store.records() if r.key.key_hash in wanted and r.median_ns > 0]
+    noisy = [r for r in rows if r.p90_ns > NOISY_SPREAD * r.median_ns]
+    if not rows or len(noisy) <= NOISY_SHARE * len(rows):
+        return None
+    return (f"warning: {len(noisy)} of {len(rows)} kernels measured with p90 > {NOISY_SPREAD:.0f}x their median "
+            f"(threads={torch.get_num_threads()}): other jobs are competing for this machine's cores; "
+            f"measure with --threads 1 or on a quieter machine")
+
+
+def _import(args: argparse.Namespace) -> int:
+    from boomfx.kernels_db.store import Store
+    source = Path(args.path)
+    if not source.exists():
+        raise OptionError(f"nothing to import at {source}")
+    if source.is_file():
+        if not args.db:
+            raise OptionError("importing a boomfx CSV needs --db PATH (the database to add it to)")
+        with Store(args.db) as store:
+            res = store.import_csv(source)
+        print(f"imported {source} into {args.db}: {res}")
+        return 0
+    from boomfx.kernels_db.public_data import iter_public_rows, public_record, to_opcall
+    by_device: dict[str, list] = {}
+    for row in iter_public_rows(source):
+        if args.device and row.device != args.device:
+            continue
+        by_device.setdefault(row.device, []).append(public_record(row, to_opcall(row)))
+    if not by_device:
+        raise OptionError(f"no public measurements found under {source}" +
+                          (f" for device {args.device}" if args.device else ""))
+    for device, records in sorted(by_device.items()):
+        path = _db_path(args.db, device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with Store(path) as store:
+            n = store.put_many(records, replace=False)   # re-import adds nothing
+        print(f"{device}: {n} new rows of {len(records)} in {path}")
+    return 0
+
+
+def _existing_store(db: str):
+    """The Store at ``db``, which must exist (export and info never create one)."""
+    from boomfx.kernels_db.store import Store
+    if not Path(db).exists():
+        raise OptionError(f"no kernel database at {db}")
+    return Store(db)
+
+
+def _export(args: argparse.Namespace) -> int:
+    with _existing_store(args.db) as store:
+        n = store.export_csv(args.path)
+    print(f"exported {n} rows of {args.db} to {args.path}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _existing_store(args.db) as store:
+        for fp in store.fingerprints():
+            ops = Counter(rec.key.op for rec in store.records(fp))
+            sources = Counter(rec.source for rec in store.records(fp))
+            print(f"{fp.device_name} ({fp.device_kind}, torch {fp.torch_version}, {fp.host}): "
+                  f"{sum(ops.values())} kernels; sources: {dict(sources)}")
+            for op, n in ops.most_common(12):
+                print(f"  {op}: {n}")
+    return 0

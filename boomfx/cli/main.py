@@ -1,0 +1,133 @@
+"""Command line: ``boomfx analyze``, ``boomfx devices``, ``boomfx kernels ...``.
+
+Bad input gets one line on stderr and exit status 2; a bug gets a traceback (so it gets reported).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from boomfx.core.errors import BoomfxError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        raise BoomfxError(f"{self.prog}: {message}")
+
+
+def _add_program_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a .pt2 file written by torch.export.save")
+    p.add_argument("--device", default="a100-80gb", help="target device (see `boomfx devices`)")
+    p.add_argument("--dim", action="append", default=[], type=str, metavar="NAME=VALUE",
+                   help="bind a symbolic dimension by symbol name (s0) or role (batch, seq)")
+    p.add_argument("--batch", type=int, help="bind the batch dimension")
+    p.add_argument("--seq", type=int, help="bind the sequence dimension")
+    p.add_argument("--train", action="store_true", help="predict a training step (forward + backward + optimizer)")
+    p.add_argument("--optimizer", default="adamw", help="sgd | adam | adamw (with --train)")
+    p.add_argument("--amp", default=None, help="bf16 | fp16 autocast")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
+    p.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME",
+                   help="checkpoint only these layer instances (module paths, e.g. h.0,h.2; needs --train)")
+    p.add_argument("--resident-grads", action="store_true",
+                   help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
+                        "accumulation); default: freed after each step (needs --train)")
+    # compiled execution (passes/compiled.py)
+    p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
+    p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")
+    p.add_argument("--db", default="auto",
+                   help="kernel database: a path, 'default' (the user-cache one of --device), 'auto' (that one "
+                        "if it exists; the default) or 'none'")
+    p.add_argument("--from-db", default=None, help="a source GPU's database, transferred to --device")
+    p.add_argument("--verbose", "-v", action="store_true", help="say what each stage does")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="boomfx", description="Predict step time and GPU memory from a torch.export graph.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    a = sub.add_parser("analyze", help="analyse an exported program")
+    _add_program_args(a)
+    a.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON (to PATH, or stdout)")
+    a.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of the simulated step")
+    a.add_argument("--memory-snapshot", metavar="FILE.pickle", help="write a torch memory_viz snapshot")
+    a.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF-style allocator options")
+    a.add_argument("--outside-memory", default="", help="override memory outside the allocator, e.g. cuda_context=600MiB")
+    a.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2",
+                   help="evaluate a grid of symbol values (repeatable) and print one table")
+    a.add_argument("--max-batch", action="store_true", help="find the largest batch that fits")
+    a.add_argument("--max-seq", action="store_true", help="find the largest sequence length that fits")
+    a.add_argument("--top", type=int, default=8, help="rows per breakdown table")
+    a.add_argument("--kernels", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="list the N slowest kernels with the source of each price (no N: every kernel)")
+    a.add_argument("--no-reuse", action="store_true", help="analyse every layer instance separately")
+    sub.add_parser("devices", help="list known devices")
+    from boomfx.cli.kernels import add_kernels_parser
+    add_kernels_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "analyze":
+            from boomfx.core.gc_pause import gc_paused
+            with gc_paused():  # scale: cyclic GC was ~25% of an 80-layer analysis (boomfx/core/gc_pause.py)
+                from boomfx.cli.analyze import run_analyze
+                return run_analyze(args)
+        if args.command == "devices":
+            return _devices()
+        if args.command == "kernels":
+            from boomfx.cli.kernels import run_kernels
+            return run_kernels(args)
+        parser.print_help()
+        return 2
+    except KeyboardInterrupt:
+        print("boomfx: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # user errors: one line; others re-raised
+        message = _user_error_message(exc)
+        if message is None:
+            raise
+        print(f"boomfx: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _user_error_message(exc: BaseException) -> Optional[str]:
+    from boomfx.core.devices import UnknownDeviceError
+    from boomfx.frontend.loader import LoadError
+    user_errors: tuple[type, ...] = (BoomfxError, UnknownDeviceError, LoadError)
+    try:
+        from boomfx.passes.evaluate import UnboundSymbolError
+        user_errors += (UnboundSymbolError,)
+    except ImportError:
+        pass
+    if isinstance(exc, user_errors):
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError)):
+        return str(exc)
+    return None
+
+
+def _devices() -> int:
+    from boomfx.core.devices import list_devices
+    from boomfx.core.units import fmt_bytes
+    rows = []
+    for d in list_devices():
+        import torch
+        bf16 = d.peak_flops_per_s.get(torch.bfloat16)
+        rows.append((d.name, d.description, fmt_bytes(d.memory_bytes), d.memory_type or "-",
+                     f"{d.memory_bandwidth_bytes_per_s / 1e9:.0f} GB/s",
+                     f"{d.peak_flops_per_s[torch.float32] / 1e12:.1f}",
+                     f"{bf16 / 1e12:.1f}" if bf16 else "-", str(d.sm_count or "-")))
+    header = ("name", "description", "memory", "DRAM", "bandwidth", "fp32 TF/s", "bf16 TF/s", "SMs")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print("\nPeaks are dense (no sparsity); each figure's source: boomfx/core/devices.py.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Load a ``torch.export`` .pt2 file safely and quickly, for analysis only.
+
+Why not ``torch.export.load``: it unpickles sample inputs and constants (unsafe on untrusted
+files), fails on output containers from packages that are not imported (e.g. ``transformers``),
+and spends seconds re-parsing the same symbolic shape strings. boomfx needs the graph, the fake
+values on its nodes and the shapes of weights, nothing more.
+
+Steps:
+1. ``pt2_archive.read_archive``: zip + JSON only, weights and constants as meta tensors.
+2. ``pt2_treespec.sanitize_program``: unknown pytree types become plain dicts/tuples.
+3. ``pt2_fast.deserialize_fast``: torch's graph deserializer with cached schema conversion and
+   memoized symbol parsing. If it fails for any reason, ``pt2_fast.deserialize_torch`` (torch's
+   unpatched deserializer, still fed only JSON and meta tensors) is tried, and the log says why.
+4. ``ties.apply_ties``: tied weights (shared records, or for meta exports the graph's structure)
+   become one tensor with one fake storage again, as they are in memory.
+
+Example::
+
+    from boomfx.frontend.loader import load_program
+    ep = load_program("llama.pt2", verbose=True)
+    print(ep.graph_module.graph)
+
+Known limitations:
+- Only the program named ``model`` is read (what ``torch.export.save`` writes).
+- ``ep.example_inputs`` is ``None`` (sample inputs are pickles) and the state dict holds meta
+  tensors, so the program can be analysed or re-traced on meta but not run on real data.
+- Pickled custom objects (torchbind, opaque objects) are refused with ``LoadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from boomfx.frontend import deserialize as pt2_fast
+from boomfx.frontend.archive import CONSTANTS_DIR, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
+from boomfx.frontend.treespec import sanitize_program
+from boomfx.frontend.ties import apply_ties
+
+__all__ = ["LoadError", "load_program"]
+
+_log = logging.getLogger(__name__)
+
+
+def _make_logger(verbose: bool, log: Callable[[str], None] | None) -> Callable[[str], None]:
+    if log is not None:
+        return log
+    if verbose:
+        return lambda msg: print(f"[boomfx.frontend.loader] {msg}", file=sys.stderr)
+    return _log.debug
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def load_program(
+    path: str | os.PathLike,
+    verbose: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> torch.export.ExportedProgram:
+    """Load the ``ExportedProgram`` saved in ``path`` without unpickling or importing user code.
+
+    Args:
+        path: a file written by ``torch.export.save``.
+        verbose: print which loading path was used (and why) to stderr.
+        log: receives those messages instead of stderr when given.
+
+    Returns:
+        An ``ExportedProgram`` whose graph matches ``torch.export.load`` (targets, names,
+        ``meta["val"]`` fake tensors with the same symbols, ``nn_module_stack``, range
+        constraints); parameters, buffers and constants are meta tensors.
+
+    Raises:
+        LoadError: missing file, not a .pt2 archive, corrupt archive or JSON, unsupported schema
+            version, pickled custom objects, or a graph neither deserializer can read.
+    """
+    say = _make_logger(verbose, log)
+    start = time.perf_counter()
+    contents = read_archive(path)
+    name = contents.path
+    replaced = sanitize_program(contents.program)
+    if replaced:
+        say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")
+    state_dict = meta_tensors(contents.weights_config, WEIGHTS_DIR, contents.record_sizes_bytes, name, constants=False)
+    constants = meta_tensors(contents.constants_config, CONSTANTS_DIR, contents.record_sizes_bytes, name, constants=True)
+    _check_version(contents.program, name)
+
+    try:
+        program = pt2_fast.fast_dict_to_dataclass(contents.program)
+        ep = pt2_fast.deserialize_fast(program, state_dict, constants)
+        say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
+        return _tied(ep, say)
+    except Exception as err:  # noqa: BLE001  any failure of the fast path -> exact torch path
+        fast_error = err
+    say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
+    _refuse_unknown_ops(contents.program, name)
+    try:
+        ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
+    except Exception as err:  # noqa: BLE001
+        raise LoadError(f"{name} could not be deserialized: {_short(err)}.") from err
+    say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
+    return _tied(ep, say)
+
+
+def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch.export.ExportedProgram:
+    """A file does not record that tied weights share one fake storage: restore it (``boomfx.ties``)."""
+    for kept, *others in apply_ties(ep):
+        say(f"tied weights counted once: {kept} = {', '.join(others)}")
+    return ep
+
+
+def _refuse_unknown_ops(program: dict, path: str) -> None:
+    """Ops of a package that is not imported (``transformers``' grouped-mm fallback) cannot be rebuilt:
+    say which, and what to do, in one line."""
+    targets = {n.get("target", "") for n in program.get("graph_module", {}).get("graph", {}).get("nodes", [])
+               if isinstance(n, dict)}
+    unknown = sorted(t for t in targets if isinstance(t, str) and t.startswith("torch.ops.") and not _op_exists(t))
+    if unknown:
+        raise LoadError(f"{path} uses custom op(s) {', '.join(unknown)} that boomfx cannot rebuild without their "
+                        f"library; export with the library's plain-ATen implementation instead (transformers MoE: "
+                        f"config experts_implementation='batched_mm').")
+
+
+def _op_exists(target: str) -> bool:
+    parts = target.split(".")[2:]           # torch.ops.<namespace>.<op>.<overload>
+    if len(parts) < 2:
+        return True
+    namespace, op = parts[0], parts[1]
+    if namespace in ("aten", "prims", "higher_order", "_operator", "profiler", "math", "builtins"):
+        return True
+    try:
+        return hasattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _check_version(program: dict, path: str) -> None:
+    """Refuse schema versions torch's deserializer refuses, before any graph work."""
+    version = program.get("schema_version") or {}
+    major, minor = version.get("major"), version.get("minor")
+    if not isinstance(major, int) or not isinstance(minor, int):
+        raise LoadError(f"{path} is corrupt: models/model.json has no schema_version.")
+    supported = pt2_fast.serde.SCHEMA_VERSION
+    if major != supported[0] and (major, minor) != (0, 0):
+        raise LoadError(
+            f"{path} uses export schema version {major}.{minor}, but this torch reads "
+            f"{supported[0]}.x (schema {supported[0]}.{supported[1]})."
+        )

@@ -1,0 +1,2 @@
+"""PyTorch's CUDA caching allocator, modelled: its configuration, accounting, policy, event replay, and the
+memory that lives outside it."""
