@@ -38,6 +38,11 @@ def _inactive_dropout(node: torch.fx.Node) -> bool:
     return train is False or p == 0
 
 
+def is_inactive_dropout(node: torch.fx.Node) -> bool:
+    """A dropout that returns its input itself (eval mode or p=0), as ATen's ``dropout`` does."""
+    return node.target in _IDENTITY_WHEN_INACTIVE and _inactive_dropout(node)
+
+
 # Views whose schema carries no alias annotation (``_unsafe_view`` exists precisely to hide that its
 # result aliases its input from autograd); they never copy.
 _UNANNOTATED_VIEWS = {aten._unsafe_view.default}

@@ -33,6 +33,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import traceback as fx_traceback
 
+from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import clean_module_path, find_layer_list, layer_instance, stack_paths
@@ -232,6 +233,9 @@ class GraphRunner:
             target = node.target
             args, kwargs = self._remap_devices(args), self._remap_devices(kwargs)
             args, kwargs = self.policy.apply(target, args, kwargs)
+            if is_inactive_dropout(node):
+                # ATen returns the input itself; the Python decomposition the re-trace would use clones it
+                return args[0]
             if target is aten._assert_tensor_metadata.default and self.policy.low_dtype is not None:
                 # export's check of the dtype a `.to()` saw when traced; autocast changes that dtype
                 # on purpose (Mixtral's experts), and the check launches no kernel
