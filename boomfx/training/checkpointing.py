@@ -33,6 +33,8 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import traceback as fx_traceback
 
+from torch._dispatch.python import enable_python_dispatcher
+
 from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
 from boomfx.core.errors import OptionError
@@ -170,6 +172,11 @@ def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+# Ops whose C++ kernel reads sizes as plain ints under fake tensors (torch 2.13); any other such op
+# is caught by training/trace.py's check that no size symbol was fixed.
+SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default}
+
+
 class GraphRunner:
     """Executes an export graph node by node, so every op is traced with the export node's meta.
 
@@ -236,6 +243,12 @@ class GraphRunner:
             if is_inactive_dropout(node):
                 # ATen returns the input itself; the Python decomposition the re-trace would use clones it
                 return args[0]
+            if target in SIZE_READING_CPP_KERNELS:
+                # their C++ kernels read sizes as ints and would fix the batch symbol to its example
+                # size (MobileNetV2/EfficientNet TF padding, Swin's window padding): run torch's
+                # SymInt-aware Python meta functions and decompositions instead, as export does
+                with enable_python_dispatcher():
+                    return target(*args, **kwargs)
             if target is aten._assert_tensor_metadata.default and self.policy.low_dtype is not None:
                 # export's check of the dtype a `.to()` saw when traced; autocast changes that dtype
                 # on purpose (Mixtral's experts), and the check launches no kernel

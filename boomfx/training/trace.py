@@ -26,6 +26,7 @@ Known limitations:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -43,7 +44,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx.training import amp as amp_policy
-from boomfx.training.checkpointing import GraphRunner, Segment, checkpoint_segments
+from boomfx.training.checkpointing import SIZE_READING_CPP_KERNELS, GraphRunner, Segment, checkpoint_segments
 from boomfx.core.program import (
     PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD,
     ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM,
@@ -384,10 +385,13 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         recorder.close(PHASE_OPTIMIZER)
         return loss_val.detach()
 
-    # The Python dispatcher runs torch's SymInt-aware Python meta functions and decompositions (as
-    # export and symbolic make_fx do); without it C++ kernels that read sizes as ints (constant_pad_nd
-    # under MobileNetV2's and Swin's padding) fix the batch symbol to its example size.
-    with fake_kernel_fixes(), fake.mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+    # A graph with ops whose C++ kernels read sizes as ints (pad: MobileNetV2, EfficientNet, Swin) is
+    # traced under the Python dispatcher, forward and backward (torch's SymInt-aware Python meta functions
+    # and decompositions, as export does); others as before. _check_no_specialisation refuses any other
+    # op that fixed a size symbol.
+    reads_sizes = any(n.target in SIZE_READING_CPP_KERNELS for n in ep.graph.nodes)
+    dispatcher = enable_python_dispatcher() if reads_sizes else contextlib.nullcontext()
+    with fake_kernel_fixes(), fake.mode, dispatcher, fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="real")(*graph_args, *grad_args, *opt_args)
     _check_no_specialisation(fake.shape_env, symbols)
     return _finish(gm, names, roles, fqns, recorder, grad_names, param_pos, fake, symbols)
