@@ -26,14 +26,21 @@ _MAYBE_COPY = {
 MAYBE_COPY_OPS = frozenset(_MAYBE_COPY)
 
 # Dropout in eval mode (train=False) or with p=0 returns its input tensor itself (ATen's dropout).
+# The in-place forms (``nn.Dropout(inplace=True)``, MobileNetV2's classifier) return their input too.
 _IDENTITY_WHEN_INACTIVE = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
-                           aten.feature_alpha_dropout.default}
+                           aten.feature_alpha_dropout.default, aten.dropout_.default, aten.feature_dropout_.default,
+                           aten.alpha_dropout_.default, aten.feature_alpha_dropout_.default}
 
 
 def _inactive_dropout(node: torch.fx.Node) -> bool:
     p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
     return train is False or p == 0
+
+
+def is_inactive_dropout(node: torch.fx.Node) -> bool:
+    """A dropout that returns its input itself (eval mode or p=0), as ATen's ``dropout`` does."""
+    return node.target in _IDENTITY_WHEN_INACTIVE and _inactive_dropout(node)
 
 
 # Views whose schema carries no alias annotation (``_unsafe_view`` exists precisely to hide that its

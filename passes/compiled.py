@@ -57,6 +57,7 @@ from boomfx.passes.fused_op import FusedKernel, encode, fused_op
 from boomfx.passes.op_names import op_name
 from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.partitioner import _is_tensor, recompute_for_backward
+from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
 from boomfx.core.program import Program
 
@@ -249,7 +250,7 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     backend = backend_for(program)
-    program = fuse_addmm(channels_last_convolutions(program, backend), backend)
+    program = fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend)
     program = recompute_inlined(recompute_for_backward(program))
     fusion = fusion_groups(program)
     graph = program.graph

@@ -87,3 +87,24 @@ def examples_dir() -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("BOOMFX_NO_PROGRESS", "1")
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: zoo(name, device="meta") -> (ExportedProgram, path of the saved .pt2) for a model of
+    tests/hf_zoo.py (small transformers models, exported as users do), built once per session."""
+    pytest.importorskip("transformers")
+    import hf_zoo
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("zoo")
+
+    def get(name: str, device: str = "meta"):
+        key = (name, device)
+        if key not in cache:
+            ep = hf_zoo.export(name, device)
+            path = root / f"{name}-{device}.pt2"
+            torch.export.save(ep, str(path))
+            cache[key] = (ep, str(path))
+        return cache[key]
+
+    return get

@@ -15,3 +15,5 @@ class OptionError(BoomfxError):
 
 class CollectiveError(BoomfxError):
     """A collective that cannot be priced as asked: unknown op, negative size, a group that does not fit."""
+class UnsupportedError(BoomfxError):
+    """The program needs something boomfx cannot model; the message says what and what to do instead."""

@@ -17,6 +17,8 @@ Steps:
 5. ``graph_check.check_graph``: the loaded graph's shapes must fit together (weights vs
    placeholders, each ATen call re-run on its recorded inputs), so an edited size is refused rather
    than analysed into a wrong number.
+6. ``ties.apply_ties``: tied weights (shared records, or for meta exports the graph's structure)
+   become one tensor with one fake storage again, as they are in memory.
 
 Example::
 
@@ -45,6 +47,7 @@ from boomfx.frontend import deserialize as pt2_fast
 from boomfx.frontend.archive import CONSTANTS_DIR, MODEL_JSON, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
 from boomfx.frontend.graph_check import check_graph
 from boomfx.frontend.treespec import sanitize_program
+from boomfx.frontend.ties import apply_ties
 from boomfx.frontend.validate import check_payload_configs, check_program_json
 
 __all__ = ["LoadError", "load_program"]
@@ -107,15 +110,48 @@ def load_program(
     else:
         say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
         check_graph(ep, name)
-        return ep
+        return _tied(ep, say)
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
+    _refuse_unknown_ops(contents.program, name)
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
         raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
     check_graph(ep, name)
+    return _tied(ep, say)
+
+
+def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch.export.ExportedProgram:
+    """A file does not record that tied weights share one fake storage: restore it (``boomfx.ties``)."""
+    for kept, *others in apply_ties(ep):
+        say(f"tied weights counted once: {kept} = {', '.join(others)}")
     return ep
+
+
+def _refuse_unknown_ops(program: dict, path: str) -> None:
+    """Ops of a package that is not imported (``transformers``' grouped-mm fallback) cannot be rebuilt:
+    say which, and what to do, in one line."""
+    targets = {n.get("target", "") for n in program.get("graph_module", {}).get("graph", {}).get("nodes", [])
+               if isinstance(n, dict)}
+    unknown = sorted(t for t in targets if isinstance(t, str) and t.startswith("torch.ops.") and not _op_exists(t))
+    if unknown:
+        raise LoadError(f"{path} uses custom op(s) {', '.join(unknown)} that boomfx cannot rebuild without their "
+                        f"library; export with the library's plain-ATen implementation instead (transformers MoE: "
+                        f"config experts_implementation='batched_mm').")
+
+
+def _op_exists(target: str) -> bool:
+    parts = target.split(".")[2:]           # torch.ops.<namespace>.<op>.<overload>
+    if len(parts) < 2:
+        return True
+    namespace, op = parts[0], parts[1]
+    if namespace in ("aten", "prims", "higher_order", "_operator", "profiler", "math", "builtins"):
+        return True
+    try:
+        return hasattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _check_version(program: dict, path: str) -> None:

@@ -33,6 +33,9 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import traceback as fx_traceback
 
+from torch._dispatch.python import enable_python_dispatcher
+
+from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import clean_module_path, find_layer_list, layer_instance, stack_paths
@@ -169,6 +172,11 @@ def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+# Ops whose C++ kernel reads sizes as plain ints under fake tensors (torch 2.13); any other such op
+# is caught by training/trace.py's check that no size symbol was fixed.
+SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default}
+
+
 class GraphRunner:
     """Executes an export graph node by node, so every op is traced with the export node's meta.
 
@@ -232,6 +240,19 @@ class GraphRunner:
             target = node.target
             args, kwargs = self._remap_devices(args), self._remap_devices(kwargs)
             args, kwargs = self.policy.apply(target, args, kwargs)
+            if is_inactive_dropout(node):
+                # ATen returns the input itself; the Python decomposition the re-trace would use clones it
+                return args[0]
+            if target in SIZE_READING_CPP_KERNELS:
+                # their C++ kernels read sizes as ints and would fix the batch symbol to its example
+                # size (MobileNetV2/EfficientNet TF padding, Swin's window padding): run torch's
+                # SymInt-aware Python meta functions and decompositions instead, as export does
+                with enable_python_dispatcher():
+                    return target(*args, **kwargs)
+            if target is aten._assert_tensor_metadata.default and self.policy.low_dtype is not None:
+                # export's check of the dtype a `.to()` saw when traced; autocast changes that dtype
+                # on purpose (Mixtral's experts), and the check launches no kernel
+                return None
             if target is aten.scaled_dot_product_attention.default and self.fused_attention:
                 return amp_policy.gpu_sdpa(*args, **kwargs)
             if target is torch.ops.higher_order.wrap_with_set_grad_enabled:

@@ -26,6 +26,7 @@ Known limitations:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -39,14 +40,17 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks_from_tensors
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from boomfx.training import amp as amp_policy
-from boomfx.training.checkpointing import GraphRunner, Segment, checkpoint_segments
+from boomfx.training.checkpointing import SIZE_READING_CPP_KERNELS, GraphRunner, Segment, checkpoint_segments
 from boomfx.core.program import (
     PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD,
     ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM,
 )
+from boomfx.core.errors import UnsupportedError
+from boomfx.training.fake_kernels import fake_kernel_fixes
 
 
 ROLES = (ROLE_PARAM, ROLE_BUFFER, ROLE_GRAD, ROLE_OPT_STATE, ROLE_INPUT, ROLE_LABEL, ROLE_CONSTANT)
@@ -386,9 +390,27 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         recorder.close(PHASE_OPTIMIZER)
         return loss_val.detach()
 
-    with fake.mode, fx_traceback.preserve_node_meta():
+    # A graph with ops whose C++ kernels read sizes as ints (pad: MobileNetV2, EfficientNet, Swin) is
+    # traced under the Python dispatcher, forward and backward (torch's SymInt-aware Python meta functions
+    # and decompositions, as export does); others as before. _check_no_specialisation refuses any other
+    # op that fixed a size symbol.
+    reads_sizes = any(n.target in SIZE_READING_CPP_KERNELS for n in ep.graph.nodes)
+    dispatcher = enable_python_dispatcher() if reads_sizes else contextlib.nullcontext()
+    with fake_kernel_fixes(), fake.mode, dispatcher, fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="real")(*graph_args, *grad_args, *opt_args)
+    _check_no_specialisation(fake.shape_env, symbols)
     return _finish(gm, names, roles, fqns, recorder, grad_names, param_pos, fake, symbols)
+
+
+def _check_no_specialisation(shape_env: ShapeEnv, symbols: set[sympy.Symbol]) -> None:
+    """A size symbol fixed to its example value during the re-trace would price every later kernel at that
+    size: refuse, never a silently smaller step."""
+    fixed = {s: v for s, v in shape_env.replacements.items() if s in symbols and getattr(v, "is_number", False)}
+    if fixed:
+        names = ", ".join(f"{s}={v}" for s, v in sorted(fixed.items(), key=lambda kv: str(kv[0])))
+        raise UnsupportedError(f"re-tracing the step fixed symbolic size(s) {names} to the trace's example value (an "
+                           f"op of the graph reads sizes as plain integers); analyse without --train/--amp, or "
+                           f"export with static shapes")
 
 
 def _grad_buffers(fake: _FakeFactory, graph_args: list[Any], names: list[str], roles: list[str],

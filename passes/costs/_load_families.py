@@ -2,7 +2,7 @@
 import importlib
 
 FAMILIES = ("matmul", "conv", "attention", "pointwise", "reduction", "norms", "indexing", "views",
-            "optimizer", "collectives")
+            "optimizer", "collectives", "pooling")
 _loaded = False
 
 

@@ -1,0 +1,69 @@
+"""Fake-tensor kernels that torch's own meta functions get wrong while boomfx traces a step.
+
+Why: boomfx traces training steps under ``make_fx`` on fake tensors with symbolic sizes. A few of torch's
+meta functions fail there although the op is well defined on a GPU; the step then cannot be traced at
+all. Inside :func:`fake_kernel_fixes` the fake mode computes those ops' outputs with the functions below
+(registered as fake-tensor implementations for the duration only), while make_fx still records each op
+exactly as called, as one node.
+
+Fixed ops:
+
+- ``aten._scaled_dot_product_efficient_attention_backward`` with a bias that needs a gradient (T5's
+  relative position bias, passed to SDPA as a float ``attn_mask``; the memory-efficient kernel is what
+  CUDA picks for a float mask). Torch's meta function slices its padded bias gradient with a symbolic
+  length (``grad_bias[..., :lastDim]``), which trips an internal assert of the Python argument parser
+  (torch 2.13). Here the other three gradients come from torch's meta function (bias gradient not
+  requested) and the bias gradient is built the same way, with ``narrow`` instead of indexing: a buffer
+  whose last dimension is padded to a multiple of 16 elements, viewed at the bias's length, as the
+  kernel allocates it (``aten/src/ATen/native/transformers/cuda/attention_backward.cu``).
+
+Known limitations: only the ops above; any other meta failure still raises. The registration is
+process-wide while the context is open (torch keeps fake implementations in one table).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses import fake_impls
+
+aten = torch.ops.aten
+
+_BIAS_ALIGN_ELEMENTS = 16   # mem-efficient attention pads the bias gradient's last dim to 16 elements
+
+
+def _efficient_attention_backward(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    bound = op._schema.arguments
+    values = dict(zip((a.name for a in bound), args))
+    values.update(kwargs)
+    mask = list(values["grad_input_mask"])
+    bias = values["attn_bias"]
+    if bias is None or not mask[3]:
+        return NotImplemented      # torch's meta function handles it
+    values["grad_input_mask"] = [*mask[:3], False]
+    with fake_mode:   # ops on fake tensors again, inside the fake mode's dispatch (not recorded)
+        grad_q, grad_k, grad_v, _ = op(**values)
+        last = bias.size(-1)
+        aligned = (last + _BIAS_ALIGN_ELEMENTS - 1) // _BIAS_ALIGN_ELEMENTS * _BIAS_ALIGN_ELEMENTS
+        padded = torch.empty([*bias.shape[:-1], aligned], dtype=bias.dtype, device=bias.device)
+    return grad_q, grad_k, grad_v, padded.narrow(-1, 0, last)
+
+
+_FIXES = {
+    aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+}
+
+
+@contextlib.contextmanager
+def fake_kernel_fixes() -> Iterator[None]:
+    """Within: the ops of the module docstring use the fake implementations here."""
+    added = [op for op in _FIXES if op not in fake_impls.op_implementations_dict]
+    for op in added:
+        fake_impls.op_implementations_dict[op] = _FIXES[op]
+    try:
+        yield
+    finally:
+        for op in added:
+            fake_impls.op_implementations_dict.pop(op, None)
