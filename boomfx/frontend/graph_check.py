@@ -13,8 +13,8 @@ Checks, in order:
 1. Every parameter, buffer and constant placeholder has the shape, strides and dtype of its tensor
    in the payload config (``data/weights/...`` or ``data/constants/...``).
 2. Every call of an ATen operator is re-run on the fake values of its inputs (``torch``'s own meta
-   kernels, under the program's ``ShapeEnv``) and its output must have the recorded sizes, dtype and
-   strides (sizes compared by their example hints, so equivalent symbolic forms agree). Calls with
+   kernels, under the program's ``ShapeEnv``) and its output must have the recorded sizes and dtype
+   (not strides: output layouts depend on the kernel that ran at export; sizes compared by their example hints, so equivalent symbolic forms agree). Calls with
    the same operator and input descriptions are re-run once, so the cost does not grow with depth
    (about 20-50 distinct calls in the shipped examples).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 import torch.fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, UnsupportedOperatorException
 from torch.export import ExportedProgram
@@ -107,9 +108,11 @@ def _describe(value: Any) -> Any:
 
 
 def _summary(value: Any) -> Any:
-    """What is compared between a recorded value and a re-run: sizes (hints), dtype, strides."""
+    """What is compared between a recorded value and a re-run: sizes (hints) and dtype. Not strides: an
+    op's output layout depends on the kernel that ran at export (T5's SDPA on CPU records [512, 128, 16, 1]
+    where its meta kernel gives [512, 16, 64, 1]), so a stride difference is no sign of damage."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(_hint(s) for s in value.shape), value.dtype, _meaningful_strides(value))
+        return ("tensor", tuple(_hint(s) for s in value.shape), value.dtype, None)
     if isinstance(value, (list, tuple)):
         return tuple(_summary(v) for v in value)
     if isinstance(value, torch.SymInt):
@@ -144,7 +147,10 @@ def _check_recorded_values(ep: ExportedProgram, source: str) -> None:
     if mode is None:
         return
     rerun: dict[Any, Any] = {}
-    with mode:
+    # torch's Python meta functions and decompositions, as export runs them: some C++ kernels read sizes
+    # as ints (constant_pad_nd), and re-running them would fix a size symbol in the program's ShapeEnv to
+    # its example value (MobileNetV2's padding: every later analysis bound to batch 2)
+    with mode, enable_python_dispatcher():
         for node in ep.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 continue
