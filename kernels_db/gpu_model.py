@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import numpy as np
-import sympy
 import torch
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.kernels_db import gpu_model_core as core
 from boomfx.kernels_db.gpu_model_core import GemmParams, MemoryParams
 from boomfx.passes.costs.registry import OpCall
-from boomfx.passes.specs import TensorSpec
+from boomfx.passes.specs import TensorSpec, concrete_int, concrete_shape
 
 aten = torch.ops.aten
 CALIBRATION_PATH = Path(__file__).parent / "data" / "gpu_calibration.json"
@@ -90,15 +89,8 @@ class MemoryProblem:
     row: int
 
 
-def _int(value: Any) -> int:
-    expr = sympy.sympify(value)
-    if expr.free_symbols:
-        raise ValueError(f"unbound symbols {sorted(map(str, expr.free_symbols))}: bind sizes first")
-    return int(expr)
-
-
-def _shape(spec: TensorSpec) -> tuple[int, ...]:
-    return tuple(_int(s) for s in spec.shape)
+_int = concrete_int      # passes/specs.py
+_shape = concrete_shape
 
 
 def _fp32_only(call: OpCall) -> bool:

@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import numpy as np
-import sympy
 import torch
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import OpCall
-from boomfx.passes.specs import TensorSpec
+from boomfx.passes.specs import TensorSpec, concrete_int, concrete_shape
 
 aten = torch.ops.aten
 
@@ -55,15 +54,8 @@ BLHE_LAYOUT = frozenset({aten._flash_attention_forward.default, aten._efficient_
                          aten._flash_attention_backward.default, aten._efficient_attention_backward.default})
 
 
-def _int(value: Any) -> int:
-    expr = sympy.sympify(value)
-    if expr.free_symbols:
-        raise ValueError(f"unbound symbols {sorted(map(str, expr.free_symbols))}: bind sizes first")
-    return int(expr)
-
-
-def _shape(spec: TensorSpec) -> tuple[int, ...]:
-    return tuple(_int(s) for s in spec.shape)
+_int = concrete_int      # passes/specs.py
+_shape = concrete_shape
 
 
 def gemm_dims(call: OpCall) -> Optional[tuple[str, torch.dtype, int, int, int, int]]:

@@ -89,3 +89,16 @@ def contiguous_strides(shape: tuple[SymExpr, ...]) -> tuple[SymExpr, ...]:
         strides.append(acc)
         acc = acc * size
     return tuple(reversed(strides))
+
+
+def concrete_int(value: Any) -> int:
+    """A bound size as an int; a size with symbols left raises ValueError (bind sizes before asking)."""
+    expr = sympy.sympify(value)
+    if expr.free_symbols:
+        raise ValueError(f"unbound symbols {sorted(map(str, expr.free_symbols))}: bind sizes first")
+    return int(expr)
+
+
+def concrete_shape(spec: "TensorSpec") -> tuple[int, ...]:
+    """The bound shape of ``spec`` as ints (see ``concrete_int``)."""
+    return tuple(concrete_int(s) for s in spec.shape)

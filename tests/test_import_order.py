@@ -140,3 +140,11 @@ def _module_level_env_reads(tree: ast.Module) -> list[int]:
 def test_no_environment_read_at_import_time(name: str) -> None:
     tree = ast.parse(MODULES[name].read_text())
     assert not _module_level_env_reads(tree), f"{name} reads the environment when imported"
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml lists each package (a non-editable install ships only those)."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"

@@ -121,6 +121,10 @@ class Analysis:
             self._price_cache[key] = hit
         return hit
 
+    def price_node(self, name: str, ev: Evaluator) -> Any:
+        """The KernelPrice of node ``name`` at ``ev``'s sizes (cached per distinct bound call)."""
+        return self._price_node(name, ev)[0]
+
     def _bind(self, name: str, ev: Evaluator) -> Any:
         """The node's call at ``ev``'s sizes (the evaluator also fixes data-dependent scalars)."""
         return bind_call(self.costs.by_node[name].call, ev)

@@ -214,7 +214,7 @@ class StepPricer:
             for name in self.model.logits_nodes:
                 if name not in self.analysis.costs.by_node:
                     continue
-                price, _ = self.analysis._price_node(name, ev)
+                price = self.analysis.price_node(name, ev)
                 device = price.time_ns
                 if self.cpu and not getattr(price, "host_in_time", False):
                     device += price.host_ns

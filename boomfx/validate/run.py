@@ -14,6 +14,7 @@ import torch
 
 from boomfx.core.errors import OptionError
 from boomfx.validate.result import OpComparison, ValidationResult
+from boomfx.kernels_db.block_runner import free_memory_bytes
 
 # Sizes are lowered (batch halved) until the predicted step fits in this share of the memory free
 # now: the rest is left to the allocator's caching, the profiler and other processes.
@@ -75,7 +76,7 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
                              resident_grads=resident_grads)
     program = capture(ep, options=options)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
-    bindings, reduced = fitting_bindings(analysis, dims or {}, batch, seq, _free_bytes(local))
+    bindings, reduced = fitting_bindings(analysis, dims or {}, batch, seq, free_memory_bytes(local))
     point = analysis.evaluate(bindings)
     report = point.report
 
@@ -151,20 +152,6 @@ def _local_spec(device: torch.device) -> Any:
         return local_device_spec(device)
     except LookupError as exc:
         raise OptionError(str(exc)) from None
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Memory free now: CUDA's ``mem_get_info``, else the kernel's MemAvailable."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 def fitting_bindings(analysis: Any, dims: Mapping[str, int], batch: Optional[int], seq: Optional[int],
