@@ -1,0 +1,134 @@
+"""A rank's fx graph with _c10d_functional collectives scheduled on compute and communication streams
+(boomfx/distributed/step_schedule.py), on graphs traced here with make_fx on fake tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from boomfx.analysis.analysis import Analysis
+from boomfx.core.devices import get_device
+from boomfx.core.errors import CollectiveError
+from boomfx.distributed.step_schedule import c10d_packet, schedule_rank
+from boomfx.frontend.capture import capture
+from boomfx.kernels_db.collective_model import CollectiveGroup
+from boomfx.kernels_db.collectives import CollectivePrice, price_collective
+from boomfx.kernels_db.price import PriceSource
+from boomfx.simulate.streams import DEFAULT_GPU_SLOWDOWN, NO_SLOWDOWN
+from boomfx.simulate.timeline import ScheduledKernel, simulate
+
+c10d = torch.ops._c10d_functional
+H100 = get_device("h100-sxm")
+TP8 = {"tp": CollectiveGroup.of(8)}
+
+
+def _analysis(fn, *shapes, device=H100) -> Analysis:
+    with FakeTensorMode():
+        gm = make_fx(fn)(*[torch.empty(s) for s in shapes])
+    return Analysis(capture(gm), device)
+
+
+def _tp_block(x, w):
+    y = torch.mm(x, w)
+    r = c10d.all_reduce.default(y, "sum", "tp")
+    z = torch.relu(x)
+    r = c10d.wait_tensor.default(r)
+    return r + z
+
+
+def _fsdp_two_units(x, s0, s1):
+    """FSDP2's pattern: each unit's weight all-gathered from a resident shard right before it is used."""
+    w0 = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(s0, 8, "dp_shard"))
+    h = torch.mm(x, w0.view(2048, 2048))
+    w1 = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(s1, 8, "dp_shard"))
+    return torch.mm(h, w1.view(2048, 2048))
+
+
+class _FreePricer:
+    def price(self, op, message_bytes, group, dtype=None):
+        return CollectivePrice(0.0, PriceSource.MODEL, "ring", "Simple", 0.0)
+
+
+def test_collective_priced_by_the_collective_model_with_its_message_bytes():
+    step = schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, TP8)
+    (ar,) = step.collectives
+    # all_reduce of the [64, 64] fp32 mm output: 64 * 64 * 4 = 16384 bytes over 8 ranks in a node
+    assert ar.op == "all_reduce" and ar.group == "tp" and ar.message_bytes == 16384
+    expected = price_collective("all_reduce", 16384, CollectiveGroup.of(8), H100)
+    span = {s.name: s for s in step.timeline.spans}
+    assert span[ar.node].end_ns - span[ar.node].start_ns == pytest.approx(expected.time_ns)
+    assert span[ar.node].stream == "comm:tp"
+    assert span[ar.node].start_ns >= span["mm"].end_ns               # waits for its input
+    assert span["add"].start_ns >= span[ar.node].end_ns             # after the wait
+    rank = step.timeline.ranks[0]
+    assert rank.exposed_comm_ns + rank.hidden_comm_ns == pytest.approx(expected.time_ns)
+
+
+@pytest.mark.parametrize("fn,shapes,groups", [
+    (_tp_block, [(64, 64), (64, 64)], TP8),
+    (_fsdp_two_units, [(2048, 2048), (2048 * 2048 // 8,), (2048 * 2048 // 8,)], {"dp_shard": CollectiveGroup.of(8)}),
+])
+def test_free_communication_equals_the_single_device_scheduler(fn, shapes, groups):
+    analysis = _analysis(fn, *shapes)
+    step = schedule_rank(analysis, {}, groups, pricer=_FreePricer(), slowdown=DEFAULT_GPU_SLOWDOWN)
+    # the analysis's own kernels in program order, collectives taking no device time, one stream
+    nodes = {n.name: n for n in analysis.program.graph.nodes}
+    single = [ScheduledKernel(s.name, s.issue_end_ns - s.issue_start_ns,
+                              0.0 if c10d_packet(nodes[s.name]) else s.end_ns - s.start_ns)
+              for s in step.point.timeline.spans]
+    assert step.step_ns == pytest.approx(simulate(single).total_ns)
+    assert step.timeline.exposed_comm_ns == 0.0
+
+
+def test_fsdp_prefetch_overlap_falls_out_of_the_dependencies():
+    shard = 2048 * 2048 // 8
+    analysis = _analysis(_fsdp_two_units, (2048, 2048), (shard,), (shard,))
+    groups = {"dp_shard": CollectiveGroup.of(8)}
+    step = schedule_rank(analysis, {}, groups, slowdown=NO_SLOWDOWN)
+    span = {s.name: s for s in step.timeline.spans}
+    ag0, ag1 = (c.node for c in step.collectives)
+    mm0 = next(s.name for s in step.timeline.spans if s.name.startswith("mm"))
+    t_ag = price_collective("all_gather", 2048 * 2048 * 4, CollectiveGroup.of(8), H100).time_ns
+    # the second all-gather reads a resident shard: it waits for nothing but its issue and the group's stream
+    # (the first all-gather), so it runs while the first mm does
+    assert span[ag1].start_ns == pytest.approx(max(span[ag1].issue_end_ns, span[ag0].end_ns))
+    assert span[ag1].start_ns < span[mm0].end_ns
+    assert span[ag1].end_ns <= span[mm0].end_ns                     # the mm is long enough to hide it all
+    # exposed: the first all-gather only (nothing runs before it); hidden: the second
+    assert step.timeline.exposed_comm_ns == pytest.approx(t_ag)
+    assert step.timeline.hidden_comm_ns == pytest.approx(t_ag)
+    # with the overlap slowdown f, the mm loses t_ag (1 - 1/f) of progress: the step grows by exactly that
+    slow = schedule_rank(analysis, {}, groups, slowdown=DEFAULT_GPU_SLOWDOWN, point=step.point)
+    f = DEFAULT_GPU_SLOWDOWN.factor
+    assert slow.step_ns - step.step_ns == pytest.approx(t_ag * (1 - 1 / f))
+
+
+def _ddp_bucket(x, w, bucket):
+    g = torch.mm(x, w)
+    r = c10d.all_reduce_.default(bucket, "sum", "dp")
+    y = torch.relu(g)
+    return y, c10d.wait_tensor.default(r)
+
+
+def test_in_place_collective_on_a_runtime_buffer_waits_for_earlier_compute():
+    step = schedule_rank(_analysis(_ddp_bucket, (512, 512), (512, 512), (4096,)), {},
+                         {"dp": CollectiveGroup.of(8)})
+    span = {s.name: s for s in step.timeline.spans}
+    # the bucket is a graph input the runtime filled on the compute stream: the all-reduce waits for the mm
+    assert span["all_reduce_"].start_ns == pytest.approx(max(span["mm"].end_ns, span["all_reduce_"].issue_end_ns))
+    assert step.collectives[0].message_bytes == 4096 * 4
+
+
+def test_cpu_rank_blocks_on_wait():
+    step = schedule_rank(_analysis(_tp_block, (64, 64), (64, 64), device=get_device("cpu")), {},
+                         {"tp": CollectiveGroup.of(2)})
+    span = {s.name: s for s in step.timeline.spans}
+    wait = next(s for s in step.timeline.spans if s.name.startswith("wait"))
+    assert wait.end_ns == pytest.approx(span[step.collectives[0].node].end_ns)
+    assert span["add"].start_ns >= wait.end_ns
+
+
+def test_unknown_group_is_one_clear_error():
+    with pytest.raises(CollectiveError, match="process group 'tp' has no ranks"):
+        schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, {"dp": CollectiveGroup.of(8)})
