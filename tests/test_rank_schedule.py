@@ -132,3 +132,33 @@ def test_cpu_rank_blocks_on_wait():
 def test_unknown_group_is_one_clear_error():
     with pytest.raises(CollectiveError, match="process group 'tp' has no ranks"):
         schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, {"dp": CollectiveGroup.of(8)})
+
+
+def _fsdp_as_the_rank_rewrite_emits_it(x):
+    """boomfx/distributed/fsdp.py's nodes: all_gather_into_tensor_out into a fresh flat buffer, a reduce-scatter
+    of the gradient, HSDP's in-place all-reduce of the scattered shard over the replicas."""
+    flat = torch.empty(8 * 4096)
+    own = flat.narrow(0, 0, 4096)
+    gathered = c10d.wait_tensor.default(c10d.all_gather_into_tensor_out.default(own, 8, "dp_shard", out=flat))
+    y = torch.mm(x, gathered.view(128, 256))
+    shard = c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(y.view(-1), "sum", 8, "dp_shard"))
+    return c10d.wait_tensor.default(c10d.all_reduce_.default(shard, "sum", "dp_replicate"))
+
+
+def test_fsdp_rewrite_pattern_message_sizes_and_order():
+    groups = {"dp_shard": CollectiveGroup((0, 1, 2, 3, 4, 5, 6, 7), CollectiveGroup.of(16, 8).topology),
+              "dp_replicate": CollectiveGroup((0, 8), CollectiveGroup.of(16, 8).topology)}
+    step = schedule_rank(_analysis(_fsdp_as_the_rank_rewrite_emits_it, (64, 128)), {}, groups)
+    ag, rs, ar = step.collectives
+    # all-gather: its output, 8 x 4096 fp32 = 131072 B; reduce-scatter: its input, the [64, 256] fp32 mm output
+    # = 65536 B; all-reduce: the scattered shard, 65536 / 8 = 8192 B, across two nodes
+    assert [(c.op, c.group, c.message_bytes) for c in (ag, rs, ar)] == [
+        ("all_gather", "dp_shard", 131072), ("reduce_scatter", "dp_shard", 65536), ("all_reduce", "dp_replicate", 8192)]
+    span = {s.name: s for s in step.timeline.spans}
+    mm = next(n for n in span if n.startswith("mm"))
+    assert span[ag.node].start_ns == pytest.approx(span[ag.node].issue_end_ns)     # nothing to wait for
+    assert span[rs.node].start_ns >= span[mm].end_ns
+    assert span[ar.node].start_ns >= span[rs.node].end_ns                           # through the wait
+    assert span[ar.node].stream == "comm:dp_replicate"
+    expected = price_collective("all_reduce", 8192, groups["dp_replicate"], H100).time_ns
+    assert span[ar.node].end_ns - span[ar.node].start_ns == pytest.approx(expected)
