@@ -162,3 +162,18 @@ def test_fsdp_rewrite_pattern_message_sizes_and_order():
     assert span[ar.node].stream == "comm:dp_replicate"
     expected = price_collective("all_reduce", 8192, groups["dp_replicate"], H100).time_ns
     assert span[ar.node].end_ns - span[ar.node].start_ns == pytest.approx(expected)
+
+
+def test_mesh_groups_follow_torchtitans_layout():
+    from boomfx.distributed.mesh_groups import mesh_coords, mesh_groups
+    from boomfx.kernels_db.collective_model import ClusterTopology
+    degrees = {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "tp": 4}
+    topo = ClusterTopology(4, 8)
+    # rank 13 = ((pp 0 * 2 + rep 1) * 2 + shard 1) * 4 + tp 1
+    assert mesh_coords(degrees, 13) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    g = mesh_groups(degrees, 13, topo)
+    assert g["tp"].ranks == (12, 13, 14, 15) and g["tp"].nodes == 1
+    assert g["dp_shard"].ranks == (9, 13) and g["dp_replicate"].ranks == (5, 13)
+    assert g["pp"].ranks == (13, 29) and g["pp"].nodes == 2             # rank 29 is on node 3
+    with pytest.raises(Exception, match="the mesh has 32 ranks"):
+        mesh_groups(degrees, 0, ClusterTopology(2, 8))
