@@ -122,3 +122,65 @@ def test_bad_input():
         simulate_streams([StreamOp("a", COMPUTE, 1.0), StreamOp("a", COMPUTE, 1.0)])
     with pytest.raises(StreamError, match="below 1"):
         simulate_streams([StreamOp("a", COMPUTE, 1.0)], OverlapSlowdown(0.5, "x"))
+
+
+# -- properties over random programs ----------------------------------------------------------------
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@st.composite
+def _programs(draw, groups=("comm:dp", "comm:tp")):
+    """Compute kernels in program order, collectives reading an earlier kernel, waits some ops later."""
+    ops: list[StreamOp] = []
+    kernels: list[str] = []
+    unwaited: list[str] = []
+    for i in range(draw(st.integers(1, 25))):
+        ops.append(StreamOp(f"k{i}", COMPUTE, draw(st.floats(0, 50)), draw(st.floats(0, 10))))
+        kernels.append(f"k{i}")
+        if draw(st.booleans()):
+            dep = draw(st.sampled_from(kernels))
+            name = f"c{i}"
+            ops.append(StreamOp(name, draw(st.sampled_from(groups)), draw(st.floats(0, 80)), draw(st.floats(0, 5)),
+                                deps=(dep,)))
+            unwaited.append(name)
+        if unwaited and draw(st.booleans()):
+            ops.append(StreamOp(f"w{i}", COMPUTE, 0.0, 0.0, deps=(unwaited.pop(0),)))
+    ops += [StreamOp(f"w_end{j}", COMPUTE, 0.0, 0.0, deps=(c,)) for j, c in enumerate(unwaited)]
+    return ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(_programs(), st.sampled_from([1.0, 1.189, 1.9]))
+def test_property_dependencies_streams_and_accounting(ops, factor):
+    t = simulate_streams(ops, OverlapSlowdown(factor, "test"))
+    assert t == simulate_streams(ops, OverlapSlowdown(factor, "test"))          # deterministic
+    span = {s.name: s for s in t.spans}
+    last_end: dict[str, float] = {}
+    for op in ops:
+        s = span[op.name]
+        assert s.start_ns >= s.issue_end_ns - 1e-9
+        assert all(s.start_ns >= span[d].end_ns - 1e-9 for d in op.deps)
+        assert s.start_ns >= last_end.get(op.stream, 0.0) - 1e-9
+        assert s.end_ns - s.start_ns >= op.device_ns - 1e-6                    # never faster than alone
+        last_end[op.stream] = s.end_ns
+    rank = t.ranks[0]
+    assert rank.exposed_comm_ns + rank.hidden_comm_ns == pytest.approx(rank.comm_busy_ns)
+    assert rank.hidden_comm_ns <= rank.compute_busy_ns + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(_programs())
+def test_property_free_communication_is_the_single_stream_schedule(ops):
+    free = [StreamOp(o.name, o.stream, 0.0 if o.stream != COMPUTE else o.device_ns, o.host_ns, o.deps) for o in ops]
+    t = simulate_streams(free, DEFAULT_GPU_SLOWDOWN)
+    assert t.total_ns == pytest.approx(simulate(_single_stream(free)).total_ns)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_programs(groups=("comm:dp",)))
+def test_property_free_compute_is_the_exposed_communication(ops):
+    free = [StreamOp(o.name, o.stream, 0.0 if o.stream == COMPUTE else o.device_ns, 0.0, o.deps) for o in ops]
+    t = simulate_streams(free, DEFAULT_GPU_SLOWDOWN)
+    comm = sum(o.device_ns for o in free if o.stream != COMPUTE)
+    assert t.total_ns == pytest.approx(comm) and t.exposed_comm_ns == pytest.approx(comm)

@@ -59,8 +59,8 @@ class OverlapSlowdown:
     source: str
 
 
-# Agarwal et al., "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning"
-# (arXiv:2507.03114, 2025): GPT and Llama training on 4 A100 / H100 / MI250 / MI210, compute overlapped with
+# "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
+# Power Implications" (arXiv:2507.03114, 2025): GPT and Llama training on 4 A100 / H100 / MI250 / MI210, compute overlapped with
 # communication runs 18.9% slower on average (40% at most). The 1.5-1.9x reports are single bandwidth-bound
 # kernels next to a large all-gather; a whole step mixes them with GEMMs, so the average is the default.
 DEFAULT_GPU_SLOWDOWN = OverlapSlowdown(1.189, "arXiv:2507.03114: mean compute slowdown under overlap, 4 GPUs")
@@ -180,6 +180,7 @@ class _Engine:
         for op in self.ops:
             self.queues.setdefault((op.spec.rank, op.spec.stream), []).append(op)
         self.heads = {key: 0 for key in self.queues}
+        self.queue_order = sorted(self.queues)           # (rank, stream): the order ties are broken in
         self.host_next = {rank: 0 for rank in self.per_rank}
         self.host_blocked: dict[int, Optional[_Op]] = {rank: None for rank in self.per_rank}
         self.host_t = {rank: 0.0 for rank in self.per_rank}
@@ -261,11 +262,12 @@ class _Engine:
         changed = True
         while changed:
             changed = False
-            for key in sorted(self.queues):
+            for key in self.queue_order:
+                queue = self.queues[key]
                 head = self.heads[key]
-                if head >= len(self.queues[key]):
+                if head >= len(queue):
                     continue
-                op = self.queues[key][head]
+                op = queue[head]
                 if op.start is not None or not self.ready_at(op):
                     continue
                 self.start(op)
