@@ -60,9 +60,10 @@ class OverlapSlowdown:
 
 
 # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
-# Power Implications" (arXiv:2507.03114, 2025): GPT and Llama training on 4 A100 / H100 / MI250 / MI210, compute overlapped with
-# communication runs 18.9% slower on average (40% at most). The 1.5-1.9x reports are single bandwidth-bound
-# kernels next to a large all-gather; a whole step mixes them with GEMMs, so the average is the default.
+# Power Implications" (arXiv:2507.03114, 2025): GPT and Llama training on 4 A100 / H100 / MI250 / MI210,
+# compute overlapped with communication runs 18.9% slower on average (40% at most). The 1.5-1.9x reports are
+# single bandwidth-bound kernels next to a large all-gather; a whole step mixes them with GEMMs, so the
+# average is the default. NB: not measured here (no GPU); a measured factor should replace it.
 DEFAULT_GPU_SLOWDOWN = OverlapSlowdown(1.189, "arXiv:2507.03114: mean compute slowdown under overlap, 4 GPUs")
 NO_SLOWDOWN = OverlapSlowdown(1.0, "off")
 
