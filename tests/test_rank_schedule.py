@@ -177,3 +177,31 @@ def test_mesh_groups_follow_torchtitans_layout():
     assert g["pp"].ranks == (13, 29) and g["pp"].nodes == 2             # rank 29 is on node 3
     with pytest.raises(Exception, match="the mesh has 32 ranks"):
         mesh_groups(degrees, 0, ClusterTopology(2, 8))
+
+
+def test_class_steps_resolve_groups_on_the_mesh_and_feed_the_search():
+    from types import SimpleNamespace
+
+    from boomfx.distributed.metrics import mfu
+    from boomfx.distributed.search import Plan
+    from boomfx.distributed.step_time import class_steps, plan_evaluator
+    from boomfx.kernels_db.collective_model import ClusterTopology
+    analysis = _analysis(_fsdp_as_the_rank_rewrite_emits_it, (64, 128))
+    # a DistributedAnalysis-shaped stand-in: HSDP 2 x 8 on 2 nodes of 8, all ranks one class
+    dist = SimpleNamespace(cfg=SimpleNamespace(dp_replicate=2, dp_shard=8, tp=1, pp=1, nodes=2, world=16),
+                           classes=[SimpleNamespace(ranks=tuple(range(16)))], analyses=[analysis])
+    (cls,) = class_steps(dist, {})
+    ag, rs, ar = cls.step.collectives
+    topo = ClusterTopology(2, 8)
+    assert ag.price.time_ns == pytest.approx(
+        price_collective("all_gather", 131072, CollectiveGroup(tuple(range(8)), topo), H100).time_ns)
+    assert ar.price.time_ns == pytest.approx(
+        price_collective("all_reduce", 8192, CollectiveGroup((0, 8), topo), H100).time_ns)    # across the nodes
+    builds = []
+    evaluator = plan_evaluator(lambda key: builds.append(key) or dist, lambda d, plan: {},
+                               flops_per_step=lambda plan: 1e12, peak_flops_per_s=989.4e12)
+    plan = Plan(2, 8, 1, 1)
+    result = evaluator(plan)
+    assert evaluator(plan) == result and builds == [plan.program_key()]
+    assert result.time_ns == pytest.approx(cls.step.step_ns)
+    assert result.fits and result.mfu == pytest.approx(mfu(1e12, cls.step.step_ns, 16, 989.4e12))
