@@ -144,7 +144,7 @@ def predict(db: str) -> dict[str, dict]:
 
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.core.devices import cpu_spec
-    from boomfx.distributed.step_schedule import c10d_packet, schedule_rank
+    from boomfx.distributed.rank_schedule import c10d_packet, schedule_rank
     from boomfx.frontend.capture import capture
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.collective_bench import collect_collectives

@@ -1,5 +1,5 @@
 """A rank's fx graph with _c10d_functional collectives scheduled on compute and communication streams
-(boomfx/distributed/step_schedule.py), on graphs traced here with make_fx on fake tensors."""
+(boomfx/distributed/rank_schedule.py), on graphs traced here with make_fx on fake tensors."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from boomfx.analysis.analysis import Analysis
 from boomfx.core.devices import get_device
 from boomfx.core.errors import CollectiveError
-from boomfx.distributed.step_schedule import c10d_packet, schedule_rank
+from boomfx.distributed.rank_schedule import c10d_packet, schedule_rank
 from boomfx.frontend.capture import capture
 from boomfx.kernels_db.collective_model import CollectiveGroup
 from boomfx.kernels_db.collectives import CollectivePrice, price_collective

@@ -24,7 +24,7 @@ import sympy
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import mfu
 from boomfx.distributed.search import Plan, PlanResult, ReusingEvaluator
-from boomfx.distributed.step_schedule import CollectivePriceSource, RankStep, schedule_rank
+from boomfx.distributed.rank_schedule import CollectivePriceSource, RankStep, schedule_rank
 from boomfx.kernels_db.collective_model import ClusterTopology
 from boomfx.kernels_db.collectives import CollectivePricer
 from boomfx.simulate.streams import OverlapSlowdown
