@@ -205,3 +205,34 @@ def test_class_steps_resolve_groups_on_the_mesh_and_feed_the_search():
     assert evaluator(plan) == result and builds == [plan.program_key()]
     assert result.time_ns == pytest.approx(cls.step.step_ns)
     assert result.fits and result.mfu == pytest.approx(mfu(1e12, cls.step.step_ns, 16, 989.4e12))
+
+
+def _ddp_as_the_rank_rewrite_emits_it(x, w, bucket):
+    """DDP's rewrite: the bucket's in-place all-reduce and its wait right after the bucket's last gradient,
+    more backward compute, then the bucket read (the copy back to the gradients before the optimizer)."""
+    g = torch.mm(x, w)
+    done = c10d.wait_tensor.default(c10d.all_reduce_.default(bucket, "sum", "dp"))
+    for _ in range(3):
+        g = torch.mm(g, w)
+    return g, bucket.mul(0.5), done
+
+
+def test_waits_move_to_the_first_use_so_bucket_all_reduces_overlap_the_backward():
+    analysis = _analysis(_ddp_as_the_rank_rewrite_emits_it, (1024, 1024), (1024, 1024), (1 << 22,))
+    groups = {"dp": CollectiveGroup.of(16, 8)}          # two nodes: the all-reduce crosses the network
+    first_use = schedule_rank(analysis, {}, groups, slowdown=NO_SLOWDOWN)
+    placed = schedule_rank(analysis, {}, groups, slowdown=NO_SLOWDOWN, waits="as_placed", point=first_use.point)
+    (ar,) = first_use.collectives
+    t_ar = price_collective("all_reduce", (1 << 22) * 4, CollectiveGroup.of(16, 8), H100).time_ns
+    span = {s.name: s for s in first_use.timeline.spans}
+    mms = sorted((s for s in first_use.timeline.spans if s.name.startswith("mm")), key=lambda s: s.start_ns)
+    # first use: the three mms after the wait's graph position run beside the all-reduce; the mul waits for it
+    assert mms[1].start_ns < span[ar.node].end_ns
+    assert span["mul"].start_ns >= span[ar.node].end_ns
+    assert first_use.timeline.hidden_comm_ns > 0
+    # as placed: the compute stream waits at once, nothing hides
+    assert placed.timeline.hidden_comm_ns == 0.0
+    assert placed.timeline.exposed_comm_ns == pytest.approx(t_ar)
+    assert first_use.step_ns < placed.step_ns
+    with pytest.raises(CollectiveError, match="waits must be"):
+        schedule_rank(analysis, {}, groups, waits="later", point=first_use.point)

@@ -13,7 +13,11 @@ issue costs, cold starts: the spans of its single-stream timeline), then rebuild
   reduce-scatter its input, the others their input) and the ``CollectiveGroup`` ``groups`` maps its group
   name to;
 - ``wait_tensor`` is a zero-length compute op depending on the collective it waits for (on a CPU device it
-  blocks the host thread, as gloo's ``work.wait()`` does).
+  blocks the host thread, as gloo's ``work.wait()`` does), placed where the runtime waits: before the first
+  op reading the result (or, for an in-place collective, its buffer), at the latest before the optimizer
+  (``waits="first_use"``, the default; ``"as_placed"`` keeps the graph's position). The rank rewrites put
+  each wait right after its collective, which is where the buffers' lifetimes need it; DDP's bucket
+  all-reduces and FSDP2's reduce-scatters are waited for only at the end of the backward.
 
 Dependencies, as the runtime has them:
 
@@ -38,7 +42,7 @@ Known limitations:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import sympy
 import torch
@@ -46,6 +50,7 @@ import torch.fx
 
 from boomfx.analysis.analysis import Analysis, PointResult
 from boomfx.core.errors import CollectiveError
+from boomfx.core.program import PHASE_OPTIMIZER
 from boomfx.kernels_db.collective_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER,
                                                 SEND_RECV, CollectiveGroup)
 from boomfx.kernels_db.collectives import CollectivePrice, CollectivePricer
@@ -198,10 +203,60 @@ class _Producers:
         return True
 
 
+def _wait_positions(program: Any, nodes: list[torch.fx.Node], position: Mapping[str, int],
+                    kernels: set[str]) -> dict[str, int]:
+    """Where the runtime makes the compute stream wait for each ``wait_tensor``'s collective (``WAITS_FIRST_USE``):
+    the first kernel or collective reading its result (through views) or, for an in-place collective, reading
+    the buffer after it; at the latest the first optimizer op (DDP's ``finalize_backward`` and FSDP2's
+    root post-backward callback wait for every reduction before ``optimizer.step()``); never earlier than
+    the node itself."""
+    first_optimizer = next((i for i, n in enumerate(nodes) if n.name in kernels
+                            and program.phase_of(n) == PHASE_OPTIMIZER), len(nodes))
+
+    def readers(start: torch.fx.Node, after: int) -> list[int]:
+        found, todo, seen = [], list(start.users), set()
+        while todo:
+            user = todo.pop()
+            if user in seen or position[user.name] <= after:
+                continue
+            seen.add(user)
+            if user.op == "output" or user.name in kernels or c10d_packet(user) is not None:
+                found.append(position[user.name])
+            else:
+                todo.extend(user.users)
+        return found
+
+    out = {}
+    for node in nodes:
+        if c10d_packet(node) != WAIT:
+            continue
+        here = position[node.name]
+        uses = readers(node, here)
+        source = node.all_input_nodes[0] if node.all_input_nodes else None
+        if source is not None and c10d_packet(source) in COLLECTIVE_OPS:
+            # an in-place collective's result and buffer alias: their readers after the wait read its data
+            uses += readers(source, here)
+            for buffer in _mutated_args(source):
+                if isinstance(buffer, torch.fx.Node):
+                    uses += readers(buffer, here)
+        out[node.name] = max(here, min(uses + [first_optimizer]))
+    return out
+
+
+WAITS_FIRST_USE, WAITS_AS_PLACED = "first_use", "as_placed"
+
+
 def rank_stream_ops(analysis: Analysis, point: PointResult, bindings: Mapping[sympy.Symbol, int],
                     groups: Mapping[str, CollectiveGroup], pricer: CollectivePriceSource,
-                    ) -> tuple[list[StreamOp], list[ScheduledCollective]]:
-    """The ops of one rank for ``simulate_streams`` (see the module docstring)."""
+                    waits: str = WAITS_FIRST_USE) -> tuple[list[StreamOp], list[ScheduledCollective]]:
+    """The ops of one rank for ``simulate_streams`` (see the module docstring).
+
+    ``waits``: ``"first_use"`` places each ``wait_tensor`` where the runtime waits (``_wait_positions``); the
+    rank rewrites put waits right after their collectives, where buffer lifetimes need them.
+    ``"as_placed"`` keeps the graph's positions.
+    """
+    if waits not in (WAITS_FIRST_USE, WAITS_AS_PLACED):
+        raise CollectiveError(f"waits must be '{WAITS_FIRST_USE}' or '{WAITS_AS_PLACED}', got {waits!r}")
     program = analysis.program
     cpu = analysis.device.kind == "cpu"
     ev = analysis.evaluator(bindings)
@@ -211,6 +266,8 @@ def rank_stream_ops(analysis: Analysis, point: PointResult, bindings: Mapping[sy
     kernel_names = {s.name for s in point.timeline.spans if s.name in position and c10d_packet(
         nodes[position[s.name]]) is None}
     producers = _Producers(kernel_names)
+    wait_at = _wait_positions(program, nodes, position, kernel_names) if waits == WAITS_FIRST_USE else {}
+    deferred: list[tuple[int, int, torch.fx.Node]] = []     # (where, graph position, wait node)
     ops: list[StreamOp] = []
     collectives: list[ScheduledCollective] = []
     last_compute: Optional[str] = None
@@ -263,16 +320,32 @@ def rank_stream_ops(analysis: Analysis, point: PointResult, bindings: Mapping[sy
         collectives.append(ScheduledCollective(node.name, op, group_name, nbytes, price))
         emitted.add(node.name)
 
+    def waits_due(at: int) -> None:
+        deferred.sort(key=lambda d: (d[0], d[1]))
+        while deferred and deferred[0][0] <= at:
+            collective(deferred.pop(0)[2])
+
+    def comm_node(node: torch.fx.Node) -> None:
+        here = position[node.name]
+        waits_due(here)
+        if node.name in wait_at and wait_at[node.name] > here:
+            deferred.append((wait_at[node.name], here, node))
+        else:
+            collective(node)
+
     pending = [n for n in nodes if c10d_packet(n) is not None]
     for span in point.timeline.spans:
         here = position.get(span.name)
         while pending and here is not None and position[pending[0].name] < here:
-            collective(pending.pop(0))
+            comm_node(pending.pop(0))
         if span.name in kernel_names or span.name not in position:
+            if here is not None:
+                waits_due(here)
             compute(span.name)
             emitted.add(span.name)
     for node in pending:
-        collective(node)
+        comm_node(node)
+    waits_due(len(nodes))
     return ops, collectives
 
 
@@ -287,7 +360,7 @@ def default_slowdown(analysis: Analysis) -> OverlapSlowdown:
 
 def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], groups: Mapping[str, CollectiveGroup],
                   pricer: Optional[CollectivePriceSource] = None, slowdown: Optional[OverlapSlowdown] = None,
-                  point: Optional[PointResult] = None) -> RankStep:
+                  point: Optional[PointResult] = None, waits: str = WAITS_FIRST_USE) -> RankStep:
     """Simulate one rank's step with its collectives on their own streams (see the module docstring).
 
     ``pricer`` defaults to a ``CollectivePricer`` over the analysis's ``--db`` (its collective rows, else the
@@ -300,7 +373,7 @@ def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], grou
             store = Store(analysis.options.db)
         pricer = CollectivePricer(store, analysis.device)
     point = point if point is not None else analysis.evaluate(bindings)
-    ops, collectives = rank_stream_ops(analysis, point, bindings, groups, pricer)
+    ops, collectives = rank_stream_ops(analysis, point, bindings, groups, pricer, waits)
     timeline = simulate_streams(ops, slowdown if slowdown is not None else default_slowdown(analysis),
                                 synchronous=analysis.device.kind == "cpu")
     return RankStep(timeline, tuple(collectives), point)
