@@ -236,3 +236,18 @@ def test_waits_move_to_the_first_use_so_bucket_all_reduces_overlap_the_backward(
     assert first_use.step_ns < placed.step_ns
     with pytest.raises(CollectiveError, match="waits must be"):
         schedule_rank(analysis, {}, groups, waits="later", point=first_use.point)
+
+
+def test_communication_cost_is_what_the_collectives_add_to_the_step():
+    # device-bound TP block (2048^2 fp32 mm): the all-reduce after it sits on the critical path
+    analysis = _analysis(_tp_block, (2048, 2048), (2048, 2048))
+    big = schedule_rank(analysis, {}, TP8, slowdown=NO_SLOWDOWN)
+    free = schedule_rank(analysis, {}, TP8, pricer=_FreePricer(), slowdown=NO_SLOWDOWN, point=big.point)
+    assert big.communication_cost_ns() == pytest.approx(big.step_ns - free.step_ns)
+    # the add waits for all of the all-reduce's exposed part: it costs the step exactly that
+    assert big.communication_cost_ns() == pytest.approx(big.timeline.exposed_comm_ns) and big.step_ns > free.step_ns
+    # host-bound [64, 64] block: the host issues the add (5 launches x 6 us = 30 us) after the all-reduce has
+    # ended (~28 us): exposed on the device, free for the step
+    small = schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, TP8, slowdown=NO_SLOWDOWN)
+    assert small.timeline.exposed_comm_ns > 0
+    assert small.communication_cost_ns() == 0.0

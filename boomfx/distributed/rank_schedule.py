@@ -41,7 +41,7 @@ Known limitations:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Protocol
 
 import sympy
@@ -96,10 +96,22 @@ class RankStep:
     timeline: StreamTimeline
     collectives: tuple[ScheduledCollective, ...]
     point: PointResult
+    ops: tuple[StreamOp, ...] = ()
+    synchronous: bool = False
 
     @property
     def step_ns(self) -> float:
         return self.timeline.total_ns
+
+    def communication_cost_ns(self) -> float:
+        """What the collectives add to the step: this step minus the same step with free collectives.
+
+        Unlike ``timeline.exposed_comm_ns`` (a collective running while the compute stream is idle), this
+        is zero when the compute stream would have idled anyway, waiting for a host that issues slower
+        than the device runs (a host-bound step).
+        """
+        free = [replace(op, device_ns=0.0) if op.stream.startswith(COMM_PREFIX) else op for op in self.ops]
+        return self.step_ns - simulate_streams(free, self.timeline.slowdown, self.synchronous).total_ns
 
 
 def c10d_packet(node: torch.fx.Node) -> Optional[str]:
@@ -374,6 +386,7 @@ def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], grou
         pricer = CollectivePricer(store, analysis.device)
     point = point if point is not None else analysis.evaluate(bindings)
     ops, collectives = rank_stream_ops(analysis, point, bindings, groups, pricer, waits)
+    synchronous = analysis.device.kind == "cpu"
     timeline = simulate_streams(ops, slowdown if slowdown is not None else default_slowdown(analysis),
-                                synchronous=analysis.device.kind == "cpu")
-    return RankStep(timeline, tuple(collectives), point)
+                                synchronous=synchronous)
+    return RankStep(timeline, tuple(collectives), point, tuple(ops), synchronous)

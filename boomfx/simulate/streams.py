@@ -102,7 +102,11 @@ class StreamSpan:
 
 @dataclass(frozen=True)
 class RankTime:
-    """One rank's step: total, busy compute, collective time exposed (no compute running) and hidden."""
+    """One rank's step: total, busy compute, collective time exposed (no compute running) and hidden.
+
+    Exposed is counted on the device, as a profile shows it: in a host-bound step the compute stream idles
+    waiting for the host anyway, and an exposed collective there may cost the step nothing.
+    """
 
     rank: int
     total_ns: float
