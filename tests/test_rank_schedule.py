@@ -251,3 +251,19 @@ def test_communication_cost_is_what_the_collectives_add_to_the_step():
     small = schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, TP8, slowdown=NO_SLOWDOWN)
     assert small.timeline.exposed_comm_ns > 0
     assert small.communication_cost_ns() == 0.0
+
+
+def test_time_report_lists_each_class_and_its_priced_collectives():
+    from types import SimpleNamespace
+
+    from boomfx.distributed.step_time import class_steps, time_report
+    analysis = _analysis(_fsdp_as_the_rank_rewrite_emits_it, (64, 128))
+    dist = SimpleNamespace(cfg=SimpleNamespace(dp_replicate=2, dp_shard=8, tp=1, pp=1, nodes=2, world=16),
+                           classes=[SimpleNamespace(ranks=tuple(range(16)))], analyses=[analysis])
+    steps = class_steps(dist, {})
+    (row,) = time_report(steps)
+    assert row["ranks"] == list(range(16)) and row["step_time_ns"] == steps[0].step.step_ns
+    assert [(c["op"], c["group"], c["message_bytes"], c["source"]) for c in row["collectives"]] == [
+        ("all_gather", "dp_shard", 131072, "model"), ("reduce_scatter", "dp_shard", 65536, "model"),
+        ("all_reduce", "dp_replicate", 8192, "model")]
+    assert row["exposed_comm_ns"] + row["hidden_comm_ns"] == pytest.approx(steps[0].step.timeline.ranks[0].comm_busy_ns)

@@ -64,6 +64,24 @@ def class_steps(dist: DistributedAnalysisLike, bindings: Mapping[sympy.Symbol, i
     return out
 
 
+def time_report(steps: Sequence[ClassStep]) -> list[dict[str, Any]]:
+    """Per rank class, what ``report.parallel`` shows of its time: the streams step, exposed, hidden and
+    critical-path communication, and each collective with its price and where the price came from."""
+    out = []
+    for cls in steps:
+        step, rank = cls.step, cls.step.timeline.ranks[0]
+        out.append({
+            "ranks": list(cls.ranks), "step_time_ns": step.step_ns,
+            "single_stream_ns": step.point.report.time.total_ns,
+            "exposed_comm_ns": rank.exposed_comm_ns, "hidden_comm_ns": rank.hidden_comm_ns,
+            "comm_cost_ns": step.communication_cost_ns(), "overlap_slowdown": step.timeline.slowdown.factor,
+            "collectives": [{"node": c.node, "op": c.op, "group": c.group, "message_bytes": c.message_bytes,
+                             "time_ns": c.price.time_ns, "source": c.price.source.value,
+                             "algorithm": c.price.algorithm, "protocol": c.price.protocol}
+                            for c in step.collectives]})
+    return out
+
+
 def plan_evaluator(build: Callable[[Hashable], DistributedAnalysisLike],
                    bindings_for: Callable[[DistributedAnalysisLike, Plan], Mapping[sympy.Symbol, int]],
                    flops_per_step: Callable[[Plan], float], peak_flops_per_s: float, network: str = "ib-ndr",
