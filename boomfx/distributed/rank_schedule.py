@@ -370,6 +370,15 @@ def default_slowdown(analysis: Analysis) -> OverlapSlowdown:
     return DEFAULT_GPU_SLOWDOWN if analysis.device.kind == "cuda" else NO_SLOWDOWN
 
 
+def default_pricer(analysis: Analysis) -> CollectivePricer:
+    """The collective rows of the analysis's ``--db`` (resolved as its kernel pricer resolves it, read once),
+    else the model. A caller scheduling many points should keep one."""
+    from boomfx.kernels_db.db_path import resolve_db_path
+    from boomfx.kernels_db.store import Store
+    path = resolve_db_path(analysis.options.db, analysis.device)
+    return CollectivePricer(Store(path) if path is not None else None, analysis.device)
+
+
 def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], groups: Mapping[str, CollectiveGroup],
                   pricer: Optional[CollectivePriceSource] = None, slowdown: Optional[OverlapSlowdown] = None,
                   point: Optional[PointResult] = None, waits: str = WAITS_FIRST_USE) -> RankStep:
@@ -378,12 +387,7 @@ def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], grou
     ``pricer`` defaults to a ``CollectivePricer`` over the analysis's ``--db`` (its collective rows, else the
     model); ``slowdown`` to ``default_slowdown``; ``point`` to ``analysis.evaluate(bindings)``.
     """
-    if pricer is None:
-        store = None
-        if analysis.options.db:
-            from boomfx.kernels_db.store import Store
-            store = Store(analysis.options.db)
-        pricer = CollectivePricer(store, analysis.device)
+    pricer = pricer if pricer is not None else default_pricer(analysis)
     point = point if point is not None else analysis.evaluate(bindings)
     ops, collectives = rank_stream_ops(analysis, point, bindings, groups, pricer, waits)
     synchronous = analysis.device.kind == "cpu"

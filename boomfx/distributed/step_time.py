@@ -24,9 +24,8 @@ import sympy
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import mfu
 from boomfx.distributed.search import Plan, PlanResult, ReusingEvaluator
-from boomfx.distributed.rank_schedule import CollectivePriceSource, RankStep, schedule_rank
+from boomfx.distributed.rank_schedule import CollectivePriceSource, RankStep, default_pricer, schedule_rank
 from boomfx.kernels_db.collective_model import ClusterTopology
-from boomfx.kernels_db.collectives import CollectivePricer
 from boomfx.simulate.streams import OverlapSlowdown
 
 
@@ -56,11 +55,12 @@ def class_steps(dist: DistributedAnalysisLike, bindings: Mapping[sympy.Symbol, i
     """Each rank class's simulated step (see the module docstring)."""
     topology = topology_of(dist.cfg, network)
     degrees = {name: int(getattr(dist.cfg, name)) for name in MESH_ORDER}
+    if pricer is None and dist.analyses:
+        pricer = default_pricer(dist.analyses[0])
     out = []
     for rc, analysis in zip(dist.classes, dist.analyses):
         groups = mesh_groups(degrees, rc.ranks[0], topology)
-        price = pricer if pricer is not None else CollectivePricer(None, analysis.device)
-        out.append(ClassStep(tuple(rc.ranks), schedule_rank(analysis, bindings, groups, price, slowdown)))
+        out.append(ClassStep(tuple(rc.ranks), schedule_rank(analysis, bindings, groups, pricer, slowdown)))
     return out
 
 
