@@ -136,7 +136,7 @@ def _programs(draw, groups=("comm:dp", "comm:tp")):
     kernels: list[str] = []
     unwaited: list[str] = []
     for i in range(draw(st.integers(1, 25))):
-        ops.append(StreamOp(f"k{i}", COMPUTE, draw(st.floats(0, 50)), draw(st.floats(0, 10))))
+        ops.append(StreamOp(f"k{i}", COMPUTE, draw(st.sampled_from([0.0, 1.0, 7.5, 50.0])), draw(st.floats(0, 10))))
         kernels.append(f"k{i}")
         if draw(st.booleans()):
             dep = draw(st.sampled_from(kernels))
@@ -150,11 +150,14 @@ def _programs(draw, groups=("comm:dp", "comm:tp")):
     return ops
 
 
-@settings(max_examples=60, deadline=None)
-@given(_programs(), st.sampled_from([1.0, 1.189, 1.9]))
-def test_property_dependencies_streams_and_accounting(ops, factor):
-    t = simulate_streams(ops, OverlapSlowdown(factor, "test"))
-    assert t == simulate_streams(ops, OverlapSlowdown(factor, "test"))          # deterministic
+@settings(max_examples=80, deadline=None)
+@given(_programs(), st.sampled_from([1.0, 1.189, 1.9]), st.booleans())
+def test_property_dependencies_streams_and_accounting(ops, factor, synchronous):
+    if synchronous:       # a CPU: waits block the host thread
+        ops = [StreamOp(o.name, o.stream, o.device_ns, o.host_ns, o.deps, host_sync=o.name.startswith("w"))
+               for o in ops]
+    t = simulate_streams(ops, OverlapSlowdown(factor, "test"), synchronous)
+    assert t == simulate_streams(ops, OverlapSlowdown(factor, "test"), synchronous)          # deterministic
     span = {s.name: s for s in t.spans}
     last_end: dict[str, float] = {}
     for op in ops:
@@ -184,3 +187,10 @@ def test_property_free_compute_is_the_exposed_communication(ops):
     t = simulate_streams(free, DEFAULT_GPU_SLOWDOWN)
     comm = sum(o.device_ns for o in free if o.stream != COMPUTE)
     assert t.total_ns == pytest.approx(comm) and t.exposed_comm_ns == pytest.approx(comm)
+
+
+def test_zero_length_ops_in_a_row_on_a_cpu():
+    # two empty ops back to back after a real one: each is issued (and blocks the host) before it runs
+    ops = [StreamOp("a", COMPUTE, 5.0), StreamOp("z1", COMPUTE, 0.0), StreamOp("z2", COMPUTE, 0.0),
+           StreamOp("w", COMPUTE, 0.0, host_sync=True), StreamOp("b", COMPUTE, 1.0)]
+    assert simulate_streams(ops, synchronous=True).total_ns == 6.0

@@ -145,7 +145,7 @@ _FINISH, _ISSUED = 0, 1
 
 class _Op:
     __slots__ = ("spec", "index", "issue_start", "issue_end", "start", "end", "remaining", "rate", "since",
-                 "version", "waiting")
+                 "version", "waiting", "issued")
 
     def __init__(self, spec: StreamOp, index: int) -> None:
         self.spec = spec
@@ -156,6 +156,7 @@ class _Op:
         self.since = 0.0
         self.version = 0
         self.waiting = False      # a rendezvous op launched on its rank, its partners not there yet
+        self.issued = False       # its issue event has been handled (the host may block on it)
 
 
 class _Engine:
@@ -236,6 +237,7 @@ class _Engine:
 
     def issued(self, op: _Op, t: float) -> None:
         rank = op.spec.rank
+        op.issued = True
         if self._blocks_host(op):
             self.host_blocked[rank] = op
         else:
@@ -249,7 +251,7 @@ class _Engine:
     # -- streams -------------------------------------------------------------------------------------
     def ready_at(self, op: _Op) -> bool:
         """Whether ``op`` could start now on its own rank (issued, stream head, dependencies done)."""
-        if op.issue_end is None or op.issue_end > self.now:
+        if not op.issued:
             return False
         key = (op.spec.rank, op.spec.stream)
         head = self.heads[key]
