@@ -15,7 +15,8 @@ the slowest rank's wall time, the median of 20 steps after 5 warm-up steps is ke
 Predicted: the function traced with ``make_fx`` on fake tensors, its kernels measured into a fresh CPU database
 (``collect_calls``, as ``benchmarks/cpu_accuracy.py`` does, one thread), its collectives measured with gloo at
 exactly their message sizes (``collect_collectives``), then ``schedule_rank`` with the CPU rules (ops run on
-the host thread, collectives on gloo's thread until waited).
+the host thread, collectives on gloo's thread until waited; while one runs, compute gets the share of the
+cores ``cpu_core_sharing`` gives: 2 ranks x 2 threads on 2 cores here, half speed).
 
 Run: ``python benchmarks/distributed_step_time.py`` (writes ``benchmarks/results/distributed_step_time.{json,md}``).
 Timing on a shared machine: the load average is recorded next to the numbers.
@@ -157,6 +158,7 @@ def predict(db: str) -> dict[str, dict]:
     from boomfx.kernels_db.collective_model import CollectiveGroup
     from boomfx.kernels_db.collectives import CollectivePricer
     from boomfx.kernels_db.store import Store
+    from boomfx.simulate.streams import cpu_core_sharing
 
     group_name = "0"            # the default group's name; only a key here
     spec = cpu_spec()
@@ -179,7 +181,9 @@ def predict(db: str) -> dict[str, dict]:
     out = {}
     for name, analysis in analyses.items():
         # the functions call wait_tensor where eager code waits: keep the graph's positions
-        step = schedule_rank(analysis, {}, groups, pricer=pricer, waits="as_placed")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        step = schedule_rank(analysis, {}, groups, pricer=pricer, waits="as_placed",
+                             slowdown=cpu_core_sharing(WORLD, cores))
         out[name] = {"step_ns": step.step_ns, "exposed_comm_ns": step.timeline.exposed_comm_ns,
                      "hidden_comm_ns": step.timeline.hidden_comm_ns,
                      "collective_sources": sorted({c.price.source.value for c in step.collectives}),

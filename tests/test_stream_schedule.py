@@ -194,3 +194,15 @@ def test_zero_length_ops_in_a_row_on_a_cpu():
     ops = [StreamOp("a", COMPUTE, 5.0), StreamOp("z1", COMPUTE, 0.0), StreamOp("z2", COMPUTE, 0.0),
            StreamOp("w", COMPUTE, 0.0, host_sync=True), StreamOp("b", COMPUTE, 1.0)]
     assert simulate_streams(ops, synchronous=True).total_ns == 6.0
+
+
+def test_cpu_core_sharing():
+    from boomfx.simulate.streams import cpu_core_sharing
+    # 2 ranks x (compute + gloo thread) = 4 busy threads on 2 cores: compute at half speed; on 16 cores: none
+    assert cpu_core_sharing(2, 2).factor == 2.0 and cpu_core_sharing(2, 16).factor == 1.0
+    ops = [StreamOp("a", COMPUTE, 10.0), StreamOp("ar", "comm:dp", 4.0, deps=("a",)), StreamOp("b", COMPUTE, 10.0),
+           StreamOp("w", COMPUTE, 0.0, deps=("ar",), host_sync=True)]
+    # a 0-10; ar 10-14 while b runs at half speed (2 of its 10 done by 14), then 8 more: 22
+    assert simulate_streams(ops, cpu_core_sharing(2, 2), synchronous=True).total_ns == 22.0
+    with pytest.raises(StreamError):
+        cpu_core_sharing(0, 2)

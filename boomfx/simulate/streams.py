@@ -68,6 +68,17 @@ DEFAULT_GPU_SLOWDOWN = OverlapSlowdown(1.189, "arXiv:2507.03114: mean compute sl
 NO_SLOWDOWN = OverlapSlowdown(1.0, "off")
 
 
+def cpu_core_sharing(ranks_on_host: int, cores: int) -> OverlapSlowdown:
+    """A CPU rank's compute while its collective runs: each of the host's ``ranks_on_host`` ranks has a compute
+    thread and a communication thread (gloo's), so ``2 x ranks`` busy threads share ``cores``; compute gets
+    ``cores / (2 x ranks)`` of a core when that is below one (a mechanism, not a fit; NB: the collective
+    itself slows too, which is not modelled)."""
+    if ranks_on_host < 1 or cores < 1:
+        raise StreamError(f"core sharing needs at least one rank and core, got {ranks_on_host} and {cores}")
+    factor = max(1.0, 2.0 * ranks_on_host / cores)
+    return OverlapSlowdown(factor, f"{ranks_on_host} ranks x (compute + gloo thread) on {cores} cores")
+
+
 def is_comm_stream(stream: str) -> bool:
     return stream.startswith(COMM_PREFIX)
 
