@@ -71,3 +71,12 @@ def test_bad_pipelines_raise_the_project_error(call):
     with pytest.raises(PipelineError) as info:
         call()
     assert isinstance(info.value, BoomfxError)
+
+
+def test_gradients_return_over_the_link_their_activation_took():
+    stages = [StageCosts(1.0, 2.0, send_ns=1.0), StageCosts(1.0, 2.0, send_ns=2.0), StageCosts(1.0, 2.0)]
+    t = simulate_pipeline("gpipe", stages, 1)
+    # F 0-1, +1 -> F 2-3, +2 -> F 5-6, B 6-8, back over stage 1's link +2 -> B 10-12, over stage 0's +1 -> B 13-15
+    assert [(x.stage, x.step.kind, x.start_ns, x.end_ns) for x in t.passes] == [
+        (0, "F", 0.0, 1.0), (1, "F", 2.0, 3.0), (2, "F", 5.0, 6.0), (2, "B", 6.0, 8.0), (1, "B", 10.0, 12.0),
+        (0, "B", 13.0, 15.0)]

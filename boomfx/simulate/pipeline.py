@@ -5,7 +5,8 @@ physical stage's forward (F) and backward (B) passes as the schedule does, then 
 ``max(its stage is free, its inputs have arrived)``:
 
 - F of micro-batch i on virtual stage k needs F(i, k-1) done plus the activation send of stage k-1;
-- B(i, k) needs B(i, k+1) done plus the gradient send of stage k+1 (the last stage's B needs its own F).
+- B(i, k) needs B(i, k+1) done plus the gradient's send back over stage k's link (``stages[k].send_ns``: the
+  gradient of stage k's output has its shape); the last stage's B needs its own F.
 
 Virtual stage k (model order, ``len(stages) = p * chunks``) runs on physical stage ``k % p`` (Megatron's
 interleaving: chunk c of stage s is virtual stage ``c * p + s``). Orders:
@@ -186,7 +187,8 @@ def _ready_ns(step: PipelinePass, stages: Sequence[StageCosts], done: dict, last
     if k == last:
         return own
     later = done.get((BACKWARD, i, k + 1))
-    return None if later is None else max(own, later + stages[k + 1].send_ns)
+    # the gradient of stage k's output comes back over the link its activation went out on: stage k's send
+    return None if later is None else max(own, later + stages[k].send_ns)
 
 
 def _peak_in_flight(orders: list[list[PipelinePass]]) -> tuple[int, ...]:
