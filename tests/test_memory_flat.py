@@ -46,5 +46,7 @@ def test_rss_over_80_more_training_analyses_stays_within_a_few_mib() -> None:
     samples = json.loads(proc.stdout.strip().splitlines()[-1])
     (rss_before, envs_before), (rss_after, envs_after) = samples["before"], samples["after"]
     assert rss_after - rss_before < GROWTH_LIMIT_MIB
-    # nothing pins the ShapeEnv of each load and each training trace (before the fix: two more per analysis)
-    assert envs_after <= envs_before < WARMUP
+    # nothing pins the ShapeEnv of each load and each training trace (before the fix: two more per analysis, 200
+    # after the warm-up and 360 at the end). The count is bounded but not monotone: torch's lru caches hold a few
+    # until the GraphModule that owns them is collected (seen: 34, 2, 4, 4, ... at every 20th analysis)
+    assert max(envs_before, envs_after) < WARMUP // 2

@@ -37,6 +37,15 @@ def _tp_block(x, w):
     return r + z
 
 
+def _tp_block_host_heavy(x, w):
+    """``_tp_block`` with two more pointwise ops the host issues while the all-reduce runs."""
+    y = torch.mm(x, w)
+    r = c10d.all_reduce.default(y, "sum", "tp")
+    z = torch.relu(x) * 2.0 + 1.0
+    r = c10d.wait_tensor.default(r)
+    return r + z
+
+
 def _fsdp_two_units(x, s0, s1):
     """FSDP2's pattern: each unit's weight all-gathered from a resident shard right before it is used."""
     w0 = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(s0, 8, "dp_shard"))
@@ -246,9 +255,9 @@ def test_communication_cost_is_what_the_collectives_add_to_the_step():
     assert big.communication_cost_ns() == pytest.approx(big.step_ns - free.step_ns)
     # the add waits for all of the all-reduce's exposed part: it costs the step exactly that
     assert big.communication_cost_ns() == pytest.approx(big.timeline.exposed_comm_ns) and big.step_ns > free.step_ns
-    # host-bound [64, 64] block: the host issues the add (5 launches x 6 us = 30 us) after the all-reduce has
-    # ended (~28 us): exposed on the device, free for the step
-    small = schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, TP8, slowdown=NO_SLOWDOWN)
+    # host-bound [64, 64] block: the host issues the final add (6 launches x 6 us = 36 us; wait_tensor launches
+    # nothing) after the all-reduce has ended (~28 us): exposed on the device, free for the step
+    small = schedule_rank(_analysis(_tp_block_host_heavy, (64, 64), (64, 64)), {}, TP8, slowdown=NO_SLOWDOWN)
     assert small.timeline.exposed_comm_ns > 0
     assert small.communication_cost_ns() == 0.0
 

@@ -69,6 +69,9 @@ class ParallelReport:
     worst_rank: int
     shown_rank: int
     classes: list[RankClassReport]
+    # per rank class, the step on compute and communication streams (boomfx/distributed/step_time.py:
+    # time_report): exposed / hidden communication and every collective with its price and provenance
+    time_by_class: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +124,15 @@ class DistributedAnalysis:
         point = points[shown]
         batch = self._batch(bindings)
         micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
+        time_rows: list[dict[str, Any]] = []
+        if not memory_only:
+            # the step with collectives priced and overlapped on their own streams; step_time_ns of each
+            # class becomes that step instead of the single-stream sum of its kernels
+            from boomfx.distributed.step_time import class_steps, time_report
+            steps = class_steps(self, bindings)
+            time_rows = time_report(steps)
+            for report, step in zip(reports, steps):
+                report.step_time_ns = step.step.step_ns
         point.report.parallel = ParallelReport(
             config={k: v for k, v in asdict(self.cfg).items()},
             world=self.cfg.world,
@@ -130,6 +142,7 @@ class DistributedAnalysis:
             worst_rank=reports[worst].ranks[0],
             shown_rank=rank if rank is not None else reports[worst].ranks[0],
             classes=reports,
+            time_by_class=time_rows,
         ).to_dict()
         return point
 
