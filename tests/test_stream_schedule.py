@@ -136,12 +136,12 @@ def _programs(draw, groups=("comm:dp", "comm:tp")):
     kernels: list[str] = []
     unwaited: list[str] = []
     for i in range(draw(st.integers(1, 25))):
-        ops.append(StreamOp(f"k{i}", COMPUTE, draw(st.sampled_from([0.0, 1.0, 7.5, 50.0])), draw(st.floats(0, 10))))
+        ops.append(StreamOp(f"k{i}", COMPUTE, draw(st.sampled_from([0.0, 1.0, 7.5, 50.0])), draw(st.floats(0, 10, allow_subnormal=False))))
         kernels.append(f"k{i}")
         if draw(st.booleans()):
             dep = draw(st.sampled_from(kernels))
             name = f"c{i}"
-            ops.append(StreamOp(name, draw(st.sampled_from(groups)), draw(st.floats(0, 80)), draw(st.floats(0, 5)),
+            ops.append(StreamOp(name, draw(st.sampled_from(groups)), draw(st.floats(0, 80, allow_subnormal=False)), draw(st.floats(0, 5, allow_subnormal=False)),
                                 deps=(dep,)))
             unwaited.append(name)
         if unwaited and draw(st.booleans()):
