@@ -2,23 +2,11 @@
 import sympy
 import torch
 
-from boomfx.passes.costs.registry import Cost, OpCall, price_call
-from boomfx.passes.specs import TensorSpec, contiguous_strides
+from test_costs_conv import price, spec   # the same spec/price helpers the conv formulas are tested with
 
 aten = torch.ops.aten
 F32 = 4
 n = sympy.Symbol("n", positive=True, integer=True)
-
-
-def spec(*shape, dtype=torch.float32):
-    shape = tuple(sympy.sympify(s) for s in shape)
-    return TensorSpec(shape, contiguous_strides(shape), dtype)
-
-
-def price(op, *args, outputs=(), **kwargs) -> Cost:
-    priced = price_call(OpCall.build(op, args, kwargs, outputs))
-    assert priced.modelled, priced.reason
-    return priced.cost
 
 
 def test_max_pool2d_with_indices() -> None:
