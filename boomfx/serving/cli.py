@@ -22,6 +22,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="window of the sliding layers (all layers when the masks show none)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="sliding layers keep full-attention KV (the engine's flag)")
     p.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson; inf: all at once)")
     p.add_argument("--fixed-interval", action="store_true", help="arrivals at a fixed interval instead of Poisson")
     p.add_argument("--concurrency", type=int, default=None, help="keep this many requests in flight")
@@ -63,7 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, sliding_window=args.sliding_window,
+              disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
     if not s.plan.fits:
         raise OptionError(f"{args.file} on {device.name}: {s.plan.verdict}")
     progress.stage("pricing prefill and decode steps")

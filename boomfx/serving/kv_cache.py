@@ -10,6 +10,10 @@ Pure arithmetic on numbers the caller measured or predicted, in the order vLLM V
 4. ``num_blocks = kv_available // page // num_layers``; ``kv_tokens = num_blocks * block_size``;
 5. ``max_concurrency = num_blocks / cdiv(max_model_len, block_size)``.
 
+Steps 4-5 for models with sliding-window layers follow the engine's KV-cache groups
+(``boomfx/serving/kv_groups.py``): layers per group instead of layers, blocks per request summed
+over the groups, each sliding group holding only its window's blocks.
+
 Example (Llama-2-7B, bf16, 32 layers, 32 KV heads of 128; block 16):
     >>> kv_bytes_per_token(32, 32, 128, 128, 2)   # 2 x 32 x 32 x 128 x 2
     524288
@@ -17,6 +21,9 @@ Example (Llama-2-7B, bf16, 32 layers, 32 KV heads of 128; block 16):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from boomfx.serving.kv_groups import KVGroups, kv_groups
 
 
 def cdiv(a: int, b: int) -> int:
@@ -90,18 +97,29 @@ class MemoryPlan:
     fits: bool
     verdict: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    kv_groups: int = 1                       # the engine's KV-cache groups (block tables)
+    layers_per_group: int = 0                # memory pools sharing the block pool
+    sliding_layers: tuple[int, ...] = ()     # attention layers (0-based) whose cache keeps a window only
+    sliding_windows: tuple[int, ...] = ()    # their windows, in tokens
 
 
 def plan_memory(spec: KVSpec, device_bytes: int, gpu_memory_utilization: float, weights_bytes: int,
                 activation_peak_bytes: int, non_torch_bytes: int, outside_baseline_bytes: int,
-                cudagraph_pool_bytes: int, max_model_len: int) -> MemoryPlan:
-    """Steps 1-5 of the module docstring, and the engine's refusals in the order it checks them."""
+                cudagraph_pool_bytes: int, max_model_len: int, windows: Sequence[Optional[int]] = (),
+                max_num_batched_tokens: int = 0, hybrid_kv_cache_manager: bool = True) -> MemoryPlan:
+    """Steps 1-5 of the module docstring, and the engine's refusals in the order it checks them.
+
+    ``windows``: each layer's sliding window (``None``: full attention; empty: all full);
+    ``max_num_batched_tokens`` bounds what a sliding layer holds during a chunked prefill."""
+    groups: KVGroups = kv_groups(tuple(windows) or (None,) * spec.num_layers, hybrid_kv_cache_manager)
+    if len(groups.windows) != spec.num_layers:
+        raise ValueError(f"{len(groups.windows)} layer windows for {spec.num_layers} layers")
     requested = int(device_bytes * gpu_memory_utilization)
     available = requested - weights_bytes - activation_peak_bytes - non_torch_bytes
-    blocks = num_blocks(available, spec.page_bytes, spec.num_layers)
-    per_request = blocks_per_request(max_model_len, spec.block_size)
+    blocks = groups.num_blocks(available, spec.page_bytes)
+    per_request = groups.blocks_per_request(max_model_len, max_num_batched_tokens, spec.block_size)
     concurrency = blocks / per_request
-    needed_one = per_request * spec.page_bytes * spec.num_layers
+    needed_one = groups.needed_bytes(spec.page_bytes, max_model_len, max_num_batched_tokens, spec.block_size)
     gib = 1024 ** 3
     fits, verdict = True, "fits"
     if outside_baseline_bytes > device_bytes - requested:
@@ -120,11 +138,13 @@ def plan_memory(spec: KVSpec, device_bytes: int, gpu_memory_utilization: float, 
     elif requested + outside_baseline_bytes + cudagraph_pool_bytes > device_bytes:
         fits, verdict = False, (f"runs out of memory capturing CUDA graphs ({cudagraph_pool_bytes / gib:.2f} GiB "
                                 "beyond the budget); lower --gpu-memory-utilization or use --enforce-eager")
+    sliding = groups.sliding_layers
     return MemoryPlan(
         device_bytes=device_bytes, gpu_memory_utilization=gpu_memory_utilization, requested_bytes=requested,
         weights_bytes=weights_bytes, activation_peak_bytes=activation_peak_bytes, non_torch_bytes=non_torch_bytes,
         outside_baseline_bytes=outside_baseline_bytes, cudagraph_pool_bytes=cudagraph_pool_bytes,
         kv_available_bytes=max(0, available), kv_bytes_per_token=spec.bytes_per_token, page_bytes=spec.page_bytes,
-        num_blocks=blocks, block_size=spec.block_size, kv_tokens=blocks * spec.block_size,
+        num_blocks=blocks, block_size=spec.block_size, kv_tokens=groups.kv_tokens(blocks, spec.block_size),
         max_model_len=max_model_len, blocks_per_request=per_request, max_concurrency=concurrency,
-        fits=fits, verdict=verdict)
+        fits=fits, verdict=verdict, kv_groups=len(groups.groups), layers_per_group=groups.group_size,
+        sliding_layers=sliding, sliding_windows=tuple(groups.windows[i] for i in sliding))   # type: ignore[misc]

@@ -20,9 +20,14 @@ This module splits the graph's nodes into those three roles:
 Known limitations:
 - NB: models whose attention is not an SDPA op (eager ``matmul -> softmax -> matmul``) are refused:
   their score matrix cannot be told apart from token-wise work.
-- NB: exports that already carry a KV cache (past key/values as inputs) are refused for now.
-- NB: sliding-window attention is not seen in the graph (it lives in the mask); its layers are
-  treated as full attention (KV bytes per token are exact, blocks per request are an upper bound).
+
+Exports that already carry a KV cache (past keys/values as inputs, ``boomfx/serving/cache_inputs.py``):
+the KV-cache shape of each layer is read from its cache input, the past length becomes the
+``past`` symbol, and the concatenations that append the new K/V are attention-side (the engine
+writes its paged cache instead).
+
+Sliding windows are read from each layer's mask (``boomfx/serving/sliding_window.py``) when
+``serving_model(..., probe_windows=True)``.
 """
 from __future__ import annotations
 
@@ -66,6 +71,8 @@ class AttentionSite:
     v_head_dim: int
     dtype: torch.dtype
     causal: bool
+    sliding_window: Optional[int] = None       # keys a query sees when the layer slides (None: full)
+    cache_inputs: tuple[str, ...] = ()         # past K and V graph inputs of an export carrying a cache
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,29 @@ class ServingModel:
     batch: SymbolInfo
     seq: SymbolInfo
     module_calls: int = 0            # distinct nn.Module invocations the export traced (nn_module_stack)
+    past: Optional[SymbolInfo] = None   # the cached length of an export that carries a KV cache
+    cache_write_nodes: frozenset[str] = frozenset()   # its own cache concatenations (attention-side too)
+
+    @property
+    def carries_cache(self) -> bool:
+        return self.past is not None
+
+    @property
+    def cache_input_names(self) -> frozenset[str]:
+        return frozenset(name for s in self.sites for name in s.cache_inputs)
+
+    def bindings(self, batch: int, seq: int, past: Optional[int] = None) -> dict:
+        """The graph's symbols for ``batch`` sequences of ``seq`` new tokens. A cache export's past
+        length is ``past``, or its smallest exported value (the engine's own attention replaces the
+        graph's; token-wise nodes do not depend on it)."""
+        out = {self.batch.symbol: batch, self.seq.symbol: seq}
+        if self.past is not None:
+            out[self.past.symbol] = self.past.min_value if past is None else past
+        return out
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.sites) if s.sliding_window is not None)
 
     @property
     def num_layers(self) -> int:
@@ -95,14 +125,18 @@ class ServingModel:
 
     @property
     def max_seq_len(self) -> Optional[int]:
+        """The longest context the export can price: its sequence range, or for a cache export the
+        past range plus the one token a decode step adds."""
+        if self.past is not None:
+            return None if self.past.max_value is None else self.past.max_value + 1
         return self.seq.max_value
 
     def uniform_site(self) -> AttentionSite:
         """The shape every layer shares (the engine's uniform KV-cache spec); mixed shapes are refused."""
         first = self.sites[0]
         for s in self.sites[1:]:
-            if (s.kv_heads, s.head_dim, s.v_head_dim, s.q_heads) != (first.kv_heads, first.head_dim, first.v_head_dim,
-                                                                     first.q_heads):
+            if (s.kv_heads, s.head_dim, s.v_head_dim, s.q_heads, s.dtype) != (
+                    first.kv_heads, first.head_dim, first.v_head_dim, first.q_heads, first.dtype):
                 raise ServingModelError(f"attention layers differ in shape ({first.node} vs {s.node}); "
                                         "only uniform KV-cache specs are modelled")
         return first
@@ -190,8 +224,9 @@ def _logits_nodes(graph: torch.fx.Graph) -> frozenset[str]:
     return frozenset()
 
 
-def serving_model(program: Program) -> ServingModel:
+def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
     """Read the serving roles of ``program``'s nodes (see the module docstring)."""
+    from boomfx.serving.cache_inputs import find_cache_source, reads_a_buffer_cache
     if program.options.train:
         raise ServingModelError("serving needs an inference program, not a training step")
     graph = program.graph
@@ -207,7 +242,10 @@ def serving_model(program: Program) -> ServingModel:
     sites: list[AttentionSite] = []
     replaced: set[torch.fx.Node] = set()
     qkv_bases: list[torch.fx.Node] = []
-    masks: list[torch.fx.Node] = []
+    masks: dict[str, torch.fx.Node] = {}
+    cache_writes: set[str] = set()
+    pasts: set[str] = set()
+    names = {n.name: n for n in graph.nodes}
     for node in sdpa:
         q, k, v = (_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
         if not all(isinstance(t, torch.fx.Node) for t in (q, k, v)):
@@ -216,23 +254,41 @@ def serving_model(program: Program) -> ServingModel:
         v_chain, v_base = _expansion_chain(v)   # type: ignore[arg-type]
         replaced.update(k_chain, v_chain)
         replaced.add(node)
-        qkv_bases.extend([q, k_base, v_base])   # type: ignore[list-item]
         mask = _arg(node, 3, "attn_mask")
         if isinstance(mask, torch.fx.Node):
-            masks.append(mask)
+            masks[node.name] = mask
         qv, kv, vv = q.meta["val"], k_base.meta["val"], v_base.meta["val"]   # type: ignore[union-attr]
         if qv.dim() != 4 or kv.dim() != 4 or vv.dim() != 4:
             raise ServingModelError(f"{node.name}: expected [batch, heads, seq, head_dim] attention inputs")
-        if str(kv.shape[2]) != str(qv.shape[2]):
-            raise ServingModelError(f"{node.name}: key length {kv.shape[2]} differs from the query's {qv.shape[2]}; "
-                                    "exports that carry a KV cache are not supported yet: export model(input_ids)")
+        cache_inputs: tuple[str, ...] = ()
+        k_src = find_cache_source(program, k_base)   # type: ignore[arg-type]
+        v_src = find_cache_source(program, v_base)   # type: ignore[arg-type]
+        if k_src is not None and v_src is not None:
+            # the KV-cache shape is the cached tensors' own; the concatenations are the model's cache write
+            cache_inputs = (k_src.placeholder, v_src.placeholder)
+            cache_writes.update(k_src.chain + v_src.chain)
+            pasts.update({str(k_src.past), str(v_src.past)})
+            kv, vv = names[k_src.placeholder].meta["val"], names[v_src.placeholder].meta["val"]
+        elif str(kv.shape[2]) != str(qv.shape[2]):
+            if reads_a_buffer_cache(program, k_base):   # type: ignore[arg-type]
+                raise ServingModelError(f"{node.name}: its keys come from a cache buffer updated in place (a "
+                                        "StaticCache export fixes batch and sequence); export the decode step with "
+                                        "the cache as inputs (a DynamicCache) or export model(input_ids)")
+            raise ServingModelError(f"{node.name}: key length {kv.shape[2]} differs from the query's {qv.shape[2]} "
+                                    "and no past key/value input feeds it; export model(input_ids) or pass the "
+                                    "cache as [batch, kv_heads, past, head_dim] inputs")
+        qkv_bases.extend([q, k_base, v_base])   # type: ignore[list-item]
         sites.append(AttentionSite(
             node=node.name, module=_module_of(node), q_heads=_int(qv.shape[1], "query head count", node),
             kv_heads=_int(kv.shape[1], "KV head count", node), head_dim=_int(kv.shape[3], "head size", node),
             v_head_dim=_int(vv.shape[3], "value head size", node), dtype=kv.dtype,
-            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node)))
-    mask_only = _ancestors(masks) - _ancestors(qkv_bases, skip_masks=True)
+            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node), cache_inputs=cache_inputs))
+    past = _past_symbol(program, pasts, sites)
+    mask_only = _ancestors(list(masks.values())) - _ancestors(qkv_bases, skip_masks=True)
     replaced.update(n for n in mask_only if n.op == "call_function")
+    replaced.update(names[n] for n in cache_writes)
+    if probe_windows and masks:
+        sites = _with_windows(program, sites, masks, batch, seq, past)
     weights = 0
     for n in graph.nodes:
         if n.op in ("placeholder", "get_attr") and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER,
@@ -242,7 +298,44 @@ def serving_model(program: Program) -> ServingModel:
                 weights += val.numel() * val.element_size()
     logits = _logits_nodes(graph) - {n.name for n in replaced}
     return ServingModel(program, tuple(sites), frozenset(n.name for n in replaced), frozenset(logits), weights,
-                        batch, seq, _module_calls(graph))
+                        batch, seq, _module_calls(graph), past, frozenset(cache_writes))
+
+
+def _past_symbol(program: Program, pasts: set[str], sites: list[AttentionSite]) -> Optional[SymbolInfo]:
+    """The one symbol every cache input's length is (None without cache inputs)."""
+    if not pasts:
+        return None
+    if any(not s.cache_inputs for s in sites):
+        raise ServingModelError("some attention layers read cache inputs and others do not; only exports where "
+                                "every layer carries its cache are modelled")
+    if len(pasts) != 1:
+        raise ServingModelError(f"the cache inputs' lengths differ ({', '.join(sorted(pasts))}); give them one "
+                                "Dim (dynamic_shapes) so that every layer caches the same context")
+    name = next(iter(pasts))
+    if name not in program.symbols:
+        raise ServingModelError(f"the cache inputs' length is {name}, not a dynamic dimension: export the cached "
+                                "length with a Dim('past')")
+    return program.symbols[name]
+
+
+def _with_windows(program: Program, sites: list[AttentionSite], masks: dict[str, torch.fx.Node], batch: SymbolInfo,
+                  seq: SymbolInfo, past: Optional[SymbolInfo]) -> list[AttentionSite]:
+    """The sites with the sliding window each one's mask shows (``boomfx/serving/sliding_window.py``)."""
+    import dataclasses
+
+    from boomfx.serving.sliding_window import MAX_PROBE_TOKENS, probe_windows
+    bindings = {batch.symbol: 1}
+    if past is not None:   # a decode step: one query over a long cached context
+        top = past.max_value if past.max_value is not None else MAX_PROBE_TOKENS
+        bindings.update({seq.symbol: max(1, seq.min_value), past.symbol: max(past.min_value,
+                                                                              min(top, MAX_PROBE_TOKENS))})
+    else:
+        top = seq.max_value if seq.max_value is not None else MAX_PROBE_TOKENS
+        bindings[seq.symbol] = max(seq.min_value, min(top, MAX_PROBE_TOKENS))
+    for info in program.symbols.values():   # anything else at its smallest
+        bindings.setdefault(info.symbol, max(1, info.min_value))
+    windows = probe_windows(program, masks, bindings)
+    return [dataclasses.replace(s, sliding_window=windows.get(s.node)) for s in sites]
 
 
 def _module_calls(graph: torch.fx.Graph) -> int:

@@ -126,6 +126,7 @@ def render_text(r: ServeReport) -> str:
              f"CUDA-graph pool {fmt_bytes(p.cudagraph_pool_bytes)})",
              f"  KV bytes per token {p.kv_bytes_per_token} B; block of {p.block_size} tokens = {p.page_bytes} B per "
              f"layer; {p.num_blocks} blocks = {p.kv_tokens} tokens",
+             *_group_lines(p, m.get("attention_layers", 0)),
              f"  maximum concurrency for {p.max_model_len} tokens per request: {p.max_concurrency:.2f}x",
              f"  verdict: {p.verdict}"]
     if r.steps:
@@ -153,6 +154,35 @@ def render_text(r: ServeReport) -> str:
                                                         if w.highest_sustainable_rate else ""))
     lines += [f"warning: {x}" for x in r.warnings]
     return "\n".join(lines)
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 4]`` -> ``0-2, 4``."""
+    out: list[str] = []
+    for i in layers:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def _group_lines(p: Any, num_layers: int) -> list[str]:
+    """Which layers slide, and the engine's KV-cache groups when there are several."""
+    if not p.sliding_layers:
+        return []
+    full = [i for i in range(num_layers) if i not in p.sliding_layers]
+    windows = sorted(set(p.sliding_windows))
+    line = (f"  sliding-window layers {_layer_ranges(list(p.sliding_layers))} (window "
+            f"{', '.join(map(str, windows))} tokens; their blocks outside the window are freed)"
+            + (f"; full-attention layers {_layer_ranges(full)}" if full else ""))
+    lines = [line]
+    if p.kv_groups > 1:
+        lines.append(f"  {p.kv_groups} KV-cache groups of {p.layers_per_group} layer(s) share the blocks (hybrid "
+                     f"allocator); a request of {p.max_model_len} tokens needs {p.blocks_per_request} blocks")
+    else:
+        lines.append(f"  a request of {p.max_model_len} tokens needs {p.blocks_per_request} blocks")
+    return lines
 
 
 def write_trace(path: str, w: WorkloadReport) -> None:

@@ -21,6 +21,7 @@ from boomfx.core.errors import OptionError
 from boomfx.core.program import Program, ProgramOptions
 from boomfx.serving.engine import EngineConfig, EngineRules, get_engine
 from boomfx.serving.kv_cache import KVSpec, MemoryPlan, plan_memory
+from boomfx.serving.kv_groups import KVGroups, kv_groups
 from boomfx.serving.model import ServingModel, serving_model
 from boomfx.serving.report import ServeReport, StepRow, WorkloadReport, workload_report
 from boomfx.serving.steps import HostOverhead, Step, StepPricer, profile_activation_bytes
@@ -41,6 +42,18 @@ class ServingSetup:
     kv: KVSpec
     kv_dtype: torch.dtype
     plan: MemoryPlan
+    groups: Optional[KVGroups] = None
+
+    @property
+    def simulated_blocks(self) -> int:
+        """Blocks the workload simulation allocates from: the pool split over the engine's KV-cache
+        groups, every group holding a request's whole context (for sliding groups an upper bound)."""
+        return self.plan.num_blocks // max(1, self.plan.kv_groups)
+
+    def request_blocks(self, context: int) -> int:
+        """Blocks one request of ``context`` tokens holds over all groups."""
+        groups = self.groups or kv_groups((None,) * self.kv.num_layers)
+        return groups.blocks_per_request(context, self.config.max_num_batched_tokens, self.config.block_size)
 
     def pricer(self, bucket_tokens: int = 1, interpolate: bool = False, kv_write: Optional[str] = None,
                host_overhead: Optional[HostOverhead] = None) -> StepPricer:
@@ -56,19 +69,27 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
           block_size: Optional[int] = None, gpu_memory_utilization: Optional[float] = None,
           max_model_len: Optional[int] = None, max_num_seqs: Optional[int] = None,
           max_num_batched_tokens: Optional[int] = None, kv_cache_dtype: str = "auto",
-          tensor_parallel_size: int = 1, enforce_eager: bool = False, outside_memory: str = "") -> ServingSetup:
-    """Check the engine options against the model and the engine's rules, and plan the memory."""
+          tensor_parallel_size: int = 1, enforce_eager: bool = False, outside_memory: str = "",
+          sliding_window: Optional[int] = None, disable_hybrid_kv_cache_manager: bool = False) -> ServingSetup:
+    """Check the engine options against the model and the engine's rules, and plan the memory.
+
+    ``sliding_window``: the window of the layers whose mask shows one (all layers when none does),
+    for windows the mask probe cannot see (``boomfx/serving/sliding_window.py``)."""
     rules = engine or get_engine()
     model = serving_model(program)
     site = model.uniform_site()
     seq = model.seq
+    longest = model.max_seq_len
+    what = (f"the export's cache range {model.past.describe()} + 1 new token" if model.past is not None
+            else f"the exported sequence range {seq.describe()}")
     if max_model_len is None:
-        if seq.max_value is None:
-            raise OptionError(f"the export's sequence dimension {seq.describe()} has no upper bound: give --max-model-len")
-        max_model_len = seq.max_value
-    if seq.max_value is not None and max_model_len > seq.max_value:
-        raise OptionError(f"--max-model-len {max_model_len} exceeds the exported sequence range {seq.describe()}; "
-                          "export with a larger Dim('seq', max=...)")
+        if longest is None:
+            raise OptionError(f"{what} has no upper bound: give --max-model-len")
+        max_model_len = longest
+    if longest is not None and max_model_len > longest:
+        raise OptionError(f"--max-model-len {max_model_len} exceeds {what}; export with a larger "
+                          f"Dim('{'past' if model.past is not None else 'seq'}', max=...)")
+    windows = layer_windows(model.sites, sliding_window)
     defaults = rules.batch_defaults(device.memory_bytes if device.kind == "cuda" else 0, device.name)
     config = EngineConfig(
         block_size=rules.check_block_size(block_size if block_size is not None else rules.default_block_size),
@@ -95,10 +116,25 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
         if not enforce_eager:
             sizes = rules.cudagraph_sizes(config.max_num_seqs, config.max_num_batched_tokens)
             graph_pool = profile_activation_bytes(analysis, model, sizes[-1], sizes[-1]) if sizes else 0
+    hybrid = not disable_hybrid_kv_cache_manager
     plan = plan_memory(kv, device.memory_bytes, config.gpu_memory_utilization,
                        math.ceil(model.weights_bytes / tensor_parallel_size), activation, non_torch, context,
-                       graph_pool, max_model_len)
-    return ServingSetup(rules, analysis, model, config, kv, kv_dtype, plan)
+                       graph_pool, max_model_len, windows=windows,
+                       max_num_batched_tokens=config.max_num_batched_tokens, hybrid_kv_cache_manager=hybrid)
+    return ServingSetup(rules, analysis, model, config, kv, kv_dtype, plan, kv_groups(windows, hybrid))
+
+
+def layer_windows(sites: Any, sliding_window: Optional[int]) -> tuple[Optional[int], ...]:
+    """Each layer's window: as its mask shows, or ``sliding_window`` for the layers whose mask shows
+    one (every layer when none does)."""
+    seen = tuple(s.sliding_window for s in sites)
+    if sliding_window is None:
+        return seen
+    if sliding_window < 1:
+        raise OptionError(f"--sliding-window {sliding_window}: must be at least 1 token")
+    if any(w is not None for w in seen):
+        return tuple(sliding_window if w is not None else None for w in seen)
+    return (sliding_window,) * len(seen)
 
 
 def step_rows(s: ServingSetup, pricer: StepPricer, input_len: int, output_len: int,
@@ -119,7 +155,7 @@ def step_rows(s: ServingSetup, pricer: StepPricer, input_len: int, output_len: i
             if b > s.config.max_num_seqs:
                 continue
             st = pricer.step_time(Step((ctx,) * b))
-            blocks = b * -(-ctx // s.config.block_size)
+            blocks = b * s.request_blocks(ctx)
             rows.append(StepRow("decode", b, b, ctx, st.total_ns, st.cuda_graph,
                                 {k: v.device_ns for k, v in st.parts.items()}, fits_kv=blocks <= s.plan.num_blocks))
     return rows
@@ -133,7 +169,7 @@ def run_workload(s: ServingSetup, workload: Workload, progress: Optional[Callabl
     def timer(step: Step) -> float:
         return pricer.step_time(step).total_ns
 
-    result = simulate_workload(workload, s.config, s.plan.num_blocks, timer, progress)
+    result = simulate_workload(workload, s.config, s.simulated_blocks, timer, progress)
     ok = sustainable(result)
     best: Optional[float] = None
     if find_max_rate and workload.request_rate is not None:
@@ -151,7 +187,7 @@ def _highest_rate(s: ServingSetup, workload: Workload, timer: Callable[[Step], f
     for _ in range(MAX_RATE_PROBES):
         mid = (lo + hi) / 2
         probe = replace(workload, num_prompts=n, request_rate=mid, concurrency=None)
-        if sustainable(simulate_workload(probe, s.config, s.plan.num_blocks, timer)):
+        if sustainable(simulate_workload(probe, s.config, s.simulated_blocks, timer)):
             lo = mid
         else:
             hi = mid
@@ -164,7 +200,8 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
           max_num_batched_tokens: Optional[int] = None, kv_cache_dtype: str = "auto",
           tensor_parallel_size: int = 1, enforce_eager: bool = False, request_rate: Optional[float] = None,
           concurrency: Optional[int] = None, num_prompts: int = 200, input_len: int = 512, output_len: int = 128,
-          seed: int = 0, dataset: Optional[str] = None, simulate: bool = True) -> ServeReport:
+          seed: int = 0, dataset: Optional[str] = None, simulate: bool = True, sliding_window: Optional[int] = None,
+          disable_hybrid_kv_cache_manager: bool = False) -> ServeReport:
     """Plan, price and (with a request rate or concurrency) simulate serving ``source`` (see ``setup``)."""
     from boomfx.frontend.capture import capture
     from boomfx.serving.workload import read_dataset
@@ -172,7 +209,8 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
     program = capture(source, options=ProgramOptions(target_kind=spec.kind))
     s = setup(program, spec, db=db, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager)
+              kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+              sliding_window=sliding_window, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
     rows = step_rows(s, s.pricer(), input_len, output_len) if s.plan.fits else []
     wl = None
     if simulate and s.plan.fits and (request_rate is not None or concurrency is not None):
@@ -189,6 +227,14 @@ def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
     if s.config.tensor_parallel_size > 1:
         warnings.append("tensor parallelism: KV heads per rank and weights / TP follow the engine; step times are "
                         "priced at TP=1 (no all-reduce)")
+    if s.model.carries_cache:
+        warnings.append(f"the export carries a KV cache ({len(s.model.cache_input_names)} past K/V inputs, cached "
+                        f"length {s.model.past.min_value} to {s.model.past.max_value}): KV shapes read from them; under {s.engine.name} rules "
+                        "the export's own attention and cache concatenations are replaced by the engine's")
+    if s.plan.sliding_layers:
+        warnings.append("the workload simulation holds every KV-cache group's blocks for a request's whole context "
+                        "(sliding-window groups free nothing outside their window): its preemptions are an upper "
+                        "bound")
     if s.analysis.costs.unmodelled_ops():
         warnings.append(f"{len(s.analysis.costs.unmodelled_ops())} op(s) without a cost formula priced by bytes moved")
     return ServeReport(
@@ -196,5 +242,8 @@ def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
         model={"attention_layers": s.model.num_layers, "query_heads": site.q_heads, "kv_heads": site.kv_heads,
                "head_dim": site.head_dim, "v_head_dim": site.v_head_dim, "dtype": str(site.dtype).replace("torch.", ""),
                "weights_bytes": s.model.weights_bytes, "exported_seq_range": [s.model.seq.min_value,
-                                                                              s.model.seq.max_value]},
+                                                                              s.model.seq.max_value],
+               "carries_kv_cache": s.model.carries_cache,
+               "cache_range": [s.model.past.min_value, s.model.past.max_value] if s.model.past is not None else None,
+               "sliding_layers": list(s.plan.sliding_layers), "sliding_windows": list(s.plan.sliding_windows)},
         options=dataclasses.asdict(s.config), memory=s.plan, steps=rows, workload=workload, warnings=warnings)

@@ -152,11 +152,14 @@ class StepPricer:
         self.bucket = max(1, bucket_tokens)
         self.interpolate = interpolate
         self.vocab = self._vocab()
+        # an export that carries its cache, run the way it was exported (the concat rule: transformers'
+        # DynamicCache): a decode step is the graph itself, its attention reading the cached context
+        self.decode_from_graph = model.carries_cache and self.kv_write == KV_WRITE_CONCAT
 
     # -- parts priced from the graph --------------------------------------------------------------
     def _graph_part(self, n_tokens: int, logits: bool) -> PartTime:
         """Sum of the token-wise (or logits) nodes' times with the graph bound at batch=1, seq=n."""
-        point = self.analysis.evaluate({self.model.batch.symbol: 1, self.model.seq.symbol: max(1, n_tokens)})
+        point = self.analysis.evaluate(self.model.bindings(1, max(1, n_tokens)))
         skip = self.model.attention_side
         chosen = self.model.logits_nodes
         device = host = 0.0
@@ -168,6 +171,34 @@ class StepPricer:
             host += k.host_ns
             sources[k.source] = None
         return PartTime(device, host, tuple(sources))
+
+    def graph_decode_parts(self, batch: int, context: int) -> dict[str, PartTime]:
+        """A decode step of ``batch`` sequences of ``context`` tokens each (the new one included), as a
+        cache export runs it: the whole graph at batch=B, seq=1, past=context-1, split into its
+        attention (SDPA, GQA expansion, mask), its cache concatenations, the LM head and the rest."""
+        from boomfx.core.errors import OptionError
+        past = self.model.past
+        assert past is not None
+        if context - 1 < past.min_value or (past.max_value is not None and context - 1 > past.max_value):
+            raise OptionError(f"a decode step at context {context} needs {context - 1} cached tokens, outside the "
+                              f"export's cache range {past.describe()}")
+        key = ("graph-decode", batch, context)
+        hit = self._layer_cache.get(key)
+        if hit is not None:
+            return dict(hit)   # type: ignore[call-overload]
+        point = self.analysis.evaluate(self.model.bindings(batch, 1, context - 1))
+        writes, logits, side = self.model.cache_write_nodes, self.model.logits_nodes, self.model.attention_side
+        acc: dict[str, list] = {name: [0.0, 0.0, {}] for name in ("token_wise", "attention", "kv_cache_write",
+                                                                   "logits")}
+        for k, span in zip(point.report.kernels, point.timeline.spans):
+            part = ("kv_cache_write" if k.node in writes else "logits" if k.node in logits
+                    else "attention" if k.node in side else "token_wise")
+            acc[part][0] += span.end_ns - span.start_ns
+            acc[part][1] += k.host_ns
+            acc[part][2][k.source] = None
+        parts = {name: PartTime(d, h, tuple(src)) for name, (d, h, src) in acc.items()}
+        self._layer_cache[key] = parts   # type: ignore[assignment]
+        return dict(parts)
 
     def token_part(self, n_tokens: int) -> PartTime:
         if self.interpolate and n_tokens not in self._token_cache:
@@ -209,7 +240,7 @@ class StepPricer:
             return PartTime()
         hit = self._logits_cache.get(n_sampled)
         if hit is None:
-            ev = self.analysis.evaluator({self.model.batch.symbol: 1, self.model.seq.symbol: n_sampled})
+            ev = self.analysis.evaluator(self.model.bindings(1, n_sampled))
             total = PartTime()
             for name in self.model.logits_nodes:
                 if name not in self.analysis.costs.by_node:
@@ -323,7 +354,7 @@ class StepPricer:
         for n, names in ((self.graph_batch(step) or step.num_tokens, None), (step.num_sampled, self.model.logits_nodes)):
             if n <= 0:
                 continue
-            ev = self.analysis.evaluator({self.model.batch.symbol: 1, self.model.seq.symbol: n})
+            ev = self.analysis.evaluator(self.model.bindings(1, n))
             for name, nc in self.analysis.costs.by_node.items():
                 if name in self.model.attention_side:
                     continue
@@ -380,6 +411,8 @@ class StepPricer:
         return self._step_time(step)
 
     def _step_time(self, step: Step) -> StepTime:
+        if self.decode_from_graph and step.decode_contexts and not step.prefills:
+            return self._graph_decode_time(step)
         padded = self.graph_batch(step)
         n = padded or step.num_tokens
         layers = self.model.num_layers
@@ -403,6 +436,20 @@ class StepPricer:
             host = sum(p.host_ns for name, p in parts.items() if name != "host_overhead")
         return StepTime(overhead + max(device, host), parts, False, n)
 
+    def _graph_decode_time(self, step: Step) -> StepTime:
+        """A decode-only step of a cache export priced from its own graph (all sequences at their mean
+        context); eager, as the framework that runs such an export does."""
+        b = len(step.decode_contexts)
+        parts = self.graph_decode_parts(b, math.ceil(sum(step.decode_contexts) / b))
+        parts["sampler"] = self.sampler_part(step.num_sampled)
+        device = sum(p.device_ns for p in parts.values())
+        overhead = self.host_overhead.step_ns(self.model.module_calls)
+        parts["host_overhead"] = PartTime(overhead, overhead, (self.host_overhead.source,))
+        if self.cpu:
+            return StepTime(device + overhead, parts, False, b)
+        host = sum(p.host_ns for name, p in parts.items() if name != "host_overhead")
+        return StepTime(overhead + max(device, host), parts, False, b)
+
     def sampler_part(self, n_sampled: int) -> PartTime:
         key = ("sampler", n_sampled)
         hit = self._layer_cache.get(key)
@@ -424,8 +471,9 @@ def profile_activation_bytes(analysis: Analysis, model: ServingModel, num_tokens
     graph_nodes = {n.name: n for n in model.program.graph.nodes}
     dropped = {name for name in model.attention_side
                if getattr(graph_nodes[name].target, "overloadpacket", None) not in SDPA_OPS}
-    body = analysis.evaluator({model.batch.symbol: 1, model.seq.symbol: max(1, num_tokens)})
-    head = analysis.evaluator({model.batch.symbol: 1, model.seq.symbol: max(1, num_sampled)})
+    dropped |= model.cache_input_names     # a cache export's past K/V: the KV cache itself, not the profile run's
+    body = analysis.evaluator(model.bindings(1, max(1, num_tokens)))
+    head = analysis.evaluator(model.bindings(1, max(1, num_sampled)))
     info = analysis.liveness
     diff = [0] * (len(info.order) + 1)
     for iv in info.intervals:
