@@ -20,6 +20,12 @@ Its time is the sum of five parts (``docs/design.md`` "Where a kernel gets its p
 4. **logits**: the LM head and its tail at ``batch=1, seq=S`` for the ``S`` sampled tokens;
 5. **sampler**: greedy ``argmax`` over the ``[S, vocab]`` float32 logits.
 
+An export that carries its KV cache (``ServingModel.carries_cache``) priced under the ``concat`` rule
+(the framework it was exported from runs it as is) prices a decode-only step from the graph itself:
+bound at batch=B, seq=1, past=context-1, its SDPA reads the cached context and its concatenations
+copy the cache (``StepPricer.graph_decode_parts``). Under the engine's rules (``paged``) its
+attention and concatenations are replaced like a plain export's.
+
 Host time: on a CPU every op runs on the host (the sum of device + issue times, cold starts
 included); on a GPU a decode-only batch of at most the largest captured size replays one CUDA graph
 (padded to the next captured size, one replay's host time); other steps run piecewise (one replay per
@@ -351,6 +357,11 @@ class StepPricer:
         collecting a kernel database)."""
         from boomfx.passes.opcall import bind_call
         out: list[OpCall] = []
+        if self.decode_from_graph and step.decode_contexts and not step.prefills:   # the graph itself
+            b = len(step.decode_contexts)
+            bound = self.analysis.kernel_calls(self.model.bindings(b, 1, math.ceil(sum(step.decode_contexts) / b) - 1))
+            sampler = self.sampler_call(step.num_sampled)
+            return list(bound) + ([sampler] if sampler is not None else [])
         for n, names in ((self.graph_batch(step) or step.num_tokens, None), (step.num_sampled, self.model.logits_nodes)):
             if n <= 0:
                 continue
