@@ -21,6 +21,11 @@ Falcon MQA, Qwen2-MoE):
 4. predicted: ``StepPricer.step_time`` with the ``concat`` cache-write rule (``DynamicCache.update``
    appends with ``torch.cat``: the mechanism that makes a transformers decode step grow with context).
 
+With ``--cache-export``, each model is also exported as a decode step that carries its cache
+(``model(input_ids, past_key_values=DynamicCache)``, the cache dims dynamic) and its decode steps are
+priced from that graph itself (``StepPricer.decode_from_graph``: the export's SDPA over the cached
+context and its ``torch.cat`` cache writes), against the same real decode steps.
+
 Writes ``benchmarks/results/serving_cpu.{json,md}``. The machine is shared: the load average is
 recorded at the start and the end.
 """
@@ -152,9 +157,39 @@ def real_cache_bytes(model: torch.nn.Module, b: int, tokens: int) -> int:
 
 # -- prediction ------------------------------------------------------------------------------------------
 
-def collected_setup(model: torch.nn.Module, steps: list[Any], db: str) -> tuple[Any, dict[str, Any]]:
-    """Export ``model``, collect every call ``steps`` price into ``db`` (as ``kernels collect`` does) and
-    return the serving setup priced from it."""
+class DecodeStep(torch.nn.Module):
+    """``model(input_ids, past_key_values)`` returning logits and the grown cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: Any) -> Any:
+        out = self.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True)
+        return out.logits, out.past_key_values
+
+
+def export_decode_step(model: torch.nn.Module) -> Any:
+    """The decode step with a ``DynamicCache`` input ([batch, kv_heads, past, head_dim] per layer)."""
+    import transformers as tf
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+    register_dynamic_cache_export_support()
+    cache = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (3, 7)), past_key_values=cache, use_cache=True)
+    batch, past = Dim("batch", min=1, max=256), Dim("past", min=2, max=2046)
+    per_layer = [{0: batch, 2: past}] * len(cache.layers)
+    return torch.export.export(DecodeStep(model), (), {"input_ids": torch.randint(0, VOCAB, (3, 2)),
+                                                       "past_key_values": cache},
+                               dynamic_shapes={"input_ids": {0: batch, 1: Dim("seq", min=1, max=2048)},
+                                               "past_key_values": [per_layer, per_layer]}, strict=False)
+
+
+def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_step: bool = False
+                    ) -> tuple[Any, dict[str, Any]]:
+    """Export ``model`` (its decode step with the cache as inputs when ``decode_step``), collect every
+    call ``steps`` price into ``db`` (as ``kernels collect`` does) and return the serving setup priced
+    from it."""
     from boomfx.frontend.capture import capture
     from boomfx.core.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
@@ -165,8 +200,9 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str) -> tuple[
     from boomfx.serving.serve import setup
     from boomfx.serving.steps import KV_WRITE_CONCAT
     spec = cpu_spec()
-    program = capture(export(model), options=ProgramOptions(target_kind="cpu"))
-    opts = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
+    program = capture(export_decode_step(model) if decode_step else export(model),
+                      options=ProgramOptions(target_kind="cpu"))
+    opts = dict(max_model_len=2047 if decode_step else 2048, max_num_seqs=64, max_num_batched_tokens=2048)
     plain = setup(program, spec, db="none", **opts)
     calls = [c for st in steps for c in plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st)]
     t0 = time.perf_counter()
@@ -237,6 +273,29 @@ def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
                       "head_dim": site.head_dim, "kv_bytes_per_token": s.plan.kv_bytes_per_token}}
 
 
+def run_cache_export(name: str, iters: int, db: str, overhead: Any) -> list[dict[str, Any]]:
+    """Decode steps priced from the model's decode-step export (the graph itself) vs real steps."""
+    from boomfx.serving.steps import KV_WRITE_CONCAT, Step
+    model = build(name)
+    points = [(b, c, Step((c,) * b)) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+    s, collected = collected_setup(model, [st for *_, st in points], db, decode_step=True)
+    pricer = s.pricer(kv_write=KV_WRITE_CONCAT, host_overhead=overhead)
+    assert pricer.decode_from_graph, name
+    rows = []
+    for b, c, st in points:
+        pred = pricer.step_time(st)
+        wall, cpu = real_decode(model, b, c, iters)
+        real = cpu if collected["clock"] == "thread" else wall
+        rows.append({"model": name, "export": "decode step with cache inputs", "kind": "decode", "batch": b,
+                     "context": c, "pred_s": pred.total_ns / 1e9, "real_s": real, "real_wall_s": wall,
+                     "real_cpu_s": cpu, "clock": collected["clock"], "err": pred.total_ns / 1e9 / real - 1.0,
+                     "err_without_host_overhead": (pred.total_ns - pred.parts["host_overhead"].device_ns) / 1e9
+                     / real - 1.0,
+                     "parts_s": {k: v.device_ns / 1e9 for k, v in pred.parts.items()},
+                     "kv_bytes_per_token": s.plan.kv_bytes_per_token})
+    return rows
+
+
 def simulation_speed() -> list[dict[str, Any]]:
     """Wall time of 10,000-request simulations (pricing included) of the Llama model on an H100."""
     from boomfx.frontend.capture import capture
@@ -259,9 +318,9 @@ def simulation_speed() -> list[dict[str, Any]]:
     return out
 
 
-def write(results: dict[str, Any]) -> None:
+def write(results: dict[str, Any], stem: str = "serving_cpu") -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving_cpu.json").write_text(json.dumps(results, indent=1, default=str))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
     rows = results["rows"]
     lines = ["# boomfx serve --device cpu vs real transformers steps with a DynamicCache", "",
              f"{results['meta']['cpu']}, torch {results['meta']['torch']}, transformers "
@@ -290,6 +349,18 @@ def write(results: dict[str, Any]) -> None:
     for k in results["kv"]:
         lines.append(f"| {k['model']} | {k['batch']} | {k['tokens']} | {k['real_bytes']} | {k['plan_bytes']} | "
                      f"{'yes' if k['equal'] else 'NO'} |")
+    if results.get("cache_export_rows"):
+        lines += ["", "Decode steps priced from the decode-step export that carries a DynamicCache (the graph's own "
+                      "attention over the cached context and torch.cat cache writes), vs the same real steps:", "",
+                  "| model | batch | context | predicted | real | error | error without host overhead |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results["cache_export_rows"]:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {1e3 * r['pred_s']:.2f} ms | "
+                         f"{1e3 * r['real_s']:.2f} ms | {100 * r['err']:+.1f}% | "
+                         f"{100 * r['err_without_host_overhead']:+.1f}% |")
+        errs = [abs(r["err"]) for r in results["cache_export_rows"]]
+        lines += ["", f"Decode-step exports (|error|): median {100 * statistics.median(errs):.1f}%, worst "
+                      f"{100 * max(errs):.1f}%"]
     if results.get("simulation"):
         lines += ["", "10,000-request simulations (Llama model on h100-80gb, 512 + 128 tokens, pricing included):", "",
                   "| rate (req/s) | seconds | steps | sustainable | TTFT p50 | TPOT p50 | load avg |",
@@ -298,7 +369,7 @@ def write(results: dict[str, Any]) -> None:
             lines.append(f"| {x['rate']:g} | {x['seconds']:.2f} | {x['steps']} | {x['sustainable']} | "
                          f"{x['ttft_p50_ms']:.2f} ms | {x['tpot_p50_ms']:.3f} ms | "
                          f"{', '.join(f'{v:.1f}' for v in x['loadavg'])} |")
-    (RESULTS / "serving_cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -306,6 +377,10 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--no-simulation", action="store_true")
+    ap.add_argument("--cache-export", default="", metavar="MODELS",
+                    help="also price decode steps from these models' decode-step exports (e.g. llama,qwen2moe)")
+    ap.add_argument("--no-plain", action="store_true",
+                    help="skip the plain exports (with --cache-export; writes serving_cpu_decode_export.*)")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (default: torch's); 1 on a shared host: timed by this thread's CPU time")
     args = ap.parse_args()
@@ -316,11 +391,16 @@ def main() -> int:
             "transformers": transformers.__version__, "threads": torch.get_num_threads(), "iters": args.iters,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_start": os.getloadavg(),
             "command": " ".join(sys.argv)}
-    rows, kv, per_model = [], [], {}
+    rows, kv, per_model, cache_rows = [], [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         overhead, calibration = calibrate_host_overhead(args.iters, tmp)
         print(f"host overhead: {overhead.per_module_call_ns / 1e3:.1f} us per module call", flush=True)
-        for name in args.models.split(","):
+        for name in filter(None, args.cache_export.split(",")):
+            cache_rows += run_cache_export(name, args.iters, str(Path(tmp) / f"{name}-decode.sqlite"), overhead)
+            for r in cache_rows[-len(DECODE_BATCHES) * len(DECODE_CONTEXTS):]:
+                print(f"{name:9} decode-step export b={r['batch']:<3} {r['context']:>5}  pred {1e3 * r['pred_s']:8.2f} ms"
+                      f"  real {1e3 * r['real_s']:8.2f} ms  {100 * r['err']:+6.1f}%", flush=True)
+        for name in ([] if args.no_plain else args.models.split(",")):
             res = run_model(name, args.iters, str(Path(tmp) / f"{name}.sqlite"), overhead)
             rows += res["rows"]
             kv += res["kv"]
@@ -328,17 +408,19 @@ def main() -> int:
             for r in res["rows"]:
                 print(f"{name:9} {r['kind']:8} b={r['batch']:<3} {r.get('tokens', r.get('context')):>5}  pred "
                       f"{1e3 * r['pred_s']:8.2f} ms  real {1e3 * r['real_s']:8.2f} ms  {100 * r['err']:+6.1f}%", flush=True)
-    summary = {}
+    summary: dict[str, Any] = {}
     for name in per_model:
         errs = [abs(r["err"]) for r in rows if r["model"] == name]
         summary[name] = {"median": statistics.median(errs), "worst": max(errs)}
     errs = [abs(r["err"]) for r in rows]
-    summary["all"] = {"median": statistics.median(errs), "worst": max(errs)}
+    if errs:
+        summary["all"] = {"median": statistics.median(errs), "worst": max(errs)}
     simulation = [] if args.no_simulation else simulation_speed()
     meta["loadavg_end"] = os.getloadavg()
     meta["host_overhead"] = {"per_module_call_ns": overhead.per_module_call_ns,
                              "calibration": calibration}
-    write({"meta": meta, "summary": summary, "models": per_model, "rows": rows, "kv": kv, "simulation": simulation})
+    write({"meta": meta, "summary": summary, "models": per_model, "rows": rows, "kv": kv, "simulation": simulation,
+           "cache_export_rows": cache_rows}, stem="serving_cpu_decode_export" if args.no_plain else "serving_cpu")
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -231,3 +231,16 @@ def test_cli_names_the_sliding_layers(capsys: Any, tmp_path: Any, gemma3: Any) -
     assert main(argv + ["--sliding-window", "0"]) == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and "--sliding-window 0" in err
+
+
+def test_static_cache_export_is_refused_in_one_line() -> None:
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    from boomfx.serving.model import ServingModelError
+    model = hf_decode.llama()
+    model.generation_config.cache_implementation = "static"
+    wrapped = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=64)
+    ep = torch.export.export(wrapped, (), {"input_ids": torch.zeros((1, 1), dtype=torch.long),
+                                           "cache_position": torch.tensor([0])}, strict=False)
+    with pytest.raises(ServingModelError, match="StaticCache"):
+        _setup(ep)

@@ -237,6 +237,11 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
     try:
         batch, seq = program.symbol("batch"), program.symbol("seq")
     except KeyError:
+        if any(reads_a_buffer_cache(program, _expansion_chain(k)[1]) for k in
+               (_arg(n, 1, "key") for n in sdpa) if isinstance(k, torch.fx.Node)):
+            raise ServingModelError("the attention reads a KV cache held in buffers updated in place (a StaticCache "
+                                    "export: batch and sequence fixed); export the decode step with the cache as "
+                                    "inputs (a DynamicCache) or export model(input_ids)") from None
         raise ServingModelError("the export needs a dynamic batch and sequence dimension "
                                 "(dynamic_shapes={'input_ids': {0: Dim('batch'), 1: Dim('seq')}})") from None
     sites: list[AttentionSite] = []
