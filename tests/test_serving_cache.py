@@ -58,6 +58,13 @@ def test_cache_inputs_are_recognised(decode_setup: Any, decode_export: Any) -> N
     assert all((s.kv_heads, s.head_dim, s.q_heads) == (2, 16, 4) for s in m.sites)
     # the concatenations that append the new K/V are the model's cache write: not token-wise work
     assert m.cache_write_nodes and m.cache_write_nodes <= m.attention_side
+    # DynamicCache's unflatten rebuilds each layer with cat([empty, past]): one copy per cache input,
+    # not made by a framework that keeps its cache object between steps
+    nodes = {n.name: n for n in m.program.graph.nodes}
+    assert len(m.cache_rewrap_nodes) == 4 and m.cache_rewrap_nodes <= m.cache_write_nodes
+    for name in m.cache_rewrap_nodes:
+        empty, cached = nodes[name].args[0]
+        assert tuple(empty.meta["val"].shape) == (0,) and cached.name in m.cache_input_names
     # the longest context a decode step can price: the cache range + the new token
     assert decode_setup.config.max_model_len == hf_decode.MAX_PAST + 1
 

@@ -10,7 +10,10 @@ What the serving model takes from them (``boomfx/serving/model.py``):
 - the KV-cache shape per layer straight from the cache input (KV heads = dim 1, head size =
   dim 3, its dtype), so KV bytes per token come from the tensors the model really caches;
 - the past-length symbol (dim 2), bound when the graph is priced;
-- the concatenation nodes: the model's own cache write, replaced by the engine's.
+- the concatenation nodes: the model's own cache write, replaced by the engine's. Among them,
+  ``cat([empty, past_k])`` is the export rebuilding its cache object from the flattened inputs
+  (transformers' ``DynamicCache`` unflatten calls ``update`` on empty layers): a copy of the whole
+  cache that a framework keeping its cache object between steps never makes (``rewrap``).
 
 Known limitations:
 - NB: caches held as module buffers and updated in place (``StaticCache`` wrappers such as
@@ -45,6 +48,7 @@ class CacheSource:
 
     placeholder: str                 # the graph input holding past K (or V) of this layer
     chain: tuple[str, ...]           # the concatenation nodes (and their pass-through copies)
+    rewrap: tuple[str, ...]          # concatenations of the cache input with empty tensors only (below)
     past: sympy.Expr                 # the cached length (dim 2 of the input)
     kv_heads: object                 # dim 1 (an int for a usable export)
     head_dim: object                 # dim 3
@@ -77,15 +81,18 @@ def find_cache_source(program: Program, base: torch.fx.Node) -> Optional[CacheSo
     leads (through copies) to a 4-d user input: that input is the past K/V."""
     chain: list[torch.fx.Node] = []
     found: list[torch.fx.Node] = []
+    rewrap: list[str] = []
     stack = [_origin(base, chain)]
     while stack:
         node = stack.pop()
         if node.op == "call_function" and _packet(node) in _CONCAT_OPS and _cat_dim(node) in _SEQ_DIMS:
             chain.append(node)
-            parts = node.args[0]
-            for part in parts if isinstance(parts, (list, tuple)) else ():
-                if isinstance(part, torch.fx.Node):
-                    stack.append(_origin(part, chain))
+            parts = [p for p in (node.args[0] if isinstance(node.args[0], (list, tuple)) else ())
+                     if isinstance(p, torch.fx.Node)]
+            if sum(1 for p in parts if not _is_empty(p)) == 1 and len(parts) > 1:
+                rewrap.append(node.name)
+            for part in parts:
+                stack.append(_origin(part, chain))
         elif node.op == "placeholder":
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and val.dim() == 4 and program.input_roles.get(node.name) == ROLE_INPUT:
@@ -95,8 +102,16 @@ def find_cache_source(program: Program, base: torch.fx.Node) -> Optional[CacheSo
     src = found[0]
     val = src.meta["val"]
     past = sympy.sympify(val.shape[2].node.expr if hasattr(val.shape[2], "node") else int(val.shape[2]))
-    return CacheSource(src.name, tuple(n.name for n in chain if n.op == "call_function"), past, val.shape[1],
-                       val.shape[3], val.dtype)
+    return CacheSource(src.name, tuple(n.name for n in chain if n.op == "call_function"), tuple(rewrap), past,
+                       val.shape[1], val.shape[3], val.dtype)
+
+
+def _is_empty(node: torch.fx.Node) -> bool:
+    """A tensor with no elements at export (``torch.tensor([])``-style placeholders of an empty cache)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    return any(isinstance(d, int) and d == 0 for d in val.shape)   # never int() a SymInt: that would guard it
 
 
 def reads_a_buffer_cache(program: Program, base: torch.fx.Node) -> bool:

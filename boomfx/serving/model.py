@@ -89,6 +89,7 @@ class ServingModel:
     module_calls: int = 0            # distinct nn.Module invocations the export traced (nn_module_stack)
     past: Optional[SymbolInfo] = None   # the cached length of an export that carries a KV cache
     cache_write_nodes: frozenset[str] = frozenset()   # its own cache concatenations (attention-side too)
+    cache_rewrap_nodes: frozenset[str] = frozenset()  # of which: copies made rebuilding the cache object
 
     @property
     def carries_cache(self) -> bool:
@@ -249,6 +250,7 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
     qkv_bases: list[torch.fx.Node] = []
     masks: dict[str, torch.fx.Node] = {}
     cache_writes: set[str] = set()
+    rewraps: set[str] = set()
     pasts: set[str] = set()
     names = {n.name: n for n in graph.nodes}
     for node in sdpa:
@@ -272,6 +274,7 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
             # the KV-cache shape is the cached tensors' own; the concatenations are the model's cache write
             cache_inputs = (k_src.placeholder, v_src.placeholder)
             cache_writes.update(k_src.chain + v_src.chain)
+            rewraps.update(k_src.rewrap + v_src.rewrap)
             pasts.update({str(k_src.past), str(v_src.past)})
             kv, vv = names[k_src.placeholder].meta["val"], names[v_src.placeholder].meta["val"]
         elif str(kv.shape[2]) != str(qv.shape[2]):
@@ -303,7 +306,7 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
                 weights += val.numel() * val.element_size()
     logits = _logits_nodes(graph) - {n.name for n in replaced}
     return ServingModel(program, tuple(sites), frozenset(n.name for n in replaced), frozenset(logits), weights,
-                        batch, seq, _module_calls(graph), past, frozenset(cache_writes))
+                        batch, seq, _module_calls(graph), past, frozenset(cache_writes), frozenset(rewraps))
 
 
 def _past_symbol(program: Program, pasts: set[str], sites: list[AttentionSite]) -> Optional[SymbolInfo]:

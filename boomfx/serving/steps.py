@@ -181,7 +181,9 @@ class StepPricer:
     def graph_decode_parts(self, batch: int, context: int) -> dict[str, PartTime]:
         """A decode step of ``batch`` sequences of ``context`` tokens each (the new one included), as a
         cache export runs it: the whole graph at batch=B, seq=1, past=context-1, split into its
-        attention (SDPA, GQA expansion, mask), its cache concatenations, the LM head and the rest."""
+        attention (SDPA, GQA expansion, mask), its cache concatenations, the LM head and the rest. The
+        copies the export makes rebuilding its cache object (``ServingModel.cache_rewrap_nodes``) are
+        left out: the framework keeps its cache between steps."""
         from boomfx.core.errors import OptionError
         past = self.model.past
         assert past is not None
@@ -197,6 +199,8 @@ class StepPricer:
         acc: dict[str, list] = {name: [0.0, 0.0, {}] for name in ("token_wise", "attention", "kv_cache_write",
                                                                    "logits")}
         for k, span in zip(point.report.kernels, point.timeline.spans):
+            if k.node in self.model.cache_rewrap_nodes:
+                continue
             part = ("kv_cache_write" if k.node in writes else "logits" if k.node in logits
                     else "attention" if k.node in side else "token_wise")
             acc[part][0] += span.end_ns - span.start_ns
