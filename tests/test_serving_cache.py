@@ -251,3 +251,23 @@ def test_static_cache_export_is_refused_in_one_line() -> None:
                                            "cache_position": torch.tensor([0])}, strict=False)
     with pytest.raises(ServingModelError, match="StaticCache"):
         _setup(ep)
+
+
+def test_engine_steps_are_the_same_from_either_export(llama: Any, decode_export: Any) -> None:
+    """Under vLLM's rules the engine runs its own attention and cache writes: the plain export and the
+    decode-step export of one model plan the same memory and price the same attention, writes,
+    LM head and sampler."""
+    from boomfx.core.devices import get_device
+    from boomfx.core.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+    from boomfx.serving.serve import setup
+    device = get_device("h100-80gb")
+    opts: dict[str, Any] = dict(db="none", max_model_len=500, max_num_seqs=8, max_num_batched_tokens=512)
+    plain, cached = (setup(capture(ep, options=ProgramOptions(target_kind="cuda")), device, **opts)
+                     for ep in (hf_decode.export_plain(llama), decode_export))
+    assert (plain.plan.num_blocks, plain.plan.activation_peak_bytes) == (cached.plan.num_blocks,
+                                                                         cached.plan.activation_peak_bytes)
+    for step in (Step((300,) * 8), Step((), ((256, 256),))):
+        a, b = plain.pricer().step_time(step), cached.pricer().step_time(step)
+        for part in ("attention", "kv_cache_write", "logits", "sampler"):
+            assert a.parts[part].device_ns == b.parts[part].device_ns, part
