@@ -271,3 +271,61 @@ def test_engine_steps_are_the_same_from_either_export(llama: Any, decode_export:
         a, b = plain.pricer().step_time(step), cached.pricer().step_time(step)
         for part in ("attention", "kv_cache_write", "logits", "sampler"):
             assert a.parts[part].device_ns == b.parts[part].device_ns, part
+
+
+# -- the scheduler with sliding-window groups ----------------------------------------------------------
+
+def _sim_config() -> Any:
+    from boomfx.serving.engine import EngineConfig
+    return EngineConfig(block_size=16, gpu_memory_utilization=0.9, max_model_len=4096, max_num_seqs=8,
+                        max_num_batched_tokens=1024, kv_cache_dtype="auto")
+
+
+def test_sliding_group_frees_blocks_outside_the_window() -> None:
+    from boomfx.serving.workload import Workload, held_blocks, simulate_workload
+    sliding = kv_groups((32,))
+    # 20 + 100 tokens: the last step runs with 118 computed (119 in all); full attention holds
+    # cdiv(119, 16) = 8 blocks, the window of 32 frees the first (118 - 32 + 1) // 16 = 5 of them
+    assert held_blocks(None, 16, 118, 119) == 8
+    assert held_blocks(sliding, 16, 118, 119) == 8 - 5 == 3
+    # a Gemma-style pair of groups (one sliding, one full) holds both: 3 + 8
+    assert held_blocks(kv_groups((32, None)), 16, 118, 119) == 11
+    wl = Workload(1, 20, 100, request_rate=float("inf"))
+    full = simulate_workload(wl, _sim_config(), 1000, lambda st: 1e6, fast_forward=False)
+    win = simulate_workload(wl, _sim_config(), 1000, lambda st: 1e6, fast_forward=False, groups=sliding)
+    assert full.steps[-1].kv_blocks_used == 8 and win.steps[-1].kv_blocks_used == 3
+    # never more than the window's cdiv(31 + 1, 16) + 1 = 3 blocks once decoding
+    assert max(s.kv_blocks_used for s in win.steps) == 3
+
+
+def test_sliding_window_avoids_preemption() -> None:
+    from boomfx.serving.workload import Workload, simulate_workload
+    # two requests of 20 + 100 tokens in 10 blocks: full attention needs 2 x 8 = 16 and preempts;
+    # a window of 32 keeps each at 3 blocks (6 in all)
+    wl = Workload(2, 20, 100, request_rate=float("inf"))
+    assert simulate_workload(wl, _sim_config(), 10, lambda st: 1e6).preemptions >= 1
+    assert simulate_workload(wl, _sim_config(), 10, lambda st: 1e6, groups=kv_groups((32,))).preemptions == 0
+
+
+def test_fast_forward_is_exact_with_sliding_groups() -> None:
+    from boomfx.serving.workload import Workload, simulate_workload
+
+    def timer(step: Step) -> float:   # grows with the batch's mean context bucket, exact in floating point
+        b = len(step.decode_contexts)
+        mean = -(-sum(step.decode_contexts) // b) if b else 0
+        return 1024.0 * (1000 + 3 * (-(-mean // 16)) + 7 * b + step.num_tokens)
+    groups = kv_groups((40, None, 40))
+    for wl in (Workload(30, 50, 90, request_rate=30.0, seed=2), Workload(20, 20, 120, concurrency=3)):
+        fast = simulate_workload(wl, _sim_config(), 120, timer, groups=groups)
+        slow = simulate_workload(wl, _sim_config(), 120, timer, fast_forward=False, groups=groups)
+        assert fast.requests == slow.requests and fast.preemptions == slow.preemptions
+        assert sum(s.count for s in fast.steps) == len(slow.steps) > len(fast.steps)
+
+
+def test_sliding_window_option_without_a_window_in_the_masks(decode_export: Any) -> None:
+    # a plain Llama's masks show no window: --sliding-window N applies to every layer (Mistral-style)
+    s = _setup(decode_export, sliding_window=64)
+    assert s.plan.sliding_layers == (0, 1) and s.plan.sliding_windows == (64, 64) and s.plan.kv_groups == 1
+    # min(63 + 512, 511) = 511 tokens: cdiv(511, 16) + 1 = 33 blocks per request (full attention: 32)
+    assert s.plan.blocks_per_request == 33
+    assert _setup(decode_export).plan.blocks_per_request == 32

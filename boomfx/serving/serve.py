@@ -44,12 +44,6 @@ class ServingSetup:
     plan: MemoryPlan
     groups: Optional[KVGroups] = None
 
-    @property
-    def simulated_blocks(self) -> int:
-        """Blocks the workload simulation allocates from: the pool split over the engine's KV-cache
-        groups, every group holding a request's whole context (for sliding groups an upper bound)."""
-        return self.plan.num_blocks // max(1, self.plan.kv_groups)
-
     def request_blocks(self, context: int) -> int:
         """Blocks one request of ``context`` tokens holds over all groups."""
         groups = self.groups or kv_groups((None,) * self.kv.num_layers)
@@ -165,19 +159,21 @@ def run_workload(s: ServingSetup, workload: Workload, progress: Optional[Callabl
                  find_max_rate: bool = True) -> WorkloadReport:
     """Simulate ``workload``; in rate mode also bisect for the highest sustainable rate."""
     pricer = s.pricer(bucket_tokens=s.config.block_size, interpolate=True)
+    groups = s.groups if s.plan.sliding_layers else None     # None: one full-attention group
 
     def timer(step: Step) -> float:
         return pricer.step_time(step).total_ns
 
-    result = simulate_workload(workload, s.config, s.simulated_blocks, timer, progress)
+    result = simulate_workload(workload, s.config, s.plan.num_blocks, timer, progress, groups=groups)
     ok = sustainable(result)
     best: Optional[float] = None
     if find_max_rate and workload.request_rate is not None:
-        best = _highest_rate(s, workload, timer)
+        best = _highest_rate(s, workload, timer, groups)
     return workload_report(workload, result, ok, best)
 
 
-def _highest_rate(s: ServingSetup, workload: Workload, timer: Callable[[Step], float]) -> Optional[float]:
+def _highest_rate(s: ServingSetup, workload: Workload, timer: Callable[[Step], float],
+                  groups: Optional[KVGroups]) -> Optional[float]:
     from dataclasses import replace
     n = min(workload.num_prompts, MAX_RATE_PROBE_PROMPTS)
     out_len = workload.lengths_of(0)[1]
@@ -187,7 +183,7 @@ def _highest_rate(s: ServingSetup, workload: Workload, timer: Callable[[Step], f
     for _ in range(MAX_RATE_PROBES):
         mid = (lo + hi) / 2
         probe = replace(workload, num_prompts=n, request_rate=mid, concurrency=None)
-        if sustainable(simulate_workload(probe, s.config, s.simulated_blocks, timer)):
+        if sustainable(simulate_workload(probe, s.config, s.plan.num_blocks, timer, groups=groups)):
             lo = mid
         else:
             hi = mid
@@ -231,10 +227,6 @@ def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
         warnings.append(f"the export carries a KV cache ({len(s.model.cache_input_names)} past K/V inputs, cached "
                         f"length {s.model.past.min_value} to {s.model.past.max_value}): KV shapes read from them; under {s.engine.name} rules "
                         "the export's own attention and cache concatenations are replaced by the engine's")
-    if s.plan.sliding_layers:
-        warnings.append("the workload simulation holds every KV-cache group's blocks for a request's whole context "
-                        "(sliding-window groups free nothing outside their window): its preemptions are an upper "
-                        "bound")
     if s.analysis.costs.unmodelled_ops():
         warnings.append(f"{len(s.analysis.costs.unmodelled_ops())} op(s) without a cost formula priced by bytes moved")
     return ServeReport(

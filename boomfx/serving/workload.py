@@ -5,7 +5,9 @@ The engine loop (vLLM V1 ``Scheduler.schedule`` + ``update_from_output``, read i
 1. arrivals up to the current time join the waiting queue (FCFS);
 2. running requests first, in order: each gets its remaining prompt (a chunk, capped by the token
    budget ``max_num_batched_tokens``) or one decode token; its new tokens need KV blocks
-   (``cdiv(computed + new, block_size)`` in all); when the free blocks run out the *last* running
+   (``cdiv(computed + new, block_size)`` in all, in every KV-cache group; a sliding-window group
+   first frees the blocks wholly before token ``computed - window + 1``: vLLM's
+   ``SlidingWindowManager.remove_skipped_blocks``); when the free blocks run out the *last* running
    request is preempted (its blocks freed, back to the front of the waiting queue, recomputed from
    scratch later), until the allocation succeeds;
 3. then, if nothing was preempted this step, waiting requests are admitted while the budget lasts and
@@ -34,6 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from boomfx.core.errors import OptionError
 from boomfx.serving.engine import EngineConfig
 from boomfx.serving.kv_cache import cdiv
+from boomfx.serving.kv_groups import KVGroups
 from boomfx.serving.steps import Step
 
 StepTimer = Callable[[Step], float]     # step -> time in ns
@@ -169,11 +172,37 @@ class SimulationResult:
     preemptions: int
 
 
+def held_blocks(groups: Optional[KVGroups], block: int, computed: int, total: int) -> int:
+    """Blocks a request holds once the step that brings it to ``total`` tokens is allocated, after
+    freeing what the tokens ``computed`` so far leave outside each sliding window (every group
+    allocates ``cdiv(total, block)`` table entries; a sliding group's first
+    ``(computed - window + 1) // block`` of them are freed). ``groups`` None: one full group."""
+    if groups is None:
+        return cdiv(total, block)
+    held = 0
+    for g in groups.groups:
+        held += cdiv(total, block)
+        if g.window is not None:
+            held -= max(0, (computed - g.window + 1) // block)
+    return held
+
+
+def _steps_before_a_free(groups: KVGroups, block: int, computed: int) -> int:
+    """Decode steps (from ``computed`` tokens, one more each) before a sliding group frees a block."""
+    out = math.inf
+    for g in groups.groups:
+        if g.window is not None:
+            x = computed - g.window + 1
+            out = min(out, max(block, (x // block + 1) * block) - x)
+    return int(out) if out != math.inf else 1 << 62
+
+
 def simulate_workload(workload: Workload, config: EngineConfig, num_blocks: int, step_ns: StepTimer,
                       progress: Optional[Callable[[int, int], None]] = None,
-                      fast_forward: bool = True) -> SimulationResult:
+                      fast_forward: bool = True, groups: Optional[KVGroups] = None) -> SimulationResult:
     """Run the scheduler of the module docstring to the last request's finish (``fast_forward``:
-    identical decode-only stretches in one go, see ``_fast_forward``; the result is the same)."""
+    identical decode-only stretches in one go, see ``_fast_forward``; the result is the same).
+    ``groups``: the engine's KV-cache groups sharing the ``num_blocks`` pool (None: one full group)."""
     block = config.block_size
     specs = workload.arrivals() if workload.concurrency is None else []
     pending = [_Request(i, s) for i, s in enumerate(specs)]
@@ -200,7 +229,8 @@ def simulate_workload(workload: Workload, config: EngineConfig, num_blocks: int,
             t = pending[arrived].spec.arrival_ns
             continue
         if not waiting:
-            jumped = _fast_forward(running, pending, arrived, t, config, step_ns, steps) if fast_forward else 0.0
+            jumped = _fast_forward(running, pending, arrived, t, config, step_ns, steps, groups) if fast_forward \
+                else 0.0
             if jumped:
                 t = jumped
                 continue
@@ -211,7 +241,7 @@ def simulate_workload(workload: Workload, config: EngineConfig, num_blocks: int,
         while i < len(running) and budget > 0:
             req = running[i]
             new = min(req.total_len - req.computed, budget)
-            need = cdiv(req.computed + new, block) - req.blocks
+            need = held_blocks(groups, block, req.computed, req.computed + new) - req.blocks
             self_preempted = False
             while need > free:
                 victim = running.pop()     # the last-scheduled running request (FCFS priority)
@@ -235,7 +265,7 @@ def simulate_workload(workload: Workload, config: EngineConfig, num_blocks: int,
             while waiting and budget > 0 and len(running) < config.max_num_seqs:
                 req = waiting[0]
                 new = min(req.total_len - req.computed, budget)
-                need = cdiv(req.computed + new, block) - req.blocks
+                need = held_blocks(groups, block, req.computed, req.computed + new) - req.blocks
                 if need > free:
                     break
                 waiting.pop(0)
@@ -278,11 +308,13 @@ def simulate_workload(workload: Workload, config: EngineConfig, num_blocks: int,
     return SimulationResult(results, tuple(steps), t, num_blocks, preemptions)
 
 
-def _fast_forward(running: list[_Request], pending: list[_Request], arrived: int, t: float, config: EngineConfig, step_ns: StepTimer, steps: list[StepRecord]) -> float:
+def _fast_forward(running: list[_Request], pending: list[_Request], arrived: int, t: float, config: EngineConfig,
+                  step_ns: StepTimer, steps: list[StepRecord], groups: Optional[KVGroups] = None) -> float:
     """Advance a stretch of identical decode-only steps at once; returns the new time (0: none taken).
 
     Only when nothing waits and every running request decodes. The stretch ends before the next
-    arrival, before any request finishes or needs a new block, and before the decode batch's mean
+    arrival, before any request finishes, needs a new block or frees one outside a sliding window,
+    and before the decode batch's mean
     context leaves its ``block_size`` bucket, the granularity the simulation prices steps at
     (``serve.run_workload``: ``StepPricer(bucket_tokens=block_size)``), so every step of it costs the
     same and the result equals stepping one by one. Low loads (one request at a time, 10^6 steps for
@@ -292,7 +324,11 @@ def _fast_forward(running: list[_Request], pending: list[_Request], arrived: int
     if any(r.computed != r.total_len - 1 or r.computed < r.spec.prompt_len for r in running):
         return 0.0
     k = min(min(r.spec.output_len - r.produced, config.max_model_len - r.total_len) for r in running) - 1
-    k = min(k, min(r.blocks * block - r.computed for r in running))
+    if groups is None:
+        k = min(k, min(r.blocks * block - r.computed for r in running))
+    else:   # every group's table grows at the same block boundaries; sliding groups also free
+        k = min(k, min(min(cdiv(r.computed, block) * block - r.computed,
+                           _steps_before_a_free(groups, block, r.computed)) for r in running))
     mean_ctx = -(-sum(r.computed + 1 for r in running) // b)
     k = min(k, -(-mean_ctx // block) * block - mean_ctx + 1)
     if k < 2:
