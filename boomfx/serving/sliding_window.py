@@ -4,16 +4,16 @@ A sliding-window layer (Mistral, or Gemma-2/3's alternating local layers) differ
 only in its mask: query ``q`` may see keys ``q - W + 1 .. q``. Mask constructions differ between
 models and library versions (``kv_idx > q_idx - W`` comparisons, ``triu``/``tril`` bands, additive
 ``-inf`` masks), so the mask is not pattern-matched: its subgraph is *run* on a concrete input of
-``probe_tokens`` tokens (all-zero token ids; masks depend on positions, not on token values) and
-the last query's row is read: it sees ``min(W, probe_tokens)`` keys. Fewer than all keys means a
-window of that many tokens.
+``probe_tokens`` tokens (token ids and attention masks all ones: masks depend on positions and
+padding, not on token values) and the last query's row is read: it sees ``min(W, probe_tokens)``
+keys. Fewer than all keys means a window of that many tokens.
 
 Known limitations:
 - NB: a window at least as long as the probe (``MAX_PROBE_TOKENS``, or the export's sequence range
   when shorter) is not seen; ``--sliding-window N`` gives it (a window that long never
   drops a token of a request shorter than the probe anyway).
 - NB: a mask that depends on a parameter or a buffer is not run (its layers count as full
-  attention unless ``--sliding-window`` is given); user inputs are given as zeros.
+  attention unless ``--sliding-window`` is given).
 """
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def _placeholder_value(node: torch.fx.Node, bindings: Mapping[sympy.Symbol, int]
     shape = [_concrete(s, bindings) for s in val.shape]
     if not all(isinstance(s, int) for s in shape):
         return None
-    return torch.zeros(shape, dtype=val.dtype)
+    # token ids / attention masks as ones (no padding: every position present), cached K/V as zeros
+    fill = 0 if val.is_floating_point() else 1
+    return torch.full(shape, fill, dtype=val.dtype)
 
 
 def _ancestors(root: torch.fx.Node) -> set[torch.fx.Node]:
