@@ -25,7 +25,9 @@ import torch.fx
 
 from boomfx.core.program import ROLE_INPUT, Program
 
-MAX_PROBE_TOKENS = 4096     # a [1, 1, 4096, 4096] boolean mask: 16 MiB while probing
+# one past the commonest long window (4096: Mistral-7B-v0.1, Gemma-2), so that it is seen; a
+# [1, 1, 4097, 4097] boolean mask is 16 MiB while probing
+MAX_PROBE_TOKENS = 4097
 
 
 def _concrete(value: Any, bindings: Mapping[sympy.Symbol, int]) -> Any:
