@@ -19,6 +19,9 @@ Known limitations:
 - NB: caches held as module buffers and updated in place (``StaticCache`` wrappers such as
   transformers' ``TorchExportableModuleWithStaticCache``) fix batch and sequence at export and are
   refused with one line (``ServingModelError``).
+- NB: a sliding-window model's decode step does not export with a dynamic cache length beyond its
+  window (transformers' ``DynamicSlidingWindowLayer`` branches on it): read its windows from the
+  plain export, or give ``--sliding-window``.
 """
 from __future__ import annotations
 
