@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from boomfx.cli.main import main
 from boomfx.frontend.loader import LoadError, load_program
@@ -121,3 +122,29 @@ def test_the_cli_prints_the_refusal_as_one_line(capsys, tmp_path: Path, examples
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("boomfx: error: ") and CONSTANTS in err
+
+
+class _CacheWrite(torch.nn.Module):
+    """A StaticCache-style step: the new row is written in place into a buffer, then read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 8, 4))
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(1, pos, self.proj(x))
+        return self.cache.sum(1)
+
+
+def test_an_in_place_buffer_write_loads_and_keeps_its_recorded_values(tmp_path: Path) -> None:
+    # the check re-runs index_copy_ on the recorded values: under grad mode torch refuses an in-place
+    # op on that leaf, and running it on the recorded value itself would edit the program's metadata
+    ep = torch.export.export(_CacheWrite(), (torch.randn(2, 1, 4), torch.tensor([3])))
+    path = tmp_path / "cache_write.pt2"
+    torch.export.save(ep, path)
+    program = load_program(path)
+    cache = next(n for n in program.graph.nodes if n.op == "placeholder" and "cache" in n.name)
+    assert list(cache.meta["val"].shape) == [2, 8, 4]
+    copy = next(n for n in program.graph.nodes if n.op == "call_function" and "index_copy" in str(n.target))
+    assert list(copy.meta["val"].shape) == [2, 8, 4]

@@ -150,7 +150,9 @@ def _check_recorded_values(ep: ExportedProgram, source: str) -> None:
     # torch's Python meta functions and decompositions, as export runs them: some C++ kernels read sizes
     # as ints (constant_pad_nd), and re-running them would fix a size symbol in the program's ShapeEnv to
     # its example value (MobileNetV2's padding: every later analysis bound to batch 2)
-    with mode, enable_python_dispatcher():
+    # no_grad: shapes do not depend on grad mode, and an in-place op on a parameter-like leaf (a
+    # StaticCache's index_copy_ into its buffer) is refused under grad mode though export recorded it
+    with mode, enable_python_dispatcher(), torch.no_grad():
         for node in ep.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 continue
@@ -159,6 +161,7 @@ def _check_recorded_values(ep: ExportedProgram, source: str) -> None:
             kwargs = torch.fx.node.map_arg(node.kwargs, _arg_value)
             key = (node.target, _describe(args), _describe(kwargs))
             if key not in rerun:
+                args, kwargs = _clone_written(node.target, args, kwargs)
                 rerun[key] = _run(node, args, kwargs, source)
             expected = rerun[key]
             if expected is None:
@@ -167,6 +170,19 @@ def _check_recorded_values(ep: ExportedProgram, source: str) -> None:
             if got != expected:
                 raise LoadError(f"{source} is inconsistent: {MODEL_JSON} records node {node.name} "
                                 f"({node.target}) as {_show(got)}, but its inputs give {_show(expected)}.")
+
+
+def _clone_written(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Clones of the inputs ``op`` writes to (``Tensor(a!)``), so re-running it leaves the recorded
+    values untouched (``resize_``/``unsqueeze_`` would change their metadata)."""
+    written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    if not written:
+        return args, kwargs
+    names = [a.name for a in op._schema.arguments]
+    clone = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    args = tuple(clone(v) if i < len(names) and names[i] in written else v for i, v in enumerate(args))
+    kwargs = {k: clone(v) if k in written else v for k, v in kwargs.items()}
+    return args, kwargs
 
 
 def _run(node: torch.fx.Node, args: Any, kwargs: Any, source: str) -> Any:
