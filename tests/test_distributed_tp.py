@@ -136,11 +136,12 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     real = [(c["op"], c["numel"][0]) for c in tp_gloo_runs[cfg.name].ranks[0].collectives]
     assert predicted == real
     tp_calls = [c for c in collectives(rc.program, ev) if c.group == "tp"]
-    # per layer: 2 forward (o, down / fc_out) and 5 (llama: q, k, v, gate, up) or 1 (gpt: fc) backward
-    per_layer_backward = 5 if cfg.model == "llama" else 1
+    # per layer: one forward per rowwise linear (llama: o, down; gpt: fc_out), one backward per
+    # colwise linear (llama: q, k, v, gate, up; gpt: fc)
+    styles = list(truth.TP_PLANS[cfg.model].values())
     layers = truth.MODEL_DIMS[cfg.model]["layers"]
-    assert [c.phase for c in tp_calls].count("forward") == 2 * layers
-    assert [c.phase for c in tp_calls].count("backward") == per_layer_backward * layers
+    assert [c.phase for c in tp_calls].count("forward") == styles.count("rowwise") * layers
+    assert [c.phase for c in tp_calls].count("backward") == styles.count("colwise") * layers
     assert {c.input_bytes for c in tp_calls} == {cfg.batch * cfg.seq * 64 * 4}
 
 
