@@ -56,7 +56,10 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         label = f"DDP x {tp_label}" if tp_label else "DDP"
         return [RankClass(tuple(world), rewritten, f"{label} rank (all {cfg.world})")]
     spec = ShardSpec(
-        cfg.dp_shard, reshard_after_forward=cfg.reshard_after_forward, replicate_world=cfg.dp_replicate
+        cfg.dp_shard,
+        reshard_after_forward=cfg.reshard_after_forward,
+        replicate_world=cfg.dp_replicate,
+        all_gather_scratch=cfg.backend == "gloo",
     )
     shapes = [
         list(n.meta["val"].shape)
