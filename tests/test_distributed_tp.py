@@ -246,3 +246,23 @@ def test_tp_report_times_its_collectives_on_the_critical_path() -> None:
     assert len(tp) == 14 and {c["input_bytes"] for c in tp} == {2 * 16 * 64 * 4}
     timing = par["time_by_class"][0]
     assert timing["exposed_comm_ns"] > 0.9 * (timing["exposed_comm_ns"] + timing["hidden_comm_ns"])
+
+
+def test_view_groups_follow_the_split() -> None:
+    """A view maps runs of dims with equal size products; the split dim must lead its run (then the
+    run's first non-unit output dim carries it), else each rank's slice is not one block."""
+    import sympy
+
+    from boomfx.distributed.tensor_parallel import _group
+
+    b, t = sympy.symbols("b t", positive=True, integer=True)
+    i = sympy.Integer
+    # [b, t, 64] -> [b, t, 4, 16]: the 64 (heads x head_dim) becomes heads
+    assert _group([b, t, i(64)], [b, t, i(4), i(16)], 2) == ([2], [2, 3])
+    # [b, t, 4, 16] -> [b, t, 64]: heads lead the merged run
+    assert _group([b, t, i(4), i(16)], [b, t, i(64)], 2) == ([2, 3], [2])
+    # splitting head_dim, or merging the batch into the split dim, cannot stay one block per rank
+    assert _group([b, t, i(4), i(16)], [b, t, i(64)], 3)[0] is None
+    assert _group([b, i(8), t], [b * i(8), t], 1)[0] is None
+    # [b * t, 64] -> [b, t, 64]: the last dim is its own run
+    assert _group([b * t, i(64)], [b, t, i(64)], 1) == ([1], [2])

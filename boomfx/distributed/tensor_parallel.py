@@ -97,10 +97,8 @@ class _Sharder:
         return self.split.get(arg) if isinstance(arg, fx.Node) else None
 
     def tensors(self, node: fx.Node) -> list[fx.Node]:
-        flat = fx.node.map_arg((node.args, node.kwargs), lambda n: n)
-        out: list[fx.Node] = []
-        fx.node.map_arg(flat, lambda n: out.append(n) if isinstance(n.meta.get("val"), torch.Tensor) else None)
-        return out
+        """The tensor-valued nodes ``node`` reads (in args and kwargs, lists included)."""
+        return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
 
     def local(self, node: fx.Node, size: Any) -> Any:
         """The per-rank size of a split dimension's size argument (``-1`` stays)."""
@@ -131,9 +129,9 @@ class _Sharder:
             return None
         val = node.meta["val"]
         fqn = self.fqn[node.name]
-        dim = 0 if style == "colwise" or val.dim() == 1 else 1
         if style == "rowwise" and val.dim() == 1:
             return None  # a rowwise bias stays whole
+        dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
         if val.shape[dim] % self.tp:
             raise OptionError(f"--parallel: tp={self.tp} does not divide {fqn} ({style}: dimension {val.shape[dim]})")
         shape = list(val.shape)
@@ -272,10 +270,10 @@ class _Sharder:
         src = node.args[0]
         d = self.of(src)
         nd_in = _ndim(src)
-        default_dim = 0
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim)
-        if node.target is aten.unbind.int or node.target is aten.select.int:
-            dim = node.args[1] if len(node.args) > 1 else 0
+        if node.target in (aten.unbind.int, aten.select.int, aten.slice.Tensor):
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        else:  # chunk / split / split_with_sizes: (self, chunks or sizes, dim)
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if _dim(dim, nd_in) == d:
             raise _fail(node, "it slices the split dimension")
         if node.target is aten.select.int or node.target is aten.unbind.int:
