@@ -38,6 +38,10 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
             f"--parallel {cfg.describe()}: per-rank programs for pipeline parallelism "
             "are not built yet (dp_replicate, dp_shard and tp are)"
         )
+    if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
+        raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
+    if cfg.gradient_as_bucket_view:
+        raise OptionError("--gradient-as-bucket-view: not modelled yet (the default, False, is)")
     tp_label = ""
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
@@ -46,10 +50,6 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         tp_label = f"TP {cfg.tp}"
         if cfg.dp == 1:
             return [RankClass(tuple(range(cfg.world)), program, f"{tp_label} rank (all {cfg.world})")]
-    if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
-        raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
-    if cfg.gradient_as_bucket_view:
-        raise OptionError("--gradient-as-bucket-view: not modelled yet (the default, False, is)")
     world = list(range(cfg.world))
     if cfg.dp_shard == 1:
         rewritten = ddp_rank_program(program, cfg.dp_replicate, cfg.bucket_cap_mb)
