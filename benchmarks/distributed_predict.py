@@ -47,7 +47,9 @@ def export(cfg: truth.TruthConfig) -> torch.export.ExportedProgram:
     return torch.export.export(model, (idx,), dynamic_shapes=dims)
 
 
-def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None) -> list[int] | None:
+def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=None) -> list[int] | None:
+    """Each rank's predicted peak above the step's start; ``classes``: the configuration's rank
+    classes when the caller already built them (``rank_programs`` of ``capture(export(cfg))``)."""
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.frontend.capture import capture, resolve_bindings
     from boomfx.core.devices import cpu_spec
@@ -59,12 +61,13 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None) -> list[
     from boomfx.core.program import ProgramOptions
 
     spec = cpu_spec()
-    program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
-    try:
-        classes = rank_programs(program, parallel_config(cfg))
-    except OptionError:
-        return None
-    bindings = resolve_bindings(program, {}, cfg.batch, cfg.seq)
+    if classes is None:
+        program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+        try:
+            classes = rank_programs(program, parallel_config(cfg))
+        except OptionError:
+            return None
+    bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)
     tmp = None
     if db is None:
         tmp = tempfile.TemporaryDirectory()

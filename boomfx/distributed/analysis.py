@@ -13,8 +13,8 @@ is ``batch x dp_replicate x dp_shard``.
 Known limitations:
 - Collective time is the pricer's byte-based fallback, not a network model (issue 18).
 - Memory a communication library holds outside the caching allocator (NCCL's channel buffers) is
-  not added; gloo's transient copies inside a collective (measured: one output-sized buffer during
-  an all-gather) are not graph storages either and never coincide with the peaks measured here.
+  not added. gloo's output-sized temporary inside an all-gather is (``backend="gloo"``: an
+  ``aten.empty`` held during each FSDP all-gather, fsdp.py ``ShardSpec.all_gather_scratch``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ are copied into the buckets and back.
 
 Known limitations:
 - Mixed precision (``--fsdp-param-dtype``) and the DDP bucket-view option are not rewritten yet
-  (OptionError); gloo's and NCCL's internal buffers are not in the program (see rank analysis).
+  (OptionError); NCCL's internal buffers are not in the program (see rank analysis); gloo's all-gather
+  temporary is, with ``all_gather_scratch`` (the ground truth's backend).
 - Tied parameters in different units are not modelled.
 """
 
@@ -86,6 +87,10 @@ class ShardSpec:
     reshard_after_forward: bool = True
     replicate_world: int = 1  # HSDP: the all-reduce group over replicas
     replicate_group: str = "dp_replicate"
+    # gloo's allgather copies through a temporary of the output's size, held during the collective
+    # (measured on the gloo ground truth: an ``aten::empty`` of [N x T] inside ``c10d::_allgather_base_``,
+    # freed when it returns); NCCL writes into the output directly
+    all_gather_scratch: bool = False
 
 
 @dataclass
@@ -179,6 +184,16 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
         own = edit.call(
             anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
         )
+        scratch = None
+        if spec.all_gather_scratch:
+            scratch = edit.call(
+                anchor,
+                aten.empty.memory_format,
+                ([n * total],),
+                meta_tensor([n * total], dtype),
+                phase,
+                kwargs={"dtype": dtype, "device": torch.device("cpu")},
+            )
         gathered = edit.call(
             anchor,
             c10d.all_gather_into_tensor_out.default,
@@ -190,6 +205,8 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
         waited = edit.call(
             anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase
         )
+        if scratch is not None:
+            edit.keep_alive(gathered, [scratch])
         return flat, waited
 
     def copy_out(

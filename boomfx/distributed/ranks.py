@@ -4,8 +4,11 @@ All ranks of a data-parallel group run the same graph; FSDP ranks differ only wh
 gives the last ranks fewer rows (a parameter whose dim 0 does not divide by the shard degree), so
 ranks are grouped into classes by the shapes they hold and each class is analysed once.
 
-Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``) and HSDP (both). Tensor and pipeline
-parallelism are validated by ``plan.py`` but their rewrites are not built yet (OptionError).
+Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``), HSDP (both), tensor parallelism
+(``tp``, ``tensor_parallel.py``: every rank of a TP group runs the same program) and its
+combinations with them (FSDP / DDP rewrite the TP rank's program: FSDP shards the TP-local
+parameters over ``dp_shard``, as ``fully_shard`` of a ``parallelize_module``d model does). Pipeline
+parallelism is validated by ``plan.py`` but its rewrite is not built yet (OptionError).
 """
 
 from __future__ import annotations
@@ -30,21 +33,33 @@ class RankClass:
 def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
-    if cfg.tp > 1 or cfg.pp > 1:
+    if cfg.pp > 1:
         raise OptionError(
-            f"--parallel {cfg.describe()}: per-rank programs for tensor and pipeline parallelism "
-            "are not built yet (dp_replicate and dp_shard are)"
+            f"--parallel {cfg.describe()}: per-rank programs for pipeline parallelism "
+            "are not built yet (dp_replicate, dp_shard and tp are)"
         )
     if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
     if cfg.gradient_as_bucket_view:
         raise OptionError("--gradient-as-bucket-view: not modelled yet (the default, False, is)")
+    tp_label = ""
+    if cfg.tp > 1:
+        from boomfx.distributed.tensor_parallel import tp_rank_program
+
+        program = tp_rank_program(program, cfg)
+        tp_label = f"TP {cfg.tp}"
+        if cfg.dp == 1:
+            return [RankClass(tuple(range(cfg.world)), program, f"{tp_label} rank (all {cfg.world})")]
     world = list(range(cfg.world))
     if cfg.dp_shard == 1:
         rewritten = ddp_rank_program(program, cfg.dp_replicate, cfg.bucket_cap_mb)
-        return [RankClass(tuple(world), rewritten, f"DDP rank (all {cfg.world})")]
+        label = f"DDP x {tp_label}" if tp_label else "DDP"
+        return [RankClass(tuple(world), rewritten, f"{label} rank (all {cfg.world})")]
     spec = ShardSpec(
-        cfg.dp_shard, reshard_after_forward=cfg.reshard_after_forward, replicate_world=cfg.dp_replicate
+        cfg.dp_shard,
+        reshard_after_forward=cfg.reshard_after_forward,
+        replicate_world=cfg.dp_replicate,
+        all_gather_scratch=cfg.backend == "gloo",
     )
     shapes = [
         list(n.meta["val"].shape)
@@ -59,7 +74,7 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     classes = []
     for ranks in by_signature.values():
         shard = cfg.coords(ranks[0])["dp_shard"]
-        label = "HSDP" if cfg.dp_replicate > 1 else "FSDP"
+        label = ("HSDP" if cfg.dp_replicate > 1 else "FSDP") + (f" x {tp_label}" if tp_label else "")
         classes.append(
             RankClass(
                 tuple(ranks),

@@ -7,6 +7,7 @@ The graph is never run: sizes stay symbolic, parameters are meta tensors. ``--tr
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import sympy
@@ -23,7 +24,7 @@ from boomfx.core.program import (
 from boomfx.frontend.symbols import symbols_of
 
 __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", "symbols_of", "program_from_traced",
-           "to_exported_program", "load_exported", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
+           "to_exported_program", "load_exported", "trace_step", "export_of", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "none")   # none: forward + backward only (a micro-batch step)
 DEFAULT_OPTIMIZER = "adamw"
@@ -110,6 +111,15 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     symbols = symbols_of(ep, roles)
     if not options.train and not options.amp:
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label)
+    program = program_from_traced(trace_step(ep, options), symbols, options, label)
+    if options.train:
+        _EXPORTS[program.gm] = ep   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
+    return program
+
+
+def trace_step(ep: Any, options: ProgramOptions) -> Any:
+    """The re-traced step of ``ep`` under ``options`` (a ``training.TracedProgram``); ``ep`` may be the
+    duck-typed export a rewrite builds (what ``training._trace`` reads)."""
     from boomfx.training import trace as training
     if options.train:
         # depth-free: trace 4 layers and replicate (boomfx/training/truncate.py); None -> full trace
@@ -125,10 +135,16 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
                                                      fused_attention=options.target_kind == "cuda",
                                                      checkpoint_layers=options.checkpoint_layers,
                                                      resident_grads=options.resident_grads)
-    else:
-        traced = training.build_inference_program(ep, amp=options.amp,
-                                                  fused_attention=options.target_kind == "cuda")
-    return program_from_traced(traced, symbols, options, label)
+        return traced
+    return training.build_inference_program(ep, amp=options.amp, fused_attention=options.target_kind == "cuda")
+
+
+def export_of(program: Program) -> Optional[ExportedProgram]:
+    """The export a training ``program`` was captured from (None for rewritten or compiled programs)."""
+    return _EXPORTS.get(program.gm)
+
+
+_EXPORTS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, ExportedProgram]" = weakref.WeakKeyDictionary()
 
 
 def program_from_traced(traced: Any, symbols: Mapping[str, SymbolInfo], options: ProgramOptions,

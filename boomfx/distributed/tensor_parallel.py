@@ -1,0 +1,412 @@
+"""Tensor parallelism (Megatron column/row split) as a rewrite of the forward export, then re-traced.
+
+One TP rank runs the model with its slice of each planned linear: a ``colwise`` linear holds
+``out_features / tp`` rows of its weight (and bias), a ``rowwise`` one ``in_features / tp`` columns
+(its bias stays whole). Everything between them follows: the attention heads and key/value heads,
+the MLP width. ``shard_export`` walks the export graph once, tracking which dimension of each value
+is split (``None``: replicated), and rewrites what hard-codes a full size (``view``/``reshape``
+sizes, ``expand`` sizes); an op whose split it cannot follow raises a one-line OptionError naming
+the op, never a silently wrong shape. Collectives go where DTensor's ``ColwiseParallel`` /
+``RowwiseParallel`` (default layouts) issue them, as custom ops (``tp_ops.py``):
+
+- forward: each rowwise linear's partial output is all-reduced (``Partial -> Replicate``);
+- backward: each colwise linear's input gradient is all-reduced (``from_local`` of a ``Replicate``
+  input), one per linear, as DTensor does (q, k and v: three), not one per group as Megatron's ``f``.
+
+The rewritten export is traced as a training step exactly as ``capture`` traces the original
+(``capture.trace_step``), so gradients, AdamW state and activations have the rank's shapes, and
+the custom ops are lowered to ``_c10d_functional.all_reduce`` + ``wait_tensor`` on the ``tp`` group.
+
+Plan: ``model_shape.tp_plan`` (derived from module names inside the layer list, or ``--tp-plan``).
+
+Known limitations:
+- Vocabulary-parallel embedding and output head, and sequence parallelism (``sp``), are not built
+  (OptionError); the embedding, norms and head stay replicated, as in torchtitan without them.
+- A rowwise linear's bias is added on every rank before the all-reduce (DTensor adds ``bias / tp``
+  as a ``Partial`` operand): the same shapes and memory, a different sum.
+"""
+
+from __future__ import annotations
+
+import operator
+from types import SimpleNamespace
+from typing import Any, Mapping, Optional, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from boomfx.core.errors import OptionError
+from boomfx.core.program import Program
+from boomfx.distributed import tp_ops
+from boomfx.distributed.plan import ParallelConfig
+
+aten = torch.ops.aten
+Split = Optional[int]  # the split dimension of a value, None when replicated
+
+_POINTWISE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.mul.Scalar,
+    aten.sub.Scalar, aten.div.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.relu.default,
+    aten.tanh.default, aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default,
+    aten.pow.Tensor_Scalar, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.dropout.default, aten.type_as.default, aten.alias.default,
+    aten.detach.default, aten.reciprocal.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.cos.default, aten.sin.default, aten.square.default, aten.abs.default, aten.erf.default,
+    aten.gelu_.default, aten.silu_.default, aten.relu_.default, aten.mul_.Tensor, aten.add_.Tensor,
+}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SDPA = {aten.scaled_dot_product_attention.default}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
+_SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+_IGNORED = {aten._assert_tensor_metadata.default, aten.sym_size.int}
+
+
+def _fail(node: fx.Node, why: str) -> OptionError:
+    return OptionError(f"--parallel tp: cannot split {node.name} ({node.target}): {why}")
+
+
+def _ndim(node: Any) -> int:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _shape(node: fx.Node) -> list[sympy.Expr]:
+    out = []
+    for s in node.meta["val"].shape:
+        out.append(s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(int(s)))
+    return out
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+class _Sharder:
+    """One pass over the export graph: the split of every value, the edits to sizes, the custom ops."""
+
+    def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int) -> None:
+        self.graph = graph
+        self.tp = tp
+        self.style = {name: plan[fqn] for name, fqn in params.items() if fqn in plan}  # placeholder -> style
+        self.fqn = dict(params)
+        self.split: dict[fx.Node, Any] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def of(self, arg: Any) -> Split:
+        return self.split.get(arg) if isinstance(arg, fx.Node) else None
+
+    def tensors(self, node: fx.Node) -> list[fx.Node]:
+        """The tensor-valued nodes ``node`` reads (in args and kwargs, lists included)."""
+        return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+    def local(self, node: fx.Node, size: Any) -> Any:
+        """The per-rank size of a split dimension's size argument (``-1`` stays)."""
+        if isinstance(size, int):
+            if size == -1:
+                return size
+            if size % self.tp:
+                raise _fail(node, f"its size {size} does not divide by tp={self.tp}")
+            return size // self.tp
+        raise _fail(node, "the split dimension's size is symbolic")
+
+    # -- the walk ------------------------------------------------------------------------------
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "placeholder":
+                self.split[node] = self.placeholder(node)
+            elif node.op == "output":
+                for arg in self.tensors(node):
+                    if self.of(arg) is not None:
+                        raise _fail(arg, "a split value reaches the model's output (a colwise output head "
+                                    "needs a vocabulary-parallel loss, not built)")
+            elif node.op == "call_function":
+                self.split[node] = self.call(node)
+
+    def placeholder(self, node: fx.Node) -> Split:
+        style = self.style.get(node.name)
+        if style is None:
+            return None
+        val = node.meta["val"]
+        fqn = self.fqn[node.name]
+        if style == "rowwise" and val.dim() == 1:
+            return None  # a rowwise bias stays whole
+        dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
+        if val.shape[dim] % self.tp:
+            raise OptionError(f"--parallel: tp={self.tp} does not divide {fqn} ({style}: dimension {val.shape[dim]})")
+        shape = list(val.shape)
+        shape[dim] //= self.tp
+        node.meta["val"] = torch.empty(shape, dtype=val.dtype, device="meta")
+        return dim
+
+    def call(self, node: fx.Node) -> Any:
+        target = node.target
+        if target is aten.linear.default:
+            return self.linear(node)
+        if target is aten.embedding.default and self.of(node.args[0]) is not None:  # vocab-parallel
+            raise _fail(node, "a vocabulary-parallel embedding is not built (leave the embedding out of --tp-plan)")
+        inputs = self.tensors(node)
+        splits = [self.of(a) for a in inputs]
+        if target is operator.getitem:
+            parent = self.split.get(node.args[0])
+            return parent[node.args[1]] if isinstance(parent, list) else parent
+        if all(s is None for s in splits):
+            return [None] * len(node.meta["val"]) if isinstance(node.meta.get("val"), (list, tuple)) else None
+        if target in _IGNORED:
+            return None
+        if target in _POINTWISE:
+            return self.pointwise(node, inputs)
+        if target in _VIEWS:
+            return self.view(node)
+        if target is aten.transpose.int:
+            d, nd = self.of(node.args[0]), _ndim(node)
+            a, b = _dim(node.args[1], nd), _dim(node.args[2], nd)
+            return b if d == a else a if d == b else d
+        if target is aten.permute.default:
+            return [_dim(p, _ndim(node)) for p in node.args[1]].index(self.of(node.args[0]))
+        if target is aten.unsqueeze.default:
+            d, at = self.of(node.args[0]), _dim(node.args[1], _ndim(node))
+            return d + 1 if d >= at else d
+        if target is aten.expand.default:
+            return self.expand(node)
+        if target is aten.repeat_interleave.self_int:
+            return self.of(node.args[0])  # per split head: each rank repeats its own kv heads
+        if target in _SPLITS or target is aten.slice.Tensor or target is aten.select.int:
+            return self.split_op(node)
+        if target is aten.cat.default:
+            return self.cat(node)
+        if target in _SDPA:
+            return self.sdpa(node)
+        if target in _SOFTMAX:
+            if _dim(node.args[1], _ndim(node)) == self.of(node.args[0]):
+                raise _fail(node, "a softmax over the split dimension")
+            return self.of(node.args[0])
+        if target in _REDUCTIONS:
+            return self.reduction(node)
+        if target is aten.layer_norm.default:
+            d, nd = self.of(node.args[0]), _ndim(node)
+            if d is not None and d >= nd - len(node.args[1]):
+                raise _fail(node, "a normalisation over the split dimension")
+            if any(self.of(a) is not None for a in node.args[2:4]):
+                raise _fail(node, "split normalisation weights")
+            return d
+        if target in (aten.matmul.default, aten.bmm.default):
+            return self.batched_matmul(node)
+        raise _fail(node, "no tensor-parallel rule for this op (give a --tp-plan that keeps it replicated)")
+
+    def linear(self, node: fx.Node) -> Split:
+        x, w = node.args[0], node.args[1]
+        style = self.style.get(w.name) if isinstance(w, fx.Node) else None
+        d = self.of(x)
+        nd = _ndim(node)
+        if style is None:
+            if d is not None:
+                raise _fail(node, "a replicated linear reads a split input (plan its module rowwise)")
+            return None
+        if style == "colwise":
+            if d is not None:
+                raise _fail(node, "a colwise linear reads a split input (DTensor would all-gather it)")
+            with self.graph.inserting_before(node):
+                entered = self.graph.call_function(tp_ops.REGION_ENTER, (x,))
+            entered.meta.update({k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            entered.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            node.replace_input_with(x, entered)
+            self.split[entered] = None
+            return nd - 1
+        if d != nd - 1:
+            raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
+        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.split[reduced] = None
+        return "partial"
+
+    def pointwise(self, node: fx.Node, inputs: Sequence[fx.Node]) -> Split:
+        nd = _ndim(node)
+        out: Split = None
+        for a in inputs:
+            s = self.of(a)
+            if s == "partial":
+                raise _fail(node, "reads a partial sum")
+            if s is not None:
+                aligned = s + nd - _ndim(a)
+                if out is not None and out != aligned:
+                    raise _fail(node, "its operands are split on different dimensions")
+                out = aligned
+        for a in inputs:
+            if self.of(a) is None and _ndim(a) > 0:
+                pos = out - (nd - _ndim(a))
+                if pos >= 0 and _shape(a)[pos] != 1:
+                    raise _fail(node, f"a replicated operand ({a.name}) spans the split dimension")
+        return out
+
+    def view(self, node: fx.Node) -> Split:
+        src = node.args[0]
+        d = self.of(src)
+        ins, outs = _shape(src), _shape(node)
+        # group the dimensions where the prefix products agree: a view maps groups to groups
+        group_in, group_out = _group(ins, outs, d)
+        if group_in is None:
+            raise _fail(node, "the view splits or merges the split dimension with a dimension before it")
+        first = next((j for j in group_out if outs[j] != 1), None)
+        if first is None:
+            raise _fail(node, "the split dimension disappears in the view")
+        sizes = list(node.args[1])
+        sizes[first] = self.local(node, sizes[first])
+        node.args = (src, sizes, *node.args[2:])
+        return first
+
+    def expand(self, node: fx.Node) -> Split:
+        src = node.args[0]
+        d = self.of(src) + _ndim(node) - _ndim(src)
+        sizes = list(node.args[1])
+        if sizes[d] != -1:
+            sizes[d] = self.local(node, sizes[d])
+        node.args = (src, sizes, *node.args[2:])
+        return d
+
+    def split_op(self, node: fx.Node) -> Any:
+        src = node.args[0]
+        d = self.of(src)
+        nd_in = _ndim(src)
+        if node.target in (aten.unbind.int, aten.select.int, aten.slice.Tensor):
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        else:  # chunk / split / split_with_sizes: (self, chunks or sizes, dim)
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if _dim(dim, nd_in) == d:
+            raise _fail(node, "it slices the split dimension")
+        if node.target is aten.select.int or node.target is aten.unbind.int:
+            d = d - 1 if d > _dim(dim, nd_in) else d
+        if isinstance(node.meta.get("val"), (list, tuple)):
+            return [d] * len(node.meta["val"])
+        return d
+
+    def cat(self, node: fx.Node) -> Split:
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        splits = {self.of(p) for p in parts}
+        if len(splits) != 1:
+            raise _fail(node, "it joins split and replicated values")
+        (d,) = splits
+        if _dim(dim, _ndim(node)) == d:
+            raise _fail(node, "it concatenates along the split dimension")
+        return d
+
+    def sdpa(self, node: fx.Node) -> Split:
+        q, k, v = node.args[:3]
+        heads = _ndim(q) - 3
+        if {self.of(q), self.of(k), self.of(v)} != {heads}:
+            raise _fail(node, "query, key and value must all be split by head")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node) and _ndim(mask) == _ndim(q) and _shape(mask)[heads] != 1:
+            raise _fail(node, "a per-head attention mask is not split")
+        return heads
+
+    def reduction(self, node: fx.Node) -> Split:
+        src = node.args[0]
+        d, nd_in = self.of(src), _ndim(src)
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd_in))
+        dims = [_dim(x, nd_in) for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
+        if d in dims:
+            raise _fail(node, "a reduction over the split dimension")
+        keep = len(node.args) > 2 and bool(node.args[2]) or bool(node.kwargs.get("keepdim", False))
+        return d if keep else d - sum(1 for x in dims if x < d)
+
+    def batched_matmul(self, node: fx.Node) -> Split:
+        a, b = node.args[:2]
+        da, db, nd = self.of(a), self.of(b), _ndim(node)
+        if da is None or db is None or da != db or da >= nd - 2:
+            raise _fail(node, "a matmul is only split along a batch dimension both operands share")
+        return da
+
+
+def _group(ins: list[sympy.Expr], outs: list[sympy.Expr], d: int) -> tuple[Optional[list[int]], list[int]]:
+    """(input dims, output dims) of the view group holding input dim ``d`` (groups: the shortest runs
+    of dims whose size products agree); None when ``d`` is not the group's first non-unit input
+    dimension (its per-rank slice would not be one contiguous block of the output)."""
+    i = j = 0
+    while i < len(ins) or j < len(outs):
+        si, sj = i, j
+        pi = pj = sympy.Integer(1)
+        if i < len(ins):
+            pi, i = pi * ins[i], i + 1
+        if j < len(outs):
+            pj, j = pj * outs[j], j + 1
+        while sympy.expand(pi - pj) != 0:
+            if _needs_more_output(pi, pj) and j < len(outs):
+                pj, j = pj * outs[j], j + 1
+            elif i < len(ins):
+                pi, i = pi * ins[i], i + 1
+            else:
+                return None, []
+        if si <= d < i:
+            group = list(range(si, i))
+            lead = next((k for k in group if ins[k] != 1), d)
+            return (group if lead == d else None), list(range(sj, j))
+    return None, []
+
+
+def _needs_more_output(pi: sympy.Expr, pj: sympy.Expr) -> bool:
+    """Whether the input run's product is the larger (so the output run must grow)."""
+    num, den = sympy.fraction(sympy.cancel(pi / pj))
+    if num.free_symbols:
+        return True
+    if den.free_symbols:
+        return False
+    return bool(num > den)
+
+
+def shard_export(ep: Any, plan: Mapping[str, str], tp: int) -> SimpleNamespace:
+    """A duck-typed export (what ``training._trace`` reads) of one TP rank's forward."""
+    from boomfx.frontend.capture import export_param_names
+
+    gm = fx.GraphModule(ep.graph_module, _copy_graph(ep.graph))
+    params = export_param_names(ep)
+    sharder = _Sharder(gm.graph, plan, params, tp)
+    sharder.run()
+    gm.graph.lint()
+    gm.recompile()
+    return SimpleNamespace(graph=gm.graph, graph_module=gm, graph_signature=ep.graph_signature,
+                           range_constraints=ep.range_constraints, state_dict=ep.state_dict)
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    for old, fresh in zip(graph.nodes, new.nodes):
+        fresh.meta = dict(old.meta)
+    return new
+
+
+def module_plan(program: Program, cfg: ParallelConfig) -> dict[str, str]:
+    """Weight and bias FQNs of the planned linears -> style (``model_shape.tp_plan`` plus biases)."""
+    from boomfx.distributed.model_shape import tp_plan
+
+    plan = tp_plan(program, cfg)
+    if not plan:
+        raise OptionError(f"--parallel tp={cfg.tp}: no linear of the model matches the tensor-parallel plan "
+                          "(derived: q/k/v/o, gate/up/down, fc/fc_out inside the layer list; or give --tp-plan)")
+    for fqn, style in list(plan.items()):
+        plan[fqn[: -len("weight")] + "bias"] = style
+    return plan
+
+
+def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
+    """The training program of one TP rank (every rank of a TP group runs the same one)."""
+    from boomfx.frontend.capture import export_of, program_from_traced, trace_step
+
+    if cfg.sp:
+        raise OptionError("--parallel sp: sequence parallelism is not built yet (tp without sp is)")
+    if program.options.compile:
+        raise OptionError("--parallel tp with --compile is not modelled yet")
+    ep = export_of(program)
+    if ep is None:
+        raise OptionError("--parallel tp needs the training program captured from its export "
+                          "(boomfx.frontend.capture.capture with train=True)")
+    plan = module_plan(program, cfg)
+    sharded = shard_export(ep, plan, cfg.tp)
+    traced = trace_step(sharded, program.options)
+    local = program_from_traced(traced, program.symbols, program.options, program.source)
+    return tp_ops.lower_tp_ops(local)
