@@ -4,8 +4,9 @@ All ranks of a data-parallel group run the same graph; FSDP ranks differ only wh
 gives the last ranks fewer rows (a parameter whose dim 0 does not divide by the shard degree), so
 ranks are grouped into classes by the shapes they hold and each class is analysed once.
 
-Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``) and HSDP (both). Tensor and pipeline
-parallelism are validated by ``plan.py`` but their rewrites are not built yet (OptionError).
+Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``), HSDP (both) and pipeline stages
+(``pp``, one class per stage: ``pipeline_stages.py``). Tensor parallelism is validated by
+``plan.py`` but its rewrite is not built yet (OptionError).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class RankClass:
 def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
-    if cfg.tp > 1 or cfg.pp > 1:
+    if cfg.pp > 1:
+        return _pipeline_classes(program, cfg)
+    if cfg.tp > 1:
         raise OptionError(
-            f"--parallel {cfg.describe()}: per-rank programs for tensor and pipeline parallelism "
-            "are not built yet (dp_replicate and dp_shard are)"
+            f"--parallel {cfg.describe()}: per-rank programs for tensor parallelism "
+            "are not built yet (dp_replicate, dp_shard and pp are)"
         )
     if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
@@ -67,4 +70,18 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
                 f"{label} shard {shard} of {cfg.dp_shard}",
             )
         )
+    return classes
+
+
+def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
+    """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage."""
+    from boomfx.distributed.pipeline_stages import stage_programs
+
+    classes = []
+    for stage in stage_programs(program, cfg):
+        ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
+        layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
+        classes.append(RankClass(ranks, stage.program,
+                                 f"pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
+                                 f"{cfg.num_microbatches} micro-batches)"))
     return classes
