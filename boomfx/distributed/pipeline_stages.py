@@ -286,6 +286,67 @@ import operator  # noqa: E402
 _getitem = operator.getitem
 
 
+# -- how long a sent tensor stays referenced -------------------------------------------------------
+END = -1  # to the end of the schedule's step (its local lists die when it returns)
+
+
+def send_releases(schedule: str, order: Sequence[tuple[str, int]], stage: int, pp: int, m: int
+                  ) -> dict[tuple[str, int], int]:
+    """For the tensor each action sends (``("F", i)``: the stage's output of micro-batch i; ``("B", i)``:
+    its input's gradient), the index in ``order`` of the action after which the schedule's last
+    reference to it (a ``P2POp`` list or a ``Work`` list in a local variable) is dropped, or END.
+
+    ``ScheduleGPipe`` keeps every send's work in ``fwd_sends_to_wait`` / ``bwd_sends_to_wait`` until it
+    returns. ``Schedule1F1B`` keeps them in ``send_work``, ``fwd_sends`` and ``bwd_sends``, each
+    reassigned at fixed points of its warm-up, 1B1F and cool-down loops (torch 2.13,
+    ``Schedule1F1B._step_microbatches``); this replays those assignments."""
+    sends_fwd, sends_bwd = stage < pp - 1, stage > 0
+    if schedule == "gpipe":
+        return {(k, i): END for k, i in order if (k == FORWARD and sends_fwd) or (k == BACKWARD and sends_bwd)}
+    held: dict[str, set] = {"send_work": set(), "fwd_sends": set(), "bwd_sends": set()}
+    release: dict[tuple[str, int], int] = {}
+    position = {a: j for j, a in enumerate(order)}
+    done = -1
+
+    def assign(var: str, value: set) -> None:
+        old = held[var]
+        held[var] = value
+        for t in old:
+            if not any(t in v for v in held.values()):
+                release[t] = done
+
+    def sent(kind: str, i: int) -> set:
+        return {(kind, i)} if (kind == FORWARD and sends_fwd) or (kind == BACKWARD and sends_bwd) else set()
+
+    warmup = min(m, pp - stage)
+    f = b = 0
+    for _ in range(warmup):
+        done = position[(FORWARD, f)]
+        assign("fwd_sends", sent(FORWARD, f))
+        if f != warmup - 1:
+            assign("send_work", sent(FORWARD, f))
+        f += 1
+    while True:
+        done = position[(BACKWARD, b)]
+        assign("bwd_sends", sent(BACKWARD, b))
+        b += 1
+        if f == m:
+            break
+        done = position[(FORWARD, f)]
+        assign("fwd_sends", sent(FORWARD, f))
+        f += 1
+    assign("send_work", set(held["bwd_sends"]))
+    while b < m:
+        done = position[(BACKWARD, b)]
+        assign("bwd_sends", sent(BACKWARD, b))
+        assign("send_work", set(held["bwd_sends"]))
+        b += 1
+    for var in held.values():
+        for t in var:
+            release[t] = END
+    return release
+
+
 # -- building one stage's program -----------------------------------------------------------------
 def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     """Every stage's training program (see the module docstring)."""
@@ -301,12 +362,13 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     m = cfg.num_microbatches
     orders = stage_orders(cfg.pp_schedule, cfg.pp, m)
     return [StageProgram(s, names[s], _stage_program(program, split, s, cfg.pp, m,
-                                                     [(p.kind, p.microbatch) for p in orders[s]]))
+                                                     [(p.kind, p.microbatch) for p in orders[s]],
+                                                     cfg.pp_schedule == "gpipe"))
             for s in range(cfg.pp)]
 
 
 def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
-                   order: Sequence[tuple[str, int]]) -> Program:
+                   order: Sequence[tuple[str, int]], schedule_gpipe: bool) -> Program:
     ops = p2p_ops()
     last = pp - 1
     src = program.graph
@@ -362,13 +424,22 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
         phases[node.name] = phase
         return node
 
-    def copy(nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, torch.fx.Node], seq_offset: int) -> None:
+    def copy(nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, torch.fx.Node], seq_offset: int,
+             accumulated: Optional[dict[torch.fx.Node, torch.fx.Node]] = None) -> None:
+        """``nodes`` again with ``env``; a parameter's gradient becomes its ``.grad`` (the first
+        micro-batch's) or is added into it in place right away (AccumulateGrad)."""
         for n in nodes:
             new = graph.node_copy(n, lambda a: env[a] if a in env else static[a])
             if seq_offset and "seq_nr" in new.meta:
                 new.meta["seq_nr"] = new.meta["seq_nr"] + seq_offset
             phases[new.name] = program.phase_of(n)
             env[n] = new
+            if accumulated is None or n not in grad_node_of:
+                continue
+            if n not in accumulated:
+                accumulated[n] = new
+            else:
+                call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"], PHASE_BACKWARD, n)
 
     grad_names = {name: fqn for name, fqn in program.grad_nodes.items()}
     by_name = {n.name: n for n in src.nodes}
@@ -380,6 +451,8 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
     carried: list[torch.fx.Node] = []  # ... and into the next step
     out_chunks: list[torch.fx.Node] = []
     peer_prev, peer_next = s - 1, s + 1
+    action_end: list[torch.fx.Node] = []
+    sent_tensor: dict[tuple[str, int], torch.fx.Node] = {}
     for kind, i in order:
         if kind == FORWARD:
             env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -391,8 +464,11 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
             envs[i] = env
             if s < last:
                 out = env[split.act_in[s + 1]]
-                call(ops.send.default, (out, peer_next, PP_GROUP), None, PHASE_FORWARD, split.act_in[s + 1])
+                sent_tensor[(kind, i)] = out
+                action_end.append(call(ops.send.default, (out, peer_next, PP_GROUP), None, PHASE_FORWARD,
+                                       split.act_in[s + 1]))
             else:
+                action_end.append(list(graph.nodes)[-1])
                 chunk = env[split.output]
                 out_chunks.append(chunk)
                 kept.append(env[split.fwd[s][-1]])  # the loss, in the schedule's list until the step ends
@@ -402,23 +478,17 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
             like = split.bwd[s][0]
             env[split.grad_in[s]] = call(ops.recv_.default, (grad_bufs[i], peer_next, PP_GROUP),
                                          grad_bufs[i].meta["val"], PHASE_BACKWARD, like)
-        copy(split.bwd[s], env, (i + 1) * _SEQ_STRIDE)
-        for orig in split.bwd[s]:
-            if orig not in grad_node_of:
-                continue
-            g = env[orig]
-            if orig not in accumulated:
-                accumulated[orig] = g
-            else:
-                call(aten.add_.Tensor, (accumulated[orig], g), accumulated[orig].meta["val"], PHASE_BACKWARD, orig)
+        copy(split.bwd[s], env, (i + 1) * _SEQ_STRIDE, accumulated)
         end = env[split.bwd[s][-1]]
         if s < last:  # fwd_cache holds the stage's output until its backward is done
             extra_uses.setdefault(end.name, []).append(env[split.act_in[s + 1]].name)
         if s > 0:
             grad = env[split.grad_in[s - 1]]
-            call(ops.send.default, (grad, peer_prev, PP_GROUP), None, PHASE_BACKWARD, split.grad_in[s - 1])
-            kept.append(grad)
-            carried.append(grad)  # the receive buffer's .grad, cleared at the next step's start
+            sent_tensor[(kind, i)] = grad  # stage_backward drops the input's .grad: the send holds it
+            action_end.append(call(ops.send.default, (grad, peer_prev, PP_GROUP), None, PHASE_BACKWARD,
+                                   split.grad_in[s - 1]))
+        else:
+            action_end.append(list(graph.nodes)[-1])
     missing = [grad_node_of[g] for g in grad_node_of if g in stage_bwd and g not in accumulated]
     if missing:
         raise OptionError(f"pipeline stage {s}: no gradient for {', '.join(missing[:3])}")
@@ -430,6 +500,11 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
         call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output)  # _merge_outputs
         kept += out_chunks
         carried += out_chunks
+    pipeline_end = list(graph.nodes)[-1]
+    schedule = "gpipe" if schedule_gpipe else "1f1b"
+    for key, at in send_releases(schedule, order, s, pp, m).items():
+        anchor = pipeline_end if at == END else action_end[at]
+        extra_uses.setdefault(anchor.name, []).append(sent_tensor[key].name)
     # AdamW on the stage's parameters, its gradients the accumulated .grad
     opt_env: dict[torch.fx.Node, torch.fx.Node] = {orig: g for orig, g in accumulated.items()}
     for n in opt_nodes:
