@@ -113,6 +113,8 @@ class DistributedAnalysis:
         record_trace: bool = False,
         memory_only: bool = False,
     ) -> PointResult:
+        per_rank = bindings
+        bindings = self._program_bindings(bindings)
         points = [
             a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses
         ]
@@ -122,7 +124,7 @@ class DistributedAnalysis:
         worst = max(range(len(reports)), key=lambda i: (reports[i].total_device_bytes, -reports[i].ranks[0]))
         shown = self.class_of(rank) if rank is not None else worst
         point = points[shown]
-        batch = self._batch(bindings)
+        batch = self._batch(per_rank)
         micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
         time_rows: list[dict[str, Any]] = []
         if not memory_only:
@@ -147,7 +149,16 @@ class DistributedAnalysis:
         return point
 
     def fits(self, bindings: Mapping[sympy.Symbol, int]) -> bool:
+        bindings = self._program_bindings(bindings)
         return all(a.evaluate(bindings, memory_only=True).report.memory.fits for a in self.analyses)
+
+    def _program_bindings(self, bindings: Mapping[sympy.Symbol, int]) -> Mapping[sympy.Symbol, int]:
+        """Pipeline stage programs run one micro-batch at a time: the batch symbol at ``batch / M``."""
+        if self.cfg.pp == 1:
+            return bindings
+        from boomfx.distributed.pipeline_stages import micro_bindings
+
+        return micro_bindings(self.program, self.cfg, bindings)
 
     def _batch(self, bindings: Mapping[sympy.Symbol, int]) -> Optional[int]:
         for info in self.program.symbols.values():
