@@ -135,6 +135,14 @@ class DistributedAnalysis:
             time_rows = time_report(steps)
             for report, step in zip(reports, steps):
                 report.step_time_ns = step.step.step_ns
+            if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
+                from boomfx.distributed.pipeline_time import pipeline_run
+
+                run = pipeline_run(self, points, bindings)
+                for i, (report, row) in enumerate(zip(reports, time_rows)):
+                    report.step_time_ns = run.stage_end_ns[i]
+                    row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,
+                               bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i])
         point.report.parallel = ParallelReport(
             config={k: v for k, v in asdict(self.cfg).items()},
             world=self.cfg.world,

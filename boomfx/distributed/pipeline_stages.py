@@ -245,12 +245,14 @@ def _is_size(node: torch.fx.Node) -> bool:
 
 
 # -- the optimizer of one stage's parameters ------------------------------------------------------
-def _optimizer_plan(program: Program, keep: Sequence[int], n_params: int
+def _optimizer_plan(program: Program, keep: Sequence[int], params: Sequence[torch.fx.Node]
                     ) -> tuple[list[torch.fx.Node], dict[torch.fx.Node, object]]:
     """The optimizer nodes one stage runs and, for each, its arguments with every per-parameter list
     (``_foreach_*``'s tensor and scalar lists, ``n_params`` long) cut to the stage's indices ``keep``."""
     opt = [n for n in program.graph.nodes if n.op == "call_function" and program.phase_of(n) == PHASE_OPTIMIZER]
     keep_set = set(keep)
+    n_params = len(params)
+    own = tuple("_" + params[i].name for i in keep)
 
     def cut(value: object) -> object:
         if isinstance(value, (list, tuple)) and len(value) == n_params:
@@ -268,9 +270,18 @@ def _optimizer_plan(program: Program, keep: Sequence[int], n_params: int
             args[n] = ((n.args[0], keep.index(idx)), {})
             continue
         args[n] = (cut(tuple(n.args)), cut(dict(n.kwargs)))
-    # needed: the in-place foreach updates (no users) and what they read
+    def root(n: torch.fx.Node) -> bool:
+        """The in-place updates, and unused reads (AdamW's ``step.item()``) of this stage's own state."""
+        if n not in args or n.users:
+            return False
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return True
+        inputs = [a for a in n.all_input_nodes if a.op == "placeholder"]
+        return bool(inputs) and all(a.name.endswith(own) for a in inputs)
+
+    # needed: the roots and what they read
     needed: set[torch.fx.Node] = set()
-    stack = [n for n in opt if n in args and not n.users]
+    stack = [n for n in opt if root(n)]
     while stack:
         n = stack.pop()
         if n in needed or n not in args:
@@ -380,7 +391,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
     del grad_of_param
     all_params = [p for p in src.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
     keep = [all_params.index(p) for p in split.params[s]]
-    opt_nodes, opt_args = _optimizer_plan(program, keep, len(all_params))
+    opt_nodes, opt_args = _optimizer_plan(program, keep, all_params)
 
     used: set[torch.fx.Node] = set()
     for group in (split.fwd[s], split.bwd[s]):
