@@ -10,8 +10,8 @@ pays for two spawns.
 The prediction is boomfx's per-rank program for the same configuration (boomfx.distributed), each
 compute kernel's scratch measured on this CPU as tests/test_cpu_memory_accuracy.py does.
 
-Not covered here because the per-rank rewrites are not built yet: tensor and pipeline parallelism
-(their ground truth is recorded by benchmarks/distributed_gloo.py).
+Pipeline parallelism is tested in tests/test_distributed_pp.py. Not covered because its rewrite is
+not built yet: tensor parallelism (its ground truth is recorded by benchmarks/distributed_gloo.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,13 @@ recomputes them. A stage's program, as ``torch.distributed.pipelining`` (torch 2
   or its backward (``recv_`` of the output gradient, the layers' backward, ``send`` of the input's
   gradient). The output is held in ``fwd_cache`` until its backward ends; the saved activations of
   in-flight micro-batches live until their backward as in autograd;
+- a sent tensor (the stage's output, the input's gradient, which ``stage_backward`` drops from
+  ``.grad`` at once) lives while the schedule's local ``P2POp``/``Work`` lists reference it
+  (``send_releases``: GPipe keeps every send until it returns; 1F1B replays its assignments);
 - gradients: the first micro-batch's gradient becomes ``.grad``; each later one is added in place
   (``AccumulateGrad``) and freed; ``scale_grads`` divides them by M in place after the last backward;
 - kept across steps (until the next step's ``clear_runtime_states``): the last stage's output chunks
-  (one logits tensor per micro-batch) and, on every stage but the first, the receive buffers'
-  ``.grad`` (the input gradients). They are graph outputs here and are listed in
+  (one logits tensor per micro-batch). They are graph outputs here and are listed in
   ``gm.meta[META_CARRIED]``: a measured step starts with the previous step's copies alive and frees
   them first, so its peak above its start is ``peak_live - resident - carried``;
 - the last stage concatenates its output chunks into the step's output (``_merge_outputs``) after its
@@ -41,6 +43,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -65,6 +68,7 @@ from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
 from boomfx.training.checkpointing import find_layer_list, layer_names
 
 aten = torch.ops.aten
+_getitem = operator.getitem
 ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
 PP_GROUP = "pp"
@@ -292,9 +296,6 @@ def _optimizer_plan(program: Program, keep: Sequence[int], params: Sequence[torc
     return [n for n in opt if n in needed], args
 
 
-import operator  # noqa: E402
-
-_getitem = operator.getitem
 
 
 # -- how long a sent tensor stays referenced -------------------------------------------------------
@@ -387,8 +388,6 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
     phases: dict[str, str] = {}
     roles: dict[str, str] = {}
     extra_uses: dict[str, list[str]] = {}
-    grad_of_param = {program.param_names.get(k, k): k for k in ()}  # placeholder
-    del grad_of_param
     all_params = [p for p in src.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
     keep = [all_params.index(p) for p in split.params[s]]
     opt_nodes, opt_args = _optimizer_plan(program, keep, all_params)
@@ -452,9 +451,8 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
             else:
                 call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"], PHASE_BACKWARD, n)
 
-    grad_names = {name: fqn for name, fqn in program.grad_nodes.items()}
     by_name = {n.name: n for n in src.nodes}
-    grad_node_of = {by_name[name]: fqn for name, fqn in grad_names.items() if name in by_name}
+    grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}
     stage_bwd = set(split.bwd[s])
     accumulated: dict[torch.fx.Node, torch.fx.Node] = {}  # original grad node -> this stage's .grad
     envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
@@ -524,9 +522,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
         new = graph.call_function(n.target, a, k)
         new.meta = dict(n.meta)
         val = n.meta.get("val")
-        if n.target is _getitem and isinstance(n.args[0], torch.fx.Node):
-            pass
-        elif isinstance(val, (list, tuple)) and len(val) == len(all_params):
+        if n.target is not _getitem and isinstance(val, (list, tuple)) and len(val) == len(all_params):
             new.meta["val"] = type(val)(val[j] for j in keep)
         phases[new.name] = PHASE_OPTIMIZER
         opt_env[n] = new
