@@ -180,3 +180,28 @@ def test_pipeline_report_has_every_stage() -> None:
     assert par["batch_per_rank"] == 4 and par["micro_batch"] == 2 and par["global_batch"] == 4
     assert par["worst_rank"] in (0, 1)
     assert all(c["step_time_ns"] > 0 for c in par["classes"])
+    # the pipeline step: the last stage to finish ends it; the stages idle part of it (the bubble)
+    rows = par["time_by_class"]
+    assert rows[0]["pipeline_step_ns"] == max(c["step_time_ns"] for c in par["classes"])
+    assert 0 < rows[0]["bubble_fraction"] < 1
+    assert [r["step_time_ns"] for r in rows] == [c["step_time_ns"] for c in par["classes"]]
+
+
+def test_max_batch_walks_micro_batches() -> None:
+    """``--max-batch`` with pp searches the micro-batch: micro-batch 3 of M=2 is the batch of 6, the
+    same stage memory as evaluating batch 6 directly; a batch M does not divide is refused."""
+    from boomfx.core.devices import get_device
+    from boomfx.core.errors import OptionError
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.analysis import DistributedAnalysis, MicroBatchSearch
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.frontend.capture import capture, resolve_bindings
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    dist = DistributedAnalysis(program, ParallelConfig(pp=2, microbatches=2), get_device("h100-sxm"))
+    direct = dist.evaluate(resolve_bindings(program, {}, 6, 16), memory_only=True).report.parallel
+    searched = MicroBatchSearch(dist).evaluate(resolve_bindings(program, {}, 3, 16), memory_only=True)
+    assert searched.report.parallel["classes"] == direct["classes"]
+    assert searched.report.parallel["batch_per_rank"] == 6 and direct["micro_batch"] == 3
+    with pytest.raises(OptionError, match="does not divide the batch of 5"):
+        dist.evaluate(resolve_bindings(program, {}, 5, 16), memory_only=True)

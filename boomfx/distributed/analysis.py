@@ -229,3 +229,22 @@ def _group_arg(node: torch.fx.Node) -> str:
         if isinstance(arg, str) and arg not in ("sum", "avg", "max", "min"):
             return arg
     return ""
+
+
+class MicroBatchSearch:
+    """``--max-batch`` under pipeline parallelism: the search walks the micro-batch (a batch the
+    micro-batches divide is ``micro x M``); ``evaluate`` multiplies it back."""
+
+    def __init__(self, dist: DistributedAnalysis) -> None:
+        self.dist = dist
+        self.program = dist.program
+        self.device = dist.device
+        self.microbatches = dist.cfg.num_microbatches
+
+    def evaluate(self, bindings: Mapping[sympy.Symbol, int], memory_only: bool = False) -> PointResult:
+        out = dict(bindings)
+        for info in self.program.symbols.values():
+            if info.role == "batch" and info.symbol in out:
+                out[info.symbol] = int(out[info.symbol]) * self.microbatches
+        return self.dist.evaluate(out, memory_only=memory_only)
+
