@@ -180,6 +180,10 @@ def test_pipeline_report_has_every_stage() -> None:
     assert par["batch_per_rank"] == 4 and par["micro_batch"] == 2 and par["global_batch"] == 4
     assert par["worst_rank"] in (0, 1)
     assert all(c["step_time_ns"] > 0 for c in par["classes"])
+    # stage 0 under 1F1B with M=2: F0 F1 B0 B1, each handing on one [2, 16, 64] fp32 activation
+    # (2 x 16 x 64 x 4 = 8,192 B) and receiving its gradient
+    sends = [(c["op"], c["group"], c["input_bytes"], c["phase"]) for c in par["classes"][0]["collectives"]]
+    assert sends == [("send", "pp", 8192, "forward")] * 2 + [("recv_", "pp", 8192, "backward")] * 2
     # the pipeline step: the last stage to finish ends it; the stages idle part of it (the bubble)
     rows = par["time_by_class"]
     assert rows[0]["pipeline_step_ns"] == max(c["step_time_ns"] for c in par["classes"])

@@ -33,6 +33,7 @@ from boomfx.core.errors import OptionError
 from boomfx.core.program import Program
 
 _C10D_NAMESPACE = "_c10d_functional"
+_P2P_NAMESPACE = "boomfx_pp"  # pipeline stages' send / recv_ (boomfx/distributed/p2p.py)
 
 
 @dataclass
@@ -194,7 +195,8 @@ class DistributedAnalysis:
 
 
 def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
-    """Every collective node of ``program`` in program order, with its buffers' sizes at ``ev``."""
+    """Every collective node of ``program`` (and pipeline send/recv) in program order, with its buffers'
+    sizes at ``ev``."""
     from boomfx.core.layers import module_path
     from boomfx.passes.liveness import _compute_nbytes
 
@@ -203,7 +205,7 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        if target.namespace != _C10D_NAMESPACE or target.overloadpacket.__name__ == "wait_tensor":
+        if target.namespace not in (_C10D_NAMESPACE, _P2P_NAMESPACE) or target.overloadpacket.__name__ == "wait_tensor":
             continue
         inp = node.args[0]
         group = _group_arg(node)
