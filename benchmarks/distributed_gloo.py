@@ -37,7 +37,7 @@ def _predict(cfg: truth.TruthConfig) -> list[int] | None:
     return predicted_rank_peaks(cfg)
 
 
-def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float) -> str:
+def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float, reruns: list[dict] = ()) -> str:
     lines = [
         "# Distributed training on gloo (CPU): per-rank peak memory and collectives",
         "",
@@ -46,6 +46,9 @@ def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float)
         "step's start (after warm-up); batch is per data-parallel rank (TP ranks share it; PP: the whole "
         "step's batch, cut into micro-batches).",
         "",
+        *[f"Rows matching '{r['only']}' rerun with --only: load average {r['load_average'][0]:.1f} / "
+          f"{r['load_average'][1]:.1f} / {r['load_average'][2]:.1f}, {r['wall_s']:.0f} s." for r in reruns],
+        *([""] if reruns else []),
         "| configuration | rank | measured peak (B) | predicted (B) | error | params (B) | AdamW state (B) "
         "| collectives | step (ms) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -85,13 +88,22 @@ def main() -> None:
         row["predicted"] = _predict(res.config)
         rows.append(row)
     RESULTS.mkdir(exist_ok=True)
+    previous = RESULTS / "distributed_gloo.json"
+    reruns: list[dict] = []
+    if args.only and previous.exists():  # rerun rows replace theirs; the other configurations are kept
+        old = json.loads(previous.read_text())
+        fresh = {row["name"]: row for row in rows}
+        rows = [fresh.pop(row["name"], row) for row in old["configs"]] + list(fresh.values())
+        reruns = old.get("reruns", []) + [{"only": args.only, "load_average": load, "wall_s": wall_s}]
+        load, wall_s = tuple(old["load_average"]), old["wall_s"]
     (RESULTS / "distributed_gloo.json").write_text(
         json.dumps(
-            {"torch": truth.torch.__version__, "load_average": load, "wall_s": wall_s, "configs": rows},
+            {"torch": truth.torch.__version__, "load_average": load, "wall_s": wall_s, "reruns": reruns,
+             "configs": rows},
             indent=1,
         )
     )
-    (RESULTS / "distributed_gloo.md").write_text(_markdown(rows, load, wall_s))
+    (RESULTS / "distributed_gloo.md").write_text(_markdown(rows, load, wall_s, reruns))
     print((RESULTS / "distributed_gloo.md").read_text())
 
 

@@ -4,7 +4,8 @@ The same model is exported at the configuration's per-rank batch, captured as an
 step for a CPU target, rewritten into each rank's program (boomfx.distributed), and every compute
 kernel's scratch is measured here (a kernel database collected on the fly, as
 tests/test_cpu_memory_accuracy.py does for one process). Returns each rank's predicted peak above
-the step's start (``peak_live_bytes - resident_bytes``), the quantity the harness measures.
+the step's start (``peak_live_bytes - resident_bytes``, less what a pipeline stage carries over from
+the previous step and frees first), the quantity the harness measures.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.frontend.capture import capture, resolve_bindings
     from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.pipeline_stages import carried_bytes
     from boomfx.distributed.ranks import rank_programs
     from boomfx.core.errors import OptionError
     from boomfx.kernels_db.collect import collect_calls
@@ -68,6 +70,11 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
         except OptionError:
             return None
     bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)
+    pp = cfg.parallel == "pp"
+    if pp:  # the stage programs run one micro-batch at a time
+        from boomfx.distributed.pipeline_stages import micro_bindings
+
+        bindings = micro_bindings(classes[0].program, parallel_config(cfg), bindings)
     tmp = None
     if db is None:
         tmp = tempfile.TemporaryDirectory()
@@ -81,13 +88,13 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
             if c.op.namespace == "aten"
         ]
         collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
-        memory = (
-            Analysis(rc.program, spec, AnalyzeOptions(spec.name, db=db))
-            .evaluate(bindings, memory_only=True)
-            .report.memory
-        )
+        analysis = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db=db))
+        memory = analysis.evaluate(bindings, memory_only=True).report.memory
+        # a pipeline stage starts its step with the last step's output chunks / input gradients alive
+        # and frees them first: the measured peak above the start does not count them
+        carried = carried_bytes(rc.program, analysis.evaluator(bindings)) if pp else 0
         for r in rc.ranks:
-            peaks[r] = memory.peak_live_bytes - memory.resident_bytes
+            peaks[r] = memory.peak_live_bytes - memory.resident_bytes - carried
     if tmp is not None:
         tmp.cleanup()
     return [peaks[r] for r in range(cfg.world)]

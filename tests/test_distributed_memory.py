@@ -10,9 +10,8 @@ pays for two spawns.
 The prediction is boomfx's per-rank program for the same configuration (boomfx.distributed), each
 compute kernel's scratch measured on this CPU as tests/test_cpu_memory_accuracy.py does.
 
-Tensor parallelism and TP x FSDP: tests/test_distributed_tp.py. Not covered because its per-rank
-rewrite is not built yet: pipeline parallelism (its ground truth is recorded by
-benchmarks/distributed_gloo.py).
+Tensor parallelism and TP x FSDP: tests/test_distributed_tp.py; pipeline parallelism:
+tests/test_distributed_pp.py.
 """
 
 from __future__ import annotations

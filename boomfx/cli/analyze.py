@@ -134,7 +134,17 @@ def _run_search(args: argparse.Namespace, analysis: Analysis, dims: dict, progre
         if others:
             raise OptionError("bind the other dimensions first: " + ", ".join(s.describe() for s in others))
         progress.stage(f"searching the largest {role} that fits")
-        res = largest_fitting(analysis, info, fixed)
+        scale = getattr(getattr(analysis, "cfg", None), "num_microbatches", 1) if role == "batch" and getattr(
+            getattr(analysis, "cfg", None), "pp", 1) > 1 else 1
+        if scale > 1:   # pipeline stages: search the micro-batch; the batch is micro-batch x M
+            from dataclasses import replace
+            from boomfx.distributed.analysis import MicroBatchSearch
+            micro = replace(info, max_value=None if info.max_value is None else info.max_value // scale)
+            res = largest_fitting(MicroBatchSearch(analysis), micro, fixed)
+            res = replace(res, largest_fitting=res.largest_fitting and res.largest_fitting * scale,
+                          first_failing=res.first_failing and res.first_failing * scale)
+        else:
+            res = largest_fitting(analysis, info, fixed)
         results.append((role, res))
     progress.done()
     out = {role: {"largest_fitting": r.largest_fitting, "first_failing": r.first_failing,

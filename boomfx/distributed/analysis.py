@@ -33,6 +33,7 @@ from boomfx.core.errors import OptionError
 from boomfx.core.program import Program
 
 _C10D_NAMESPACE = "_c10d_functional"
+_P2P_NAMESPACE = "boomfx_pp"  # pipeline stages' send / recv_ (boomfx/distributed/p2p.py)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class DistributedAnalysis:
         record_trace: bool = False,
         memory_only: bool = False,
     ) -> PointResult:
+        per_rank = bindings
+        bindings = self._program_bindings(bindings)
         points = [
             a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses
         ]
@@ -122,7 +125,7 @@ class DistributedAnalysis:
         worst = max(range(len(reports)), key=lambda i: (reports[i].total_device_bytes, -reports[i].ranks[0]))
         shown = self.class_of(rank) if rank is not None else worst
         point = points[shown]
-        batch = self._batch(bindings)
+        batch = self._batch(per_rank)
         micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
         time_rows: list[dict[str, Any]] = []
         if not memory_only:
@@ -133,6 +136,14 @@ class DistributedAnalysis:
             time_rows = time_report(steps)
             for report, step in zip(reports, steps):
                 report.step_time_ns = step.step.step_ns
+            if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
+                from boomfx.distributed.pipeline_time import pipeline_run
+
+                run = pipeline_run(self, points, bindings)
+                for i, (report, row) in enumerate(zip(reports, time_rows)):
+                    report.step_time_ns = run.stage_end_ns[i]
+                    row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,
+                               bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i])
         point.report.parallel = ParallelReport(
             config={k: v for k, v in asdict(self.cfg).items()},
             world=self.cfg.world,
@@ -147,7 +158,16 @@ class DistributedAnalysis:
         return point
 
     def fits(self, bindings: Mapping[sympy.Symbol, int]) -> bool:
+        bindings = self._program_bindings(bindings)
         return all(a.evaluate(bindings, memory_only=True).report.memory.fits for a in self.analyses)
+
+    def _program_bindings(self, bindings: Mapping[sympy.Symbol, int]) -> Mapping[sympy.Symbol, int]:
+        """Pipeline stage programs run one micro-batch at a time: the batch symbol at ``batch / M``."""
+        if self.cfg.pp == 1:
+            return bindings
+        from boomfx.distributed.pipeline_stages import micro_bindings
+
+        return micro_bindings(self.program, self.cfg, bindings)
 
     def _batch(self, bindings: Mapping[sympy.Symbol, int]) -> Optional[int]:
         for info in self.program.symbols.values():
@@ -175,7 +195,8 @@ class DistributedAnalysis:
 
 
 def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
-    """Every collective node of ``program`` in program order, with its buffers' sizes at ``ev``."""
+    """Every collective node of ``program`` (and pipeline send/recv) in program order, with its buffers'
+    sizes at ``ev``."""
     from boomfx.core.layers import module_path
     from boomfx.passes.liveness import _compute_nbytes
 
@@ -184,7 +205,7 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        if target.namespace != _C10D_NAMESPACE or target.overloadpacket.__name__ == "wait_tensor":
+        if target.namespace not in (_C10D_NAMESPACE, _P2P_NAMESPACE) or target.overloadpacket.__name__ == "wait_tensor":
             continue
         inp = node.args[0]
         group = _group_arg(node)
@@ -210,3 +231,22 @@ def _group_arg(node: torch.fx.Node) -> str:
         if isinstance(arg, str) and arg not in ("sum", "avg", "max", "min"):
             return arg
     return ""
+
+
+class MicroBatchSearch:
+    """``--max-batch`` under pipeline parallelism: the search walks the micro-batch (a batch the
+    micro-batches divide is ``micro x M``); ``evaluate`` multiplies it back."""
+
+    def __init__(self, dist: DistributedAnalysis) -> None:
+        self.dist = dist
+        self.program = dist.program
+        self.device = dist.device
+        self.microbatches = dist.cfg.num_microbatches
+
+    def evaluate(self, bindings: Mapping[sympy.Symbol, int], memory_only: bool = False) -> PointResult:
+        out = dict(bindings)
+        for info in self.program.symbols.values():
+            if info.role == "batch" and info.symbol in out:
+                out[info.symbol] = int(out[info.symbol]) * self.microbatches
+        return self.dist.evaluate(out, memory_only=memory_only)
+

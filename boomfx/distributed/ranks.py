@@ -7,8 +7,8 @@ ranks are grouped into classes by the shapes they hold and each class is analyse
 Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``), HSDP (both), tensor parallelism
 (``tp``, ``tensor_parallel.py``: every rank of a TP group runs the same program) and its
 combinations with them (FSDP / DDP rewrite the TP rank's program: FSDP shards the TP-local
-parameters over ``dp_shard``, as ``fully_shard`` of a ``parallelize_module``d model does). Pipeline
-parallelism is validated by ``plan.py`` but its rewrite is not built yet (OptionError).
+parameters over ``dp_shard``, as ``fully_shard`` of a ``parallelize_module``d model does), and
+pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
     if cfg.pp > 1:
-        raise OptionError(
-            f"--parallel {cfg.describe()}: per-rank programs for pipeline parallelism "
-            "are not built yet (dp_replicate, dp_shard and tp are)"
-        )
+        return _pipeline_classes(program, cfg)
     if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
     if cfg.gradient_as_bucket_view:
@@ -82,4 +79,18 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
                 f"{label} shard {shard} of {cfg.dp_shard}",
             )
         )
+    return classes
+
+
+def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
+    """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage."""
+    from boomfx.distributed.pipeline_stages import stage_programs
+
+    classes = []
+    for stage in stage_programs(program, cfg):
+        ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
+        layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
+        classes.append(RankClass(ranks, stage.program,
+                                 f"pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
+                                 f"{cfg.num_microbatches} micro-batches)"))
     return classes

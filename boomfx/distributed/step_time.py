@@ -11,8 +11,8 @@ streams (``schedule_rank``), its collectives' groups resolved on the mesh of its
 of its micro-batch, every class scheduled, the slowest class's step, the largest per-GPU memory, and MFU.
 
 Known limitations:
-- Pipeline stages are scheduled as separate classes here; their schedule across micro-batches is
-  ``pipeline_step``'s job, which needs the per-stage programs (not built yet by the rank rewrites).
+- Pipeline stages are scheduled as separate classes here (each its micro-batches back to back);
+  ``DistributedAnalysis`` then places their passes with ``pipeline_step`` (``pipeline_time.py``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,548 @@
+"""Pipeline parallelism: one training program per stage, its micro-batches replayed in schedule order.
+
+The main layer list (``boomfx/core/layers.py`` via ``find_layer_list``) is cut into ``pp`` stages as
+``benchmarks/distributed_truth.py``'s ``stage_layer_ranges`` does (as even as possible, earlier
+stages take the remainder; torchtitan's manual split): the embedding and everything before the
+layers on the first stage, the final norm, head and loss on the last. Ops before the layers that
+read no parameter (Llama's rotary tables) run on every stage that uses them, as a stage module
+recomputes them. A stage's program, as ``torch.distributed.pipelining`` (torch 2.13) runs it:
+
+- resident: its parameters and AdamW state, and ``PipelineStage``'s receive buffers, one per
+  micro-batch (activations on every stage but the first, output gradients on every stage but the
+  last), allocated at the first step and kept;
+- per action of the schedule (``ScheduleGPipe``: all forwards, then all backwards;
+  ``Schedule1F1B``: ``min(M, pp - stage)`` warm-up forwards, then one backward / one forward, then
+  the remaining backwards; ``boomfx.simulate.pipeline.stage_orders`` gives the same order), the
+  stage's forward on one micro-batch (``recv_`` into the buffer, the layers, ``send`` of the output)
+  or its backward (``recv_`` of the output gradient, the layers' backward, ``send`` of the input's
+  gradient). The output is held in ``fwd_cache`` until its backward ends; the saved activations of
+  in-flight micro-batches live until their backward as in autograd;
+- a sent tensor (the stage's output, the input's gradient, which ``stage_backward`` drops from
+  ``.grad`` at once) lives while the schedule's local ``P2POp``/``Work`` lists reference it
+  (``send_releases``: GPipe keeps every send until it returns; 1F1B replays its assignments);
+- gradients: the first micro-batch's gradient becomes ``.grad``; each later one is added in place
+  (``AccumulateGrad``) and freed; ``scale_grads`` divides them by M in place after the last backward;
+- kept across steps (until the next step's ``clear_runtime_states``): the last stage's output chunks
+  (one logits tensor per micro-batch). They are graph outputs here and are listed in
+  ``gm.meta[META_CARRIED]``: a measured step starts with the previous step's copies alive and frees
+  them first, so its peak above its start is ``peak_live - resident - carried``;
+- the last stage concatenates its output chunks into the step's output (``_merge_outputs``) after its
+  last backward; AdamW then steps the stage's own parameters.
+
+Batch: the stage programs are per micro-batch (``micro_bindings``: the batch symbol bound to
+``batch / M``).
+
+Known limitations:
+- Interleaved 1F1B (several virtual stages per rank) is refused (OptionError): its per-rank memory
+  is not replayed yet; its step time is simulated (``boomfx/simulate/pipeline.py``).
+- One activation crosses each stage boundary (the residual stream); a model that hands more, or
+  ties a parameter across stages (tied embeddings), is refused.
+- Pipeline parallelism combines with data parallelism only in the degrees' product and the mesh: the
+  stage programs are not FSDP/DDP-rewritten yet (OptionError for dp > 1).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from boomfx.core.errors import OptionError
+from boomfx.core.layers import module_path
+from boomfx.core.program import (
+    META_RUNTIME_USES,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    PHASE_OPTIMIZER,
+    ROLE_PARAM,
+    Program,
+)
+from boomfx.distributed.graph_edit import in_unit
+from boomfx.distributed.p2p import p2p_ops
+from boomfx.distributed.plan import ParallelConfig
+from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
+from boomfx.training.checkpointing import find_layer_list, layer_names
+
+aten = torch.ops.aten
+_getitem = operator.getitem
+ROLE_COMM_BUFFER = "comm_buffer"
+META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
+PP_GROUP = "pp"
+_SEQ_STRIDE = 1_000_000  # each micro-batch's backward nodes get their own autograd seq_nr range
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    stage: int
+    layers: tuple[str, ...]
+    program: Program
+
+
+def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Layers per stage: as even as possible, earlier stages take the remainder."""
+    base, extra = divmod(n_layers, stages)
+    ranges, lo = [], 0
+    for s in range(stages):
+        hi = lo + base + (1 if s < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def micro_bindings(program: Program, cfg: ParallelConfig, bindings: Mapping[sympy.Symbol, int]
+                   ) -> dict[sympy.Symbol, int]:
+    """The per-rank bindings with the batch symbol at one micro-batch (``batch / M``)."""
+    out = dict(bindings)
+    m = cfg.num_microbatches
+    for info in program.symbols.values():
+        if info.role == "batch" and info.symbol in out:
+            batch = int(out[info.symbol])
+            if batch % m:
+                raise OptionError(f"--microbatches {m} does not divide the batch of {batch}")
+            out[info.symbol] = batch // m
+    return out
+
+
+# -- splitting the training graph -----------------------------------------------------------------
+@dataclass
+class _Split:
+    fwd: list[list[torch.fx.Node]]  # per stage, in graph order
+    bwd: list[list[torch.fx.Node]]
+    act_in: list[Optional[torch.fx.Node]]  # the activation a stage receives (None on the first)
+    grad_in: list[Optional[torch.fx.Node]]  # the output gradient a stage receives (None on the last)
+    output: torch.fx.Node  # the model's output (the last stage's output chunk)
+    params: list[list[torch.fx.Node]]
+
+
+def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
+    graph = program.graph
+    prefix = find_layer_list(graph)
+    layers = layer_names(graph, prefix) if prefix else []
+    if pp > len(layers):
+        raise OptionError(f"--parallel: pp={pp} stages but the model has {len(layers)} layers "
+                          f"(at most one stage per layer)")
+    ranges = stage_layer_ranges(len(layers), pp)
+    stage_of_layer = {layers[i]: s for s, (lo, hi) in enumerate(ranges) for i in range(lo, hi)}
+    last = pp - 1
+
+    def layer_stage(node: torch.fx.Node) -> Optional[int]:
+        for name, s in stage_of_layer.items():
+            if in_unit(node, name):
+                return s
+        return None
+
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    first_bwd = next(i for i, n in enumerate(calls) if program.phase_of(n) == PHASE_BACKWARD)
+    fwd_nodes = [n for n in calls[:first_bwd] if program.phase_of(n) == PHASE_FORWARD]
+    bwd_nodes = [n for n in calls if program.phase_of(n) == PHASE_BACKWARD]
+    owner: dict[torch.fx.Node, int] = {}
+    pre: list[torch.fx.Node] = []  # root ops before the first layer op
+    seen_layer = False
+    for n in fwd_nodes:
+        s = layer_stage(n)
+        if s is not None:
+            seen_layer = True
+            owner[n] = s
+        elif not seen_layer:
+            pre.append(n)
+            owner[n] = 0
+        else:
+            owner[n] = last
+    # the loss: the forward output of the training graph; the model's output is the loss's input
+    loss = fwd_nodes[-1]
+    output = next(a for a in loss.all_input_nodes if a.op == "call_function")
+    fwd: list[list[torch.fx.Node]] = [[] for _ in range(pp)]
+    for n in fwd_nodes:
+        fwd[owner[n]].append(n)
+    pre_set = set(pre)
+    # parameter-free root ops before the layers run again on every later stage that reads them
+    for s in range(1, pp):
+        members = set(fwd[s])
+        extra: set[torch.fx.Node] = set()
+        stack = [a for n in fwd[s] for a in n.all_input_nodes if a in pre_set]
+        while stack:
+            a = stack.pop()
+            if a in extra:
+                continue
+            extra.add(a)
+            stack += [b for b in a.all_input_nodes if b in pre_set]
+        extra -= {a for a in extra if _reads_param(program, a)}
+        fwd[s] = [n for n in fwd_nodes if n in extra or n in members]
+    # sizes (SymInt ops such as ``sym_size(idx, 0)``) are read off the stage's own inputs: copied
+    for s in range(pp):
+        members = set(fwd[s])
+        extra = set()
+        stack = [a for n in fwd[s] for a in n.all_input_nodes if a not in members and _is_size(a)]
+        while stack:
+            a = stack.pop()
+            if a in extra or a in members or a.op != "call_function":
+                continue
+            extra.add(a)
+            stack += list(a.all_input_nodes)
+        fwd[s] = [n for n in fwd_nodes if n in extra or n in members]
+    act_in: list[Optional[torch.fx.Node]] = [None] * pp
+    for s in range(1, pp):
+        members = set(fwd[s])
+        crossing = {a for n in fwd[s] for a in n.all_input_nodes
+                    if a.op == "call_function" and a not in members}
+        if len(crossing) != 1:
+            raise OptionError(f"pipeline stage {s}: {len(crossing)} tensors cross into it from earlier stages "
+                              f"({', '.join(sorted(a.name for a in crossing)[:4])}); one (the residual stream) "
+                              "is modelled")
+        (act_in[s],) = crossing
+        if act_in[s] not in set(fwd[s - 1]):
+            raise OptionError(f"pipeline stage {s}: its input {act_in[s].name} is not stage {s - 1}'s output")
+    # backward: a layer's ops to its stage; the head's and norm's before any layer's to the last stage,
+    # the embedding's after them to the first; ops of no module to the stage of the op before them
+    bwd: list[list[torch.fx.Node]] = [[] for _ in range(pp)]
+    current, seen_layer = last, False
+    for n in bwd_nodes:
+        s = layer_stage(n)
+        if s is not None:
+            seen_layer = True
+            current = s
+        elif module_path(n):
+            current = 0 if seen_layer else last
+        bwd[current].append(n)
+    grad_in: list[Optional[torch.fx.Node]] = [None] * pp
+    for s in range(pp - 1):
+        members = set(bwd[s])
+        crossing = {a for n in bwd[s] for a in n.all_input_nodes
+                    if a.op == "call_function" and program.phase_of(a) == PHASE_BACKWARD and a not in members}
+        if len(crossing) != 1:
+            raise OptionError(f"pipeline stage {s}: {len(crossing)} gradients cross into its backward "
+                              f"({', '.join(sorted(a.name for a in crossing)[:4])}); one is modelled")
+        (grad_in[s],) = crossing
+    for s in range(pp):
+        fwd_set = set(fwd[s]) | ({act_in[s]} if act_in[s] is not None else set())
+        for n in bwd[s]:
+            for a in n.all_input_nodes:
+                if a.op == "call_function" and program.phase_of(a) == PHASE_FORWARD and a not in fwd_set:
+                    raise OptionError(f"pipeline stage {s}: backward op {n.name} reads {a.name}, a forward "
+                                      "tensor of another stage")
+    params: list[list[torch.fx.Node]] = []
+    owner_of_param: dict[torch.fx.Node, int] = {}
+    for s in range(pp):
+        used = [p for p in graph.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM
+                and any(u in set(fwd[s]) | set(bwd[s]) for u in p.users)]
+        for p in used:
+            if p in owner_of_param:
+                raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
+                                  f"used by stages {owner_of_param[p]} and {s} (tied weights are not modelled)")
+            owner_of_param[p] = s
+        params.append(used)
+    names = [tuple(layers[lo:hi]) for lo, hi in ranges]
+    return _Split(fwd, bwd, act_in, grad_in, output, params), names
+
+
+def _reads_param(program: Program, node: torch.fx.Node) -> bool:
+    return any(a.op == "placeholder" and program.input_roles.get(a.name) == ROLE_PARAM for a in node.all_input_nodes)
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and not isinstance(node.meta.get("val"), torch.Tensor) and not isinstance(
+        node.meta.get("val"), (list, tuple))
+
+
+# -- the optimizer of one stage's parameters ------------------------------------------------------
+def _optimizer_plan(program: Program, keep: Sequence[int], params: Sequence[torch.fx.Node]
+                    ) -> tuple[list[torch.fx.Node], dict[torch.fx.Node, object]]:
+    """The optimizer nodes one stage runs and, for each, its arguments with every per-parameter list
+    (``_foreach_*``'s tensor and scalar lists, ``n_params`` long) cut to the stage's indices ``keep``."""
+    opt = [n for n in program.graph.nodes if n.op == "call_function" and program.phase_of(n) == PHASE_OPTIMIZER]
+    keep_set = set(keep)
+    n_params = len(params)
+    own = tuple("_" + params[i].name for i in keep)
+
+    def cut(value: object) -> object:
+        if isinstance(value, (list, tuple)) and len(value) == n_params:
+            return type(value)(value[i] for i in keep)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(v) for v in value)
+        return value
+
+    args: dict[torch.fx.Node, object] = {}
+    for n in opt:
+        if n.target is _getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0] in args:
+            idx = n.args[1]
+            if idx not in keep_set:
+                continue
+            args[n] = ((n.args[0], keep.index(idx)), {})
+            continue
+        args[n] = (cut(tuple(n.args)), cut(dict(n.kwargs)))
+    def root(n: torch.fx.Node) -> bool:
+        """The in-place updates, and unused reads (AdamW's ``step.item()``) of this stage's own state."""
+        if n not in args or n.users:
+            return False
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return True
+        inputs = [a for a in n.all_input_nodes if a.op == "placeholder"]
+        return bool(inputs) and all(a.name.endswith(own) for a in inputs)
+
+    # needed: the roots and what they read
+    needed: set[torch.fx.Node] = set()
+    stack = [n for n in opt if root(n)]
+    while stack:
+        n = stack.pop()
+        if n in needed or n not in args:
+            continue
+        needed.add(n)
+        a, k = args[n]
+        torch.fx.node.map_arg((a, k), lambda x: stack.append(x) if x.op == "call_function" else None)
+    return [n for n in opt if n in needed], args
+
+
+
+
+# -- how long a sent tensor stays referenced -------------------------------------------------------
+END = -1  # to the end of the schedule's step (its local lists die when it returns)
+
+
+def send_releases(schedule: str, order: Sequence[tuple[str, int]], stage: int, pp: int, m: int
+                  ) -> dict[tuple[str, int], int]:
+    """For the tensor each action sends (``("F", i)``: the stage's output of micro-batch i; ``("B", i)``:
+    its input's gradient), the index in ``order`` of the action after which the schedule's last
+    reference to it (a ``P2POp`` list or a ``Work`` list in a local variable) is dropped, or END.
+
+    ``ScheduleGPipe`` keeps every send's work in ``fwd_sends_to_wait`` / ``bwd_sends_to_wait`` until it
+    returns. ``Schedule1F1B`` keeps them in ``send_work``, ``fwd_sends`` and ``bwd_sends``, each
+    reassigned at fixed points of its warm-up, 1B1F and cool-down loops (torch 2.13,
+    ``Schedule1F1B._step_microbatches``); this replays those assignments."""
+    sends_fwd, sends_bwd = stage < pp - 1, stage > 0
+    if schedule == "gpipe":
+        return {(k, i): END for k, i in order if (k == FORWARD and sends_fwd) or (k == BACKWARD and sends_bwd)}
+    held: dict[str, set] = {"send_work": set(), "fwd_sends": set(), "bwd_sends": set()}
+    release: dict[tuple[str, int], int] = {}
+    position = {a: j for j, a in enumerate(order)}
+    done = -1
+
+    def assign(var: str, value: set) -> None:
+        old = held[var]
+        held[var] = value
+        for t in old:
+            if not any(t in v for v in held.values()):
+                release[t] = done
+
+    def sent(kind: str, i: int) -> set:
+        return {(kind, i)} if (kind == FORWARD and sends_fwd) or (kind == BACKWARD and sends_bwd) else set()
+
+    warmup = min(m, pp - stage)
+    f = b = 0
+    for _ in range(warmup):
+        done = position[(FORWARD, f)]
+        assign("fwd_sends", sent(FORWARD, f))
+        if f != warmup - 1:
+            assign("send_work", sent(FORWARD, f))
+        f += 1
+    while True:
+        done = position[(BACKWARD, b)]
+        assign("bwd_sends", sent(BACKWARD, b))
+        b += 1
+        if f == m:
+            break
+        done = position[(FORWARD, f)]
+        assign("fwd_sends", sent(FORWARD, f))
+        f += 1
+    assign("send_work", set(held["bwd_sends"]))
+    while b < m:
+        done = position[(BACKWARD, b)]
+        assign("bwd_sends", sent(BACKWARD, b))
+        assign("send_work", set(held["bwd_sends"]))
+        b += 1
+    for var in held.values():
+        for t in var:
+            release[t] = END
+    return release
+
+
+# -- building one stage's program -----------------------------------------------------------------
+def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
+    """Every stage's training program (see the module docstring)."""
+    if not program.options.train:
+        raise OptionError("--parallel pp needs --train (pipeline stages split a training step)")
+    if cfg.pp_schedule == "interleaved_1f1b":
+        raise OptionError("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built "
+                          "yet (gpipe and 1f1b are)")
+    if cfg.dp > 1 or cfg.tp > 1:
+        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism combined with data or tensor "
+                          "parallelism is not built yet (pp alone is)")
+    split, names = _split(program, cfg.pp)
+    m = cfg.num_microbatches
+    orders = stage_orders(cfg.pp_schedule, cfg.pp, m)
+    return [StageProgram(s, names[s], _stage_program(program, split, s, cfg.pp, m,
+                                                     [(p.kind, p.microbatch) for p in orders[s]],
+                                                     cfg.pp_schedule == "gpipe"))
+            for s in range(cfg.pp)]
+
+
+def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
+                   order: Sequence[tuple[str, int]], schedule_gpipe: bool) -> Program:
+    ops = p2p_ops()
+    last = pp - 1
+    src = program.graph
+    graph = torch.fx.Graph()
+    phases: dict[str, str] = {}
+    roles: dict[str, str] = {}
+    extra_uses: dict[str, list[str]] = {}
+    all_params = [p for p in src.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
+    keep = [all_params.index(p) for p in split.params[s]]
+    opt_nodes, opt_args = _optimizer_plan(program, keep, all_params)
+
+    used: set[torch.fx.Node] = set()
+    for group in (split.fwd[s], split.bwd[s]):
+        for n in group:
+            used.update(a for a in n.all_input_nodes if a.op == "placeholder")
+    for n in opt_nodes:
+        a, k = opt_args[n]
+        torch.fx.node.map_arg((a, k), lambda x: used.add(x) if x.op == "placeholder" else None)
+    static: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in src.nodes:
+        if p.op == "placeholder" and p in used:
+            new = graph.placeholder(p.name)
+            new.meta = dict(p.meta)
+            static[p] = new
+            roles[new.name] = program.input_roles.get(p.name, "input")
+
+    for x in src.nodes:
+        if x.op == "get_attr":
+            new = graph.get_attr(x.target)
+            new.meta = dict(x.meta)
+            static[x] = new
+
+    def buffers(kind: str, like: Optional[torch.fx.Node]) -> list[torch.fx.Node]:
+        out = []
+        for i in range(m):
+            b = graph.placeholder(f"pp_{kind}_buffer_{i}")
+            b.meta["val"] = like.meta["val"]
+            roles[b.name] = ROLE_COMM_BUFFER
+            out.append(b)
+        return out
+
+    act_bufs = buffers("recv_act", split.act_in[s]) if s > 0 else []
+    grad_bufs = buffers("recv_grad", split.grad_in[s]) if s < last else []
+
+    def call(target: object, args: tuple, val: object, phase: str, like: torch.fx.Node) -> torch.fx.Node:
+        node = graph.call_function(target, args)
+        node.meta["val"] = val
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+        phases[node.name] = phase
+        return node
+
+    def copy(nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, torch.fx.Node], seq_offset: int,
+             accumulated: Optional[dict[torch.fx.Node, torch.fx.Node]] = None) -> None:
+        """``nodes`` again with ``env``; a parameter's gradient becomes its ``.grad`` (the first
+        micro-batch's) or is added into it in place right away (AccumulateGrad)."""
+        for n in nodes:
+            new = graph.node_copy(n, lambda a: env[a] if a in env else static[a])
+            if seq_offset and "seq_nr" in new.meta:
+                new.meta["seq_nr"] = new.meta["seq_nr"] + seq_offset
+            phases[new.name] = program.phase_of(n)
+            env[n] = new
+            if accumulated is None or n not in grad_node_of:
+                continue
+            if n not in accumulated:
+                accumulated[n] = new
+            else:
+                call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"], PHASE_BACKWARD, n)
+
+    by_name = {n.name: n for n in src.nodes}
+    grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}
+    stage_bwd = set(split.bwd[s])
+    accumulated: dict[torch.fx.Node, torch.fx.Node] = {}  # original grad node -> this stage's .grad
+    envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
+    kept: list[torch.fx.Node] = []  # alive to the step's end
+    carried: list[torch.fx.Node] = []  # ... and into the next step
+    out_chunks: list[torch.fx.Node] = []
+    peer_prev, peer_next = s - 1, s + 1
+    action_end: list[torch.fx.Node] = []
+    sent_tensor: dict[tuple[str, int], torch.fx.Node] = {}
+    for kind, i in order:
+        if kind == FORWARD:
+            env: dict[torch.fx.Node, torch.fx.Node] = {}
+            if s > 0:
+                like = split.fwd[s][0]
+                env[split.act_in[s]] = call(ops.recv_.default, (act_bufs[i], peer_prev, PP_GROUP),
+                                            act_bufs[i].meta["val"], PHASE_FORWARD, like)
+            copy(split.fwd[s], env, 0)
+            envs[i] = env
+            if s < last:
+                out = env[split.act_in[s + 1]]
+                sent_tensor[(kind, i)] = out
+                action_end.append(call(ops.send.default, (out, peer_next, PP_GROUP), None, PHASE_FORWARD,
+                                       split.act_in[s + 1]))
+            else:
+                action_end.append(list(graph.nodes)[-1])
+                chunk = env[split.output]
+                out_chunks.append(chunk)
+                kept.append(env[split.fwd[s][-1]])  # the loss, in the schedule's list until the step ends
+            continue
+        env = envs.pop(i)
+        if s < last:
+            like = split.bwd[s][0]
+            env[split.grad_in[s]] = call(ops.recv_.default, (grad_bufs[i], peer_next, PP_GROUP),
+                                         grad_bufs[i].meta["val"], PHASE_BACKWARD, like)
+        copy(split.bwd[s], env, (i + 1) * _SEQ_STRIDE, accumulated)
+        end = env[split.bwd[s][-1]]
+        if s < last:  # fwd_cache holds the stage's output until its backward is done
+            extra_uses.setdefault(end.name, []).append(env[split.act_in[s + 1]].name)
+        if s > 0:
+            grad = env[split.grad_in[s - 1]]
+            sent_tensor[(kind, i)] = grad  # stage_backward drops the input's .grad: the send holds it
+            action_end.append(call(ops.send.default, (grad, peer_prev, PP_GROUP), None, PHASE_BACKWARD,
+                                   split.grad_in[s - 1]))
+        else:
+            action_end.append(list(graph.nodes)[-1])
+    missing = [grad_node_of[g] for g in grad_node_of if g in stage_bwd and g not in accumulated]
+    if missing:
+        raise OptionError(f"pipeline stage {s}: no gradient for {', '.join(missing[:3])}")
+    # scale_grads: every .grad divided by the number of micro-batches, in place
+    for orig, g in accumulated.items():
+        call(aten.div_.Scalar, (g, m), g.meta["val"], PHASE_BACKWARD, orig)
+    if s == last:
+        cat_val = torch.cat([c.meta["val"] for c in out_chunks], dim=0)
+        call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output)  # _merge_outputs
+        kept += out_chunks
+        carried += out_chunks
+    pipeline_end = list(graph.nodes)[-1]
+    schedule = "gpipe" if schedule_gpipe else "1f1b"
+    for key, at in send_releases(schedule, order, s, pp, m).items():
+        anchor = pipeline_end if at == END else action_end[at]
+        extra_uses.setdefault(anchor.name, []).append(sent_tensor[key].name)
+    # AdamW on the stage's parameters, its gradients the accumulated .grad
+    opt_env: dict[torch.fx.Node, torch.fx.Node] = {orig: g for orig, g in accumulated.items()}
+    for n in opt_nodes:
+        a, k = opt_args[n]
+        a, k = torch.fx.node.map_arg((a, k), lambda x: opt_env[x] if x in opt_env else static[x])
+        new = graph.call_function(n.target, a, k)
+        new.meta = dict(n.meta)
+        val = n.meta.get("val")
+        if n.target is not _getitem and isinstance(val, (list, tuple)) and len(val) == len(all_params):
+            new.meta["val"] = type(val)(val[j] for j in keep)
+        phases[new.name] = PHASE_OPTIMIZER
+        opt_env[n] = new
+    graph.output(tuple(dict.fromkeys(kept)))
+    grad_nodes = {accumulated[orig].name: fqn for orig, fqn in grad_node_of.items() if orig in accumulated}
+    param_names = {static[p].name: program.param_names.get(p.name, p.name) for p in split.params[s]}
+    for p in static:
+        if program.input_roles.get(p.name) != ROLE_PARAM and p.name in program.param_names:
+            param_names[static[p].name] = program.param_names[p.name]
+    graph.lint()
+    out = program.rewritten(graph, phases=phases, input_roles=roles, grad_nodes=grad_nodes,
+                            param_names=param_names)
+    out.gm.meta[META_RUNTIME_USES] = {k: tuple(v) for k, v in extra_uses.items()}
+    out.gm.meta[META_CARRIED] = tuple(n.name for n in dict.fromkeys(carried))
+    return out
+
+
+def carried_bytes(program: Program, ev: object) -> int:
+    """Bytes of the tensors a stage keeps from one step into the next (``META_CARRIED``) at ``ev``."""
+    from boomfx.passes.liveness import _compute_nbytes
+
+    names = set(program.gm.meta.get(META_CARRIED, ()))
+    return sum(int(ev(_compute_nbytes(n.meta["val"]))) for n in program.graph.nodes if n.name in names)

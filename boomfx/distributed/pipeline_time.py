@@ -1,0 +1,59 @@
+"""The step of a pipeline-parallel run: every stage's per-micro-batch costs through ``pipeline_step``.
+
+A stage program (``pipeline_stages.py``) holds all M micro-batches of its stage in schedule order;
+evaluated once, its forward-phase kernels divided by M are one micro-batch's forward on that stage,
+likewise its backward (its own ``send``/``recv_`` nodes left out: their transfer is the send price
+``pipeline_step`` adds between stages), and its optimizer runs once. ``pipeline_step`` then places
+every pass as the schedule does (``boomfx/simulate/pipeline.py``), so each stage's step includes
+the bubble: the time it waits for the stage before it in forward and after it in backward.
+
+Known limitations: ``pipeline_step``'s (one stream per stage, sends that never queue).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from boomfx.analysis.analysis import PointResult
+from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE
+from boomfx.distributed.p2p import NAMESPACE
+from boomfx.distributed.pipeline_step import PipelineStep, StageCompute, pipeline_step
+from boomfx.distributed.step_time import topology_of
+
+SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
+
+
+def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int) -> StageCompute:
+    """One micro-batch's forward and backward on a stage, and its optimizer step, from its program's point."""
+    spans = {s.name: s.end_ns - s.start_ns for s in point.timeline.spans}
+    by_phase = {PHASE_FORWARD: 0.0, PHASE_BACKWARD: 0.0, PHASE_OPTIMIZER: 0.0}
+    for k in point.report.kernels:
+        if k.op.startswith(NAMESPACE):
+            continue
+        phase = PHASE_BACKWARD if k.phase == PHASE_RECOMPUTE else k.phase
+        by_phase[phase] = by_phase.get(phase, 0.0) + spans.get(k.node, k.time_ns)
+    return StageCompute(by_phase[PHASE_FORWARD] / microbatches, by_phase[PHASE_BACKWARD] / microbatches,
+                        by_phase[PHASE_OPTIMIZER], int(boundary_bytes))
+
+
+def boundary_bytes(program: Any, ev: Any) -> int:
+    """Bytes of the activation a stage sends per micro-batch (0 on the last stage)."""
+    from boomfx.distributed.p2p import is_p2p
+    from boomfx.passes.liveness import _compute_nbytes
+
+    for node in program.graph.nodes:
+        if is_p2p(node) and node.target.__name__.startswith("send") and program.phase_of(node) == PHASE_FORWARD:
+            return int(ev(_compute_nbytes(node.args[0].meta["val"])))
+    return 0
+
+
+def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any) -> PipelineStep:
+    """The pipeline step of ``dist`` (a DistributedAnalysis of pp stage classes) from its classes' points."""
+    cfg = dist.cfg
+    m = cfg.num_microbatches
+    costs = [
+        stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)))
+        for rc, analysis, point in zip(dist.classes, dist.analyses, points)
+    ]
+    return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], costs, m, [rc.ranks[0] for rc in dist.classes],
+                         topology_of(cfg), dist.device)

@@ -1,0 +1,211 @@
+"""Pipeline-parallel stage programs against real ``torch.distributed.pipelining`` steps on gloo (CPU).
+
+The truth is ``benchmarks/distributed_truth.py``: 2 processes run real AdamW steps of a Llama-style
+and a GPT-2-style model (2 layers, one per stage) with ``Schedule1F1B`` and ``ScheduleGPipe`` over 4
+micro-batches of a batch of 4, and record each rank's profiler peak above the step's start, its
+parameter and AdamW storages and the sends/receives gloo ran. All four configurations share one
+spawn (session-scoped).
+
+The prediction is boomfx's per-stage program (boomfx/distributed/pipeline_stages.py), each compute
+kernel's scratch measured on this CPU as tests/test_distributed_memory.py does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import distributed_predict as predict  # noqa: E402
+import distributed_truth as truth  # noqa: E402
+
+from boomfx.cli.main import main  # noqa: E402
+from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
+
+TOLERANCE = 0.01
+CONFIGS = [
+    truth.TruthConfig(model, "pp", 2, schedule=schedule, timed_steps=1)
+    for model in ("llama", "gpt")
+    for schedule in ("1f1b", "gpipe")
+]
+
+
+@pytest.fixture(scope="session")
+def pp_runs() -> dict[str, truth.ConfigTruth]:
+    return {r.config.name: r for r in truth.run_configs(CONFIGS)}
+
+
+@pytest.fixture(scope="session")
+def pp_predicted(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, list[int]] = {}
+    db = str(tmp_path_factory.mktemp("ppdb") / "cpu.db")
+
+    def get(cfg: truth.TruthConfig) -> list[int]:
+        if cfg.name not in cache:
+            cache[cfg.name] = predict.predicted_rank_peaks(cfg, db=db)
+        return cache[cfg.name]
+
+    return get
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_stage_peak_matches_gloo(cfg, pp_runs, pp_predicted) -> None:
+    real = pp_runs[cfg.name]
+    pred = pp_predicted(cfg)
+    assert pred is not None and len(pred) == cfg.world
+    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
+        assert r.peak_bytes > 0
+        assert (
+            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
+        ), f"{cfg.name} stage {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+
+
+def _stages(cfg: truth.TruthConfig):
+    from boomfx.frontend.capture import capture
+    from boomfx.distributed.ranks import rank_programs
+    from boomfx.core.program import ProgramOptions
+
+    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    return program, rank_programs(program, predict.parallel_config(cfg))
+
+
+def _resident(program, role: str) -> int:
+    from boomfx.passes.liveness import _compute_nbytes
+
+    return sum(
+        int(_compute_nbytes(n.meta["val"]))
+        for n in program.graph.nodes
+        if n.op == "placeholder" and program.input_roles.get(n.name) == role
+    )
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.schedule == "1f1b"], ids=lambda c: c.name)
+def test_stage_parameters_and_adamw_state(cfg, pp_runs) -> None:
+    """Each stage holds exactly the parameters (and AdamW state) of its module as the real stage does,
+    and the stages together hold the model's: nothing lost, nothing duplicated."""
+    program, classes = _stages(cfg)
+    assert [rc.ranks for rc in classes] == [(0,), (1,)]
+    real = pp_runs[cfg.name].ranks
+    for rc in classes:
+        (rank,) = rc.ranks
+        assert _resident(rc.program, "param") == real[rank].start_param_bytes
+        # AdamW: exp_avg + exp_avg_sq of the stage's own parameters (2x) and one 4 B fp32 step scalar each
+        n_params = len(rc.program.param_names)
+        assert (
+            _resident(rc.program, "opt_state")
+            == real[rank].start_optimizer_bytes
+            == 2 * real[rank].start_param_bytes + 4 * n_params
+        )
+    assert sum(_resident(rc.program, "param") for rc in classes) == _resident(program, "param")
+    # the real stages' parameter names are the model's, split as stage_layer_ranges says
+    (lo0, hi0), (lo1, hi1) = stage_layer_ranges(2, 2)
+    assert (lo0, hi0, lo1, hi1) == (0, 1, 1, 2)
+    names = [set(rc.program.param_names.values()) for rc in classes]
+    assert not names[0] & names[1] and names[0] | names[1] == set(program.param_names.values()) - {None}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_send_recv_sizes_match_the_real_run(cfg, pp_runs) -> None:
+    """Every send and receive of each stage program, in order, against what gloo ran (element counts:
+    one [micro-batch, seq, d] fp32 activation or gradient, 1 x 32 x 64 = 2048 elements)."""
+    from boomfx.distributed.p2p import is_p2p
+    from boomfx.passes.evaluate import Evaluator
+    from boomfx.passes.liveness import _compute_nbytes
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    program, classes = _stages(cfg)
+    ev = Evaluator(micro_bindings(program, predict.parallel_config(cfg),
+                                  resolve_bindings(program, {}, cfg.batch, cfg.seq)))
+    for rc in classes:
+        calls = [
+            ("send" if n.target.__name__.startswith("send") else "recv", int(ev(_compute_nbytes(n.args[0].meta["val"]))) // 4)
+            for n in rc.program.graph.nodes
+            if is_p2p(n)
+        ]
+        real = [(c["op"], c["numel"][0]) for c in pp_runs[cfg.name].ranks[rc.ranks[0]].collectives]
+        assert sorted(calls) == sorted(real) and all(n == 1 * 32 * 64 for _, n in calls)
+        if cfg.schedule == "gpipe":  # 1F1B fuses a send with the next receive into one batch
+            assert [op for op, _ in calls] == [op for op, _ in real]
+
+
+def test_1f1b_send_references_by_hand() -> None:
+    """Schedule1F1B's local lists on stage 0 of 2 with 4 micro-batches (order F0 F1 B0 F2 B1 F3 B2 B3):
+    ``send_work`` keeps F0's output until the 1B1F loop ends (after B2, index 6); ``fwd_sends`` drops F1's
+    at F2 (index 3) and F2's at F3 (index 5); F3's is kept until the schedule returns."""
+    order = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert send_releases("1f1b", order, 0, 2, 4) == {("F", 0): 6, ("F", 1): 3, ("F", 2): 5, ("F", 3): END}
+    # the last stage sends gradients: each is kept by bwd_sends through the next backward
+    last = [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert send_releases("1f1b", last, 1, 2, 4) == {("B", 0): 3, ("B", 1): 5, ("B", 2): 7, ("B", 3): END}
+    assert set(send_releases("gpipe", order, 0, 2, 4).values()) == {END}
+
+
+def _bad(capsys, *argv: str) -> str:
+    code = main(list(argv))
+    _, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bad_pipeline_input(capsys) -> None:
+    tiny = str(ROOT / "examples" / "llama_tiny.pt2")  # 2 layers
+    base = ["analyze", tiny, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
+    assert "pp=4 stages but the model has 2 layers" in _bad(capsys, *base, "--parallel", "pp=4")
+    assert "--microbatches 3 does not divide the batch of 2" in _bad(
+        capsys, *base, "--parallel", "pp=2", "--microbatches", "3"
+    )
+    assert "needs at least pp=2 micro-batches" in _bad(
+        capsys, *base, "--parallel", "pp=2", "--microbatches", "1"
+    )
+    assert "interleaved_1f1b" in _bad(
+        capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
+    )
+
+
+def test_pipeline_report_has_every_stage() -> None:
+    """The API's report lists both stages as rank classes with the micro-batch; each stage's step is
+    reported, and the worst rank is one of them."""
+    import boomfx
+
+    tiny = str(ROOT / "examples" / "llama_tiny.pt2")
+    report = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=4, seq=16, parallel={"pp": 2, "microbatches": 2})
+    par = report.parallel
+    assert [c["ranks"] for c in par["classes"]] == [[0], [1]]
+    assert par["batch_per_rank"] == 4 and par["micro_batch"] == 2 and par["global_batch"] == 4
+    assert par["worst_rank"] in (0, 1)
+    assert all(c["step_time_ns"] > 0 for c in par["classes"])
+    # stage 0 under 1F1B with M=2: F0 F1 B0 B1, each handing on one [2, 16, 64] fp32 activation
+    # (2 x 16 x 64 x 4 = 8,192 B) and receiving its gradient
+    sends = [(c["op"], c["group"], c["input_bytes"], c["phase"]) for c in par["classes"][0]["collectives"]]
+    assert sends == [("send", "pp", 8192, "forward")] * 2 + [("recv_", "pp", 8192, "backward")] * 2
+    # the pipeline step: the last stage to finish ends it; the stages idle part of it (the bubble)
+    rows = par["time_by_class"]
+    assert rows[0]["pipeline_step_ns"] == max(c["step_time_ns"] for c in par["classes"])
+    assert 0 < rows[0]["bubble_fraction"] < 1
+    assert [r["step_time_ns"] for r in rows] == [c["step_time_ns"] for c in par["classes"]]
+
+
+def test_max_batch_walks_micro_batches() -> None:
+    """``--max-batch`` with pp searches the micro-batch: micro-batch 3 of M=2 is the batch of 6, the
+    same stage memory as evaluating batch 6 directly; a batch M does not divide is refused."""
+    from boomfx.core.devices import get_device
+    from boomfx.core.errors import OptionError
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.analysis import DistributedAnalysis, MicroBatchSearch
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.frontend.capture import capture, resolve_bindings
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    dist = DistributedAnalysis(program, ParallelConfig(pp=2, microbatches=2), get_device("h100-sxm"))
+    direct = dist.evaluate(resolve_bindings(program, {}, 6, 16), memory_only=True).report.parallel
+    searched = MicroBatchSearch(dist).evaluate(resolve_bindings(program, {}, 3, 16), memory_only=True)
+    assert searched.report.parallel["classes"] == direct["classes"]
+    assert searched.report.parallel["batch_per_rank"] == 6 and direct["micro_batch"] == 3
+    with pytest.raises(OptionError, match="does not divide the batch of 5"):
+        dist.evaluate(resolve_bindings(program, {}, 5, 16), memory_only=True)
