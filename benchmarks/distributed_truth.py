@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -95,7 +95,7 @@ class TruthConfig:
         extra = ""
         if self.parallel in ("fsdp", "hsdp", "tp_fsdp"):
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
-        if self.parallel == "pp":
+        if self.parallel in ("pp", "pp_tp"):
             extra = f"-{self.schedule}-mb{self.microbatches}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
@@ -239,24 +239,33 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
-    if cfg.parallel == "pp":
+    if cfg.parallel in ("pp", "pp_tp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        ranges = stage_layer_ranges(len(layer_list(model)), cfg.world)
-        lo, hi = ranges[rank]
-        module = _Stage(model, lo, hi, rank == 0, rank == cfg.world - 1)
-        stage = PipelineStage(module, rank, cfg.world, torch.device("cpu"))
+        # pp_tp: a (pp=2, tp) mesh as torchtitan lays it out (pp outer): each stage's layers are
+        # parallelize_module'd over its TP group, and the stage sends over its pp group
+        stages, stage_id, group, tp_mesh = cfg.world, rank, None, None
+        if cfg.parallel == "pp_tp":
+            mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", "tp"))
+            stages, stage_id, group, tp_mesh = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh["tp"]
+        lo, hi = stage_layer_ranges(len(layer_list(model)), stages)[stage_id]
+        module = _Stage(model, lo, hi, stage_id == 0, stage_id == stages - 1)
+        if tp_mesh is not None:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            for layer in module.layers:
+                parallelize_module(layer, tp_mesh, _tp_plan(cfg.model))
+        stage = PipelineStage(module, stage_id, stages, torch.device("cpu"), group=group)
         cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
         schedule = cls(stage, cfg.microbatches, loss_fn=_mean_loss)
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
         target = torch.zeros(cfg.batch, 1)
-        params = list(module.parameters())
-        opt = torch.optim.AdamW(params, foreach=True)
+        opt = torch.optim.AdamW(_param_groups(module), foreach=True)
 
         def step() -> None:
-            if rank == 0:
+            if stage_id == 0:
                 schedule.step(idx)
-            elif rank == cfg.world - 1:
+            elif stage_id == stages - 1:
                 schedule.step(target=target, losses=[])
             else:
                 schedule.step()
@@ -464,5 +473,6 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "pp", 2, schedule="gpipe"),
             TruthConfig(model, "hsdp", 4),
             TruthConfig(model, "tp_fsdp", 4),
+            TruthConfig(model, "pp_tp", 4, schedule="1f1b"),
         ]
     return configs

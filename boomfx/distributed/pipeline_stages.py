@@ -367,9 +367,9 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     if cfg.pp_schedule == "interleaved_1f1b":
         raise OptionError("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built "
                           "yet (gpipe and 1f1b are)")
-    if cfg.dp > 1 or cfg.tp > 1:
-        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism combined with data or tensor "
-                          "parallelism is not built yet (pp alone is)")
+    if cfg.dp > 1:
+        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism combined with data parallelism "
+                          "(dp_replicate/dp_shard) is not built yet (pp alone and pp with tp are)")
     split, names = _split(program, cfg.pp)
     m = cfg.num_microbatches
     orders = stage_orders(cfg.pp_schedule, cfg.pp, m)

@@ -83,14 +83,21 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
 
 
 def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
-    """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage."""
+    """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage. With ``tp`` the
+    stages are cut from the TP rank's program (every TP rank of a stage runs the same one), as
+    torchtitan ``parallelize_module``s each stage's layers over the stage's TP group."""
     from boomfx.distributed.pipeline_stages import stage_programs
 
+    if cfg.tp > 1:
+        from boomfx.distributed.tensor_parallel import tp_rank_program
+
+        program = tp_rank_program(program, cfg)
     classes = []
     for stage in stage_programs(program, cfg):
         ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
         layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
+        tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
         classes.append(RankClass(ranks, stage.program,
-                                 f"pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
+                                 f"{tp}pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
                                  f"{cfg.num_microbatches} micro-batches)"))
     return classes
