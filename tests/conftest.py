@@ -108,3 +108,15 @@ def zoo(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def four_rank_gloo_runs():
+    """The 4-rank gloo truth runs of TP x FSDP (test_distributed_tp.py) and PP x TP
+    (test_distributed_pp.py), by name, in one spawn (process start-up and ``import torch`` paid once)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distributed_truth as truth
+
+    configs = [truth.TruthConfig(model, parallel, 4, timed_steps=1)
+               for parallel in ("tp_fsdp", "pp_tp") for model in ("llama", "gpt")]
+    return {r.config.name: r for r in truth.run_configs(configs)}

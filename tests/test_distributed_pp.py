@@ -209,3 +209,96 @@ def test_max_batch_walks_micro_batches() -> None:
     assert searched.report.parallel["batch_per_rank"] == 6 and direct["micro_batch"] == 3
     with pytest.raises(OptionError, match="does not divide the batch of 5"):
         dist.evaluate(resolve_bindings(program, {}, 5, 16), memory_only=True)
+
+
+# -- pipeline x tensor parallelism (4 ranks: pp=2 x tp=2) -------------------------------------------
+PP_TP = [truth.TruthConfig(model, "pp_tp", 4, timed_steps=1) for model in ("llama", "gpt")]
+
+
+@pytest.fixture(scope="session")
+def pp_tp_classes():
+    cache: dict[str, tuple] = {}
+
+    def get(cfg: truth.TruthConfig):
+        if cfg.name not in cache:
+            cache[cfg.name] = _stages(cfg)
+        return cache[cfg.name]
+
+    return get
+
+
+@pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
+def test_pp_tp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
+    """Each (stage, TP rank) of a real ``PipelineStage`` whose layers are ``parallelize_module``d over
+    the stage's TP group (mesh pp x tp, pp outer as torchtitan lays it out: ranks 0, 1 stage 0)."""
+    real = four_rank_gloo_runs[cfg.name]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
+    assert len(pred) == cfg.world == 4
+    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
+        assert r.peak_bytes > 0
+        assert (
+            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
+        ), f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+
+
+@pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
+def test_pp_tp_stage_holds_its_tp_shard(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """One class per stage, both TP ranks of it alike; each stage holds the TP-local shapes of its own
+    layers (the real stage's, which renumbers its layers from 0), and the stages together hold
+    exactly the TP rank's parameters of the whole model (nothing lost or duplicated)."""
+    from boomfx.distributed.tensor_parallel import tp_rank_program
+
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1), (2, 3)]
+    real = four_rank_gloo_runs[cfg.name].ranks
+    for rc in classes:
+        shapes = sorted(list(n.meta["val"].shape) for n in rc.program.graph.nodes
+                        if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
+        for rank in rc.ranks:
+            assert shapes == sorted(p["shape"] for p in real[rank].local_params.values())
+            assert _resident(rc.program, "param") == real[rank].start_param_bytes
+            assert _resident(rc.program, "opt_state") == real[rank].start_optimizer_bytes
+    tp_only = tp_rank_program(program, predict.parallel_config(cfg))
+    assert sum(_resident(rc.program, "param") for rc in classes) == _resident(tp_only, "param")
+    # and TP really split them: half of each planned projection per rank (a smaller total than the model's)
+    assert _resident(tp_only, "param") < _resident(program, "param")
+
+
+@pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
+def test_pp_tp_collective_sizes_match_the_real_run(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """Each stage's TP all-reduces and pipeline sends/receives against what gloo ran on each of its
+    ranks. By hand, per micro-batch ([1, 32, 64] fp32 = 2048 elements each): one forward all-reduce per
+    rowwise linear (llama: o, down; gpt: fc_out), one backward per colwise linear (llama: q, k, v, gate,
+    up; gpt: fc), for the stage's one layer; x 4 micro-batches; 4 sends and 4 receives per stage."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.p2p import is_p2p
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+    from boomfx.passes.evaluate import Evaluator
+    from boomfx.passes.liveness import _compute_nbytes
+
+    program, classes = pp_tp_classes(cfg)
+    pcfg = predict.parallel_config(cfg)
+    bindings = micro_bindings(program, pcfg, resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    styles = list(truth.TP_PLANS[cfg.model].values())
+    for rc in classes:
+        ev = Evaluator(bindings)
+        reduces = [(c.phase, c.input_bytes // 4) for c in
+                   collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                               .evaluator(bindings))
+                   if c.op == "all_reduce"]
+        assert [p for p, _ in reduces].count("forward") == styles.count("rowwise") * cfg.microbatches
+        assert [p for p, _ in reduces].count("backward") == styles.count("colwise") * cfg.microbatches
+        p2p = [("send" if n.target.__name__.startswith("send") else "recv",
+                int(ev(_compute_nbytes(n.args[0].meta["val"]))) // 4)
+               for n in rc.program.graph.nodes if is_p2p(n)]
+        assert len(p2p) == 2 * cfg.microbatches
+        predicted = sorted([("all_reduce", n) for _, n in reduces] + p2p)
+        assert {n for _, n in predicted} == {1 * 32 * 64}
+        for rank in rc.ranks:
+            real = sorted((c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives)
+            assert predicted == real

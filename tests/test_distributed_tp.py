@@ -44,9 +44,10 @@ TINY = str(ROOT / "examples" / "llama_tiny.pt2")  # 2 layers, d 64, 4 heads, 2 k
 
 
 @pytest.fixture(scope="session")
-def tp_gloo_runs() -> dict[str, truth.ConfigTruth]:
-    results = truth.run_configs(TWO_RANKS) + truth.run_configs(FOUR_RANKS)
-    return {r.config.name: r for r in results}
+def tp_gloo_runs(four_rank_gloo_runs) -> dict[str, truth.ConfigTruth]:
+    runs = {r.config.name: r for r in truth.run_configs(TWO_RANKS)}
+    runs.update({c.name: four_rank_gloo_runs[c.name] for c in FOUR_RANKS})  # the shared 4-rank spawn
+    return runs
 
 
 @pytest.fixture(scope="session")
