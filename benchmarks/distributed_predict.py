@@ -29,6 +29,7 @@ def parallel_config(cfg: truth.TruthConfig):
         "pp": dict(pp=cfg.world),
         "tp_fsdp": dict(dp_shard=cfg.world // 2, tp=2),
         "pp_tp": dict(pp=2, tp=cfg.world // 2),
+        "pp_ddp": dict(pp=2, dp_replicate=cfg.world // 2),
     }[cfg.parallel]
     return ParallelConfig(
         **degrees,
@@ -71,7 +72,7 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
         except OptionError:
             return None
     bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)
-    pp = cfg.parallel in ("pp", "pp_tp")
+    pp = cfg.parallel in ("pp", "pp_tp", "pp_ddp")
     if pp:  # the stage programs run one micro-batch at a time
         from boomfx.distributed.pipeline_stages import micro_bindings
 

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -95,7 +95,7 @@ class TruthConfig:
         extra = ""
         if self.parallel in ("fsdp", "hsdp", "tp_fsdp"):
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
-        if self.parallel in ("pp", "pp_tp"):
+        if self.parallel in ("pp", "pp_tp", "pp_ddp"):
             extra = f"-{self.schedule}-mb{self.microbatches}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
@@ -239,28 +239,38 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
-    if cfg.parallel in ("pp", "pp_tp"):
+    if cfg.parallel in ("pp", "pp_tp", "pp_ddp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        # pp_tp: a (pp=2, tp) mesh as torchtitan lays it out (pp outer): each stage's layers are
-        # parallelize_module'd over its TP group, and the stage sends over its pp group
-        stages, stage_id, group, tp_mesh = cfg.world, rank, None, None
-        if cfg.parallel == "pp_tp":
-            mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", "tp"))
-            stages, stage_id, group, tp_mesh = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh["tp"]
+        # pp_tp / pp_ddp: a (pp=2, tp or dp) mesh as torchtitan lays it out (pp outer). pp_tp: each
+        # stage's layers are parallelize_module'd over its TP group; pp_ddp: the stage module is
+        # wrapped in DistributedDataParallel over its dp group (PipelineStage runs every micro-batch
+        # but the last under no_sync). The stage sends over its pp group.
+        stages, stage_id, group, inner, data_seed = cfg.world, rank, None, None, 7
+        if cfg.parallel != "pp":
+            inner_name = "tp" if cfg.parallel == "pp_tp" else "dp"
+            mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", inner_name))
+            stages, stage_id, group, inner = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[inner_name]
+            if cfg.parallel == "pp_ddp":
+                data_seed = 1000 + inner.get_local_rank()
         lo, hi = stage_layer_ranges(len(layer_list(model)), stages)[stage_id]
         module = _Stage(model, lo, hi, stage_id == 0, stage_id == stages - 1)
-        if tp_mesh is not None:
+        if cfg.parallel == "pp_tp":
             from torch.distributed.tensor.parallel import parallelize_module
 
             for layer in module.layers:
-                parallelize_module(layer, tp_mesh, _tp_plan(cfg.model))
+                parallelize_module(layer, inner, _tp_plan(cfg.model))
+        opt = torch.optim.AdamW(_param_groups(module), foreach=True)
+        named = dict(module.named_parameters())
+        if cfg.parallel == "pp_ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = DistributedDataParallel(module, process_group=inner.get_group(), bucket_cap_mb=cfg.bucket_cap_mb)
         stage = PipelineStage(module, stage_id, stages, torch.device("cpu"), group=group)
         cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
         schedule = cls(stage, cfg.microbatches, loss_fn=_mean_loss)
-        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
         target = torch.zeros(cfg.batch, 1)
-        opt = torch.optim.AdamW(_param_groups(module), foreach=True)
 
         def step() -> None:
             if stage_id == 0:
@@ -272,7 +282,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return step, opt, dict(module.named_parameters())
+        return step, opt, named
 
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
     if cfg.parallel == "ddp":
@@ -474,5 +484,6 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "hsdp", 4),
             TruthConfig(model, "tp_fsdp", 4),
             TruthConfig(model, "pp_tp", 4, schedule="1f1b"),
+            TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
         ]
     return configs

@@ -502,9 +502,12 @@ def _shard_optimizer(
 
 # -- DDP ----------------------------------------------------------------------------------------
 def ddp_rank_program(
-    program: Program, world: int, bucket_cap_mb: float, group: str = "dp_replicate"
+    program: Program, world: int, bucket_cap_mb: float, group: str = "dp_replicate",
+    ready: Optional[Mapping[str, str]] = None,
 ) -> Program:
-    """The program of one DDP rank: resident gradient buckets, each all-reduced in place when full."""
+    """The program of one DDP rank: resident gradient buckets, each all-reduced in place when full.
+    ``ready``: the nodes after which each gradient is final (default ``program.grad_nodes``; a
+    pipeline stage's are its last micro-batch's accumulations, the only backward DDP syncs)."""
     if not program.options.train:
         raise OptionError("--parallel dp_replicate needs --train (DDP replicates a training step)")
     graph, _ = program.copied_graph()
@@ -512,7 +515,7 @@ def ddp_rank_program(
     roles = dict(program.input_roles)
     edit = GraphEditor(graph, phases)
     by_name = {node.name: node for node in graph.nodes}
-    grads = [by_name[name] for name in program.grad_nodes if name in by_name]
+    grads = [by_name[name] for name in (program.grad_nodes if ready is None else ready) if name in by_name]
     order = {node: i for i, node in enumerate(graph.nodes)}
     grads.sort(key=order.__getitem__)
     cap_bytes = bucket_cap_mb * 1024 * 1024

@@ -71,6 +71,7 @@ aten = torch.ops.aten
 _getitem = operator.getitem
 ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
+META_GRAD_READY = "boomfx.pp_grad_ready"  # node name -> parameter: its .grad final (the last backward)
 PP_GROUP = "pp"
 _SEQ_STRIDE = 1_000_000  # each micro-batch's backward nodes get their own autograd seq_nr range
 
@@ -367,9 +368,9 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     if cfg.pp_schedule == "interleaved_1f1b":
         raise OptionError("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built "
                           "yet (gpipe and 1f1b are)")
-    if cfg.dp > 1:
-        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism combined with data parallelism "
-                          "(dp_replicate/dp_shard) is not built yet (pp alone and pp with tp are)")
+    if cfg.dp_shard > 1:
+        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism with FSDP (dp_shard) is not built "
+                          "yet (pp alone, with tp and with dp_replicate is)")
     split, names = _split(program, cfg.pp)
     m = cfg.num_microbatches
     orders = stage_orders(cfg.pp_schedule, cfg.pp, m)
@@ -447,14 +448,16 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
             if accumulated is None or n not in grad_node_of:
                 continue
             if n not in accumulated:
-                accumulated[n] = new
+                accumulated[n] = ready[n] = new
             else:
-                call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"], PHASE_BACKWARD, n)
+                ready[n] = call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"],
+                                PHASE_BACKWARD, n)
 
     by_name = {n.name: n for n in src.nodes}
     grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}
     stage_bwd = set(split.bwd[s])
     accumulated: dict[torch.fx.Node, torch.fx.Node] = {}  # original grad node -> this stage's .grad
+    ready: dict[torch.fx.Node, torch.fx.Node] = {}  # ... -> its last accumulation so far
     envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
     kept: list[torch.fx.Node] = []  # alive to the step's end
     carried: list[torch.fx.Node] = []  # ... and into the next step
@@ -537,6 +540,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
                             param_names=param_names)
     out.gm.meta[META_RUNTIME_USES] = {k: tuple(v) for k, v in extra_uses.items()}
     out.gm.meta[META_CARRIED] = tuple(n.name for n in dict.fromkeys(carried))
+    out.gm.meta[META_GRAD_READY] = {ready[orig].name: fqn for orig, fqn in grad_node_of.items() if orig in ready}
     return out
 
 

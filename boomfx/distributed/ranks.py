@@ -33,12 +33,12 @@ class RankClass:
 def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
-    if cfg.pp > 1:
-        return _pipeline_classes(program, cfg)
     if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
     if cfg.gradient_as_bucket_view:
         raise OptionError("--gradient-as-bucket-view: not modelled yet (the default, False, is)")
+    if cfg.pp > 1:
+        return _pipeline_classes(program, cfg)
     tp_label = ""
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
@@ -85,8 +85,9 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
 def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage. With ``tp`` the
     stages are cut from the TP rank's program (every TP rank of a stage runs the same one), as
-    torchtitan ``parallelize_module``s each stage's layers over the stage's TP group."""
-    from boomfx.distributed.pipeline_stages import stage_programs
+    torchtitan ``parallelize_module``s each stage's layers over the stage's TP group; with
+    ``dp_replicate`` each stage program gets DDP's buckets (a ``DistributedDataParallel`` stage module)."""
+    from boomfx.distributed.pipeline_stages import META_GRAD_READY, stage_programs
 
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
@@ -97,7 +98,12 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
         layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
         tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
-        classes.append(RankClass(ranks, stage.program,
+        stage_program = stage.program
+        if cfg.dp_replicate > 1:  # PipelineStage syncs DDP's buckets in the last micro-batch's backward only
+            stage_program = ddp_rank_program(stage_program, cfg.dp_replicate, cfg.bucket_cap_mb,
+                                             ready=stage_program.gm.meta[META_GRAD_READY])
+            tp = f"DDP x {tp}"
+        classes.append(RankClass(ranks, stage_program,
                                  f"{tp}pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
                                  f"{cfg.num_microbatches} micro-batches)"))
     return classes
