@@ -213,6 +213,7 @@ def test_max_batch_walks_micro_batches() -> None:
 
 # -- pipeline x tensor parallelism (4 ranks: pp=2 x tp=2) -------------------------------------------
 PP_TP = [truth.TruthConfig(model, "pp_tp", 4, timed_steps=1) for model in ("llama", "gpt")]
+PP_DDP = [truth.TruthConfig(model, "pp_ddp", 4, timed_steps=1) for model in ("llama", "gpt")]
 
 
 @pytest.fixture(scope="session")
@@ -227,10 +228,11 @@ def pp_tp_classes():
     return get
 
 
-@pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
-def test_pp_tp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
-    """Each (stage, TP rank) of a real ``PipelineStage`` whose layers are ``parallelize_module``d over
-    the stage's TP group (mesh pp x tp, pp outer as torchtitan lays it out: ranks 0, 1 stage 0)."""
+@pytest.mark.parametrize("cfg", PP_TP + PP_DDP, ids=[c.name for c in PP_TP + PP_DDP])
+def test_pp_tp_and_pp_ddp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
+    """Each (stage, TP or DP rank) of a real ``PipelineStage`` whose layers are ``parallelize_module``d
+    over the stage's TP group, or whose module is ``DistributedDataParallel`` over its dp group
+    (mesh pp x tp / pp x dp, pp outer as torchtitan lays it out: ranks 0, 1 run stage 0)."""
     real = four_rank_gloo_runs[cfg.name]
     db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
     pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
@@ -302,3 +304,42 @@ def test_pp_tp_collective_sizes_match_the_real_run(cfg, four_rank_gloo_runs, pp_
         for rank in rc.ranks:
             real = sorted((c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives)
             assert predicted == real
+
+
+@pytest.mark.parametrize("cfg", PP_DDP, ids=[c.name for c in PP_DDP])
+def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """``PipelineStage`` runs every backward but the last under ``no_sync``: each stage all-reduces its
+    one DDP bucket (all its parameters, under 25 MiB) once, in its last backward, of exactly the
+    stage's parameter count, in the place gloo ran it (stage 1: before that backward's gradient
+    send); the bucket is resident (a comm buffer placeholder)."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1), (2, 3)]
+    bindings = micro_bindings(program, predict.parallel_config(cfg),
+                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    for rc in classes:
+        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                            .evaluator(bindings))
+        reduces = [c for c in calls if c.op.startswith("all_reduce")]
+        stage_params = _resident(rc.program, "param") // 4  # fp32
+        assert [(c.group, c.input_bytes // 4) for c in reduces] == [("dp_replicate", stage_params)]
+        # in the last backward, before that backward's send of the input gradient (stage 1) if any
+        after = len(calls) - 1 - calls.index(reduces[0])
+        assert reduces[0].phase == "backward" and after == (1 if rc.ranks[0] >= 2 else 0)
+        buckets = [n.meta["val"] for n in rc.program.graph.nodes
+                   if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "comm_buffer"
+                   and n.name.startswith("ddp_bucket")]
+        assert [b.numel() for b in buckets] == [stage_params]  # resident, as DDP's reducer allocates it
+        predicted = sorted(("all_reduce" if c.op.startswith("all_reduce") else c.op.rstrip("_"),
+                            c.input_bytes // 4) for c in calls)
+        for rank in rc.ranks:
+            real = four_rank_gloo_runs[cfg.name].ranks[rank]
+            assert sorted((c["op"], c["numel"][0]) for c in real.collectives) == predicted
+            assert real.collectives[-1 - after] == {"op": "all_reduce", "dtype": "float", "numel": [stage_params]}
+            assert _resident(rc.program, "param") == real.start_param_bytes
