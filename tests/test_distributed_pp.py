@@ -163,6 +163,9 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "needs at least pp=2 micro-batches" in _bad(
         capsys, *base, "--parallel", "pp=2", "--microbatches", "1"
     )
+    assert "pipeline parallelism with FSDP (dp_shard) is not built yet" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2"
+    )
     assert "interleaved_1f1b" in _bad(
         capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
     )

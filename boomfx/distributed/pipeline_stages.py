@@ -37,8 +37,18 @@ Known limitations:
   is not replayed yet; its step time is simulated (``boomfx/simulate/pipeline.py``).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
   ties a parameter across stages (tied embeddings), is refused.
-- Pipeline parallelism combines with data parallelism only in the degrees' product and the mesh: the
-  stage programs are not FSDP/DDP-rewritten yet (OptionError for dp > 1).
+- With FSDP (``dp_shard``) it is refused (OptionError). torch 2.13's ``PipelineStage`` sets
+  ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` before every
+  backward, so the unsharded parameters stay gathered and the gradients accumulate unsharded over
+  the micro-batches; ``perform_reduce_grad`` then runs each unit's ``post_backward`` (reduce-scatter,
+  reshard) once after the last backward. ``fsdp_rank_program`` places a reduce-scatter after each
+  unit's backward of a single step, which is not that.
+
+Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
+(``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces; with
+``dp_replicate`` each stage program is DDP-rewritten (``fsdp.ddp_rank_program``) with its gradients
+ready at ``gm.meta[META_GRAD_READY]``: the last micro-batch's accumulations, the only backward
+``PipelineStage`` runs outside ``DistributedDataParallel.no_sync``.
 """
 
 from __future__ import annotations
