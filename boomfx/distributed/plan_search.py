@@ -53,7 +53,7 @@ from boomfx.distributed.rank_schedule import default_pricer, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
 from boomfx.distributed.search_bounds import ModelFootprint
 from boomfx.distributed.step_time import topology_of
-from boomfx.frontend.capture import capture, resolve_bindings
+from boomfx.frontend.capture import capture, resolve_bindings, to_exported_program
 from boomfx.passes.specs import to_sympy
 
 DEFAULT_NETWORK = "ib-ndr"
@@ -412,10 +412,21 @@ def search_plans(source: Any, *example_inputs: Any, nodes: int, gpus_per_node: i
     if not request.checkpoint:
         raise OptionError("--search: no checkpointing setting to search")
     program_options.pop("train", None)
-
-    def program_for(ckpt: bool) -> Program:
-        options = ProgramOptions(train=True, checkpoint=ckpt, target_kind=spec.kind, **program_options)
-        return capture(source, *example_inputs, options=options)
+    program_for = program_maker(source, *example_inputs,
+                                options=ProgramOptions(train=True, target_kind=spec.kind, **program_options))
 
     options = AnalyzeOptions(spec.name, alloc_conf, outside_memory, db)
     return ParallelSearch(program_for, spec, request, options).run()
+
+
+def program_maker(source: Any, *example_inputs: Any, options: ProgramOptions,
+                  log: Optional[Callable[[str], None]] = None) -> Callable[[bool], Program]:
+    """``checkpoint -> Program``: the training program with activation checkpointing on or off, the file
+    loaded (or the module exported) once for both."""
+    from dataclasses import replace
+    exported = to_exported_program(source, example_inputs, log=log)
+
+    def program_for(checkpoint: bool) -> Program:
+        return capture(exported, options=replace(options, checkpoint=checkpoint), log=log)
+
+    return program_for

@@ -9,10 +9,9 @@ from typing import Any
 from boomfx.analysis.analysis import AnalyzeOptions
 from boomfx.core.devices import DeviceSpec
 from boomfx.core.errors import OptionError
-from boomfx.core.program import Program, ProgramOptions
+from boomfx.core.program import ProgramOptions
 from boomfx.core.units import fmt_bytes, fmt_time
-from boomfx.distributed.plan_search import ParallelSearch, SearchOutcome, SearchRequest, parse_pinned
-from boomfx.frontend.capture import capture
+from boomfx.distributed.plan_search import ParallelSearch, SearchOutcome, SearchRequest, parse_pinned, program_maker
 
 
 def add_search_args(p: argparse.ArgumentParser) -> None:
@@ -65,11 +64,7 @@ def run_search(args: argparse.Namespace, device: DeviceSpec, options: ProgramOpt
                analyze_options: AnalyzeOptions, log: Any = None) -> int:
     check_search_args(args)
     request = search_request(args, dims)
-    from dataclasses import replace
-
-    def program_for(checkpoint: bool) -> Program:
-        return capture(args.file, options=replace(options, checkpoint=checkpoint), log=log)
-
+    program_for = program_maker(args.file, options=options, log=log)
     outcome = ParallelSearch(program_for, device, request, analyze_options, reuse_blocks=not args.no_reuse).run()
     payload = {"device": device.name, "nodes": request.nodes, "gpus_per_node": request.gpus_per_node,
                "global_batch": request.global_batch, **outcome.to_dict()}
