@@ -125,6 +125,10 @@ class Analysis:
         """The KernelPrice of node ``name`` at ``ev``'s sizes (cached per distinct bound call)."""
         return self._price_node(name, ev)[0]
 
+    def representative(self, name: str) -> str:
+        """The node priced in ``name``'s place: its counterpart in the first instance of its block."""
+        return self._reps.get(name, name)
+
     def _bind(self, name: str, ev: Evaluator) -> Any:
         """The node's call at ``ev``'s sizes (the evaluator also fixes data-dependent scalars)."""
         return bind_call(self.costs.by_node[name].call, ev)

@@ -126,7 +126,8 @@ class SearchOutcome:
     not_modelled: Counter = field(default_factory=Counter)   # stage 2: reason -> plans
     pruned_by_liveness: int = 0                 # stage 3
     over_memory: int = 0                        # stage 5: the allocator ran out
-    not_checked: int = 0                        # slower than the last plan listed: never replayed
+    not_checked: int = 0                        # evaluated slower than the last plan listed
+    skipped_by_time_bound: int = 0              # step-time floor above the last plan listed: never built
     evaluations: Counter = field(default_factory=Counter)    # what each stage ran, by kind
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
 
@@ -138,7 +139,8 @@ class SearchOutcome:
         return {"ranked": [r.to_dict() for r in self.ranked], "plans": self.plans,
                 "pruned_by_memory_bound": self.pruned_by_bound, "not_modelled": dict(self.not_modelled),
                 "pruned_by_rank_liveness": self.pruned_by_liveness, "over_memory": self.over_memory,
-                "not_checked": self.not_checked, "evaluations": dict(self.evaluations), "seconds": self.seconds}
+                "not_checked": self.not_checked, "skipped_by_time_bound": self.skipped_by_time_bound,
+                "evaluations": dict(self.evaluations), "seconds": self.seconds}
 
 
 @dataclass
@@ -164,6 +166,8 @@ class ParallelSearch:
         self._programs: dict[bool, Program] = {}
         self._footprints: dict[bool, ModelFootprint] = {}
         self.outcome = SearchOutcome([], 0)
+        self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
+        self._refusals: dict[tuple, str] = {}
         self._clock = time.perf_counter()
 
     # -- shared, built once ---------------------------------------------------------------------
@@ -213,17 +217,49 @@ class ParallelSearch:
         self._lap("setup")
         kept = self._bound(plans)
         self._lap("memory bound")
-        candidates = self._build(kept)
-        self._lap("per-rank programs")
-        candidates = [c for c in candidates if self._liveness_fits(c)]
-        self._lap("rank liveness")
-        for c in candidates:
-            c.time_ns = self._time(c)
-        self._lap("time")
-        candidates.sort(key=lambda c: (c.time_ns, c.plan.describe()))
-        self._fit(candidates)
-        self._lap("fit")
+        order = sorted(kept, key=lambda p: (self._step_floor(p), p.describe()))
+        self._lap("time bound")
+        for i, plan in enumerate(order):
+            if len(out.ranked) == req.top and self._step_floor(plan) > out.ranked[-1].step_ns:
+                out.skipped_by_time_bound = len(order) - i     # their floors only rise from here
+                break
+            self._consider(plan)
         return out
+
+    def _step_floor(self, plan: Plan) -> float:
+        footprint = self.footprint(plan.checkpoint)
+        before = len(footprint._compute)
+        floor = footprint.step_lower_bound_ns(plan, self._micro_batch(plan))
+        self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
+        return floor
+
+    def _consider(self, plan: Plan) -> None:
+        """Stages 2-5 for one plan, its floor below the slowest of the ``top`` found so far."""
+        c = self._candidate(plan)
+        self._lap("per-rank programs")
+        if c is None:
+            return
+        if not self._liveness_fits(c):
+            self._lap("rank liveness")
+            return
+        self._lap("rank liveness")
+        c.time_ns = self._time(c)
+        self._lap("time")
+        ranked = self.outcome.ranked
+        if len(ranked) == self.request.top and (c.time_ns, plan.describe()) >= (ranked[-1].step_ns,
+                                                                                ranked[-1].plan.describe()):
+            self.outcome.not_checked += 1        # slower than every listed plan: never replayed
+            return
+        row = self._full(c)
+        self._lap("fit")
+        if row is None:
+            self.outcome.over_memory += 1
+            return
+        ranked.append(row)
+        ranked.sort(key=lambda r: (r.step_ns, r.plan.describe()))
+        if len(ranked) > self.request.top:
+            ranked.pop()
+            self.outcome.not_checked += 1        # pushed out: replayed, but slower than the listed plans
 
     def _micro_batch(self, plan: Plan) -> int:
         return self.request.global_batch // plan.dp // plan.microbatches
@@ -248,33 +284,29 @@ class ParallelSearch:
         cfg.check()
         return cfg
 
-    def _build(self, plans: Sequence[Plan]) -> list[_Candidate]:
-        built: dict[tuple, Optional[DistributedAnalysis]] = {}
-        reasons: dict[tuple, str] = {}
-        out = []
-        for plan in plans:
-            key = plan.program_key()
-            try:
-                cfg = self._config(plan)
-                if key not in built:
-                    built[key] = None
-                    built[key] = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
-                                                     reuse_blocks=self.reuse_blocks)
-                    self.outcome.evaluations["rank_program_builds"] += 1
-            except OptionError as exc:
-                # the reason without the plan's own spelling, so plans refused alike count together
-                reasons[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
-            dist = built.get(key)
-            if dist is None:
-                self.outcome.not_modelled[reasons[key]] += 1
-                continue
-            if dist.cfg != cfg:           # same programs, another micro-batch count: only the config differs
-                dist = copy.copy(dist)
-                dist.cfg = cfg
-            local = self.request.global_batch // plan.dp
-            bindings = {**self.footprint(plan.checkpoint).fixed, _batch_symbol(dist.program): local}
-            out.append(_Candidate(plan, dist, bindings, self._micro_batch(plan)))
-        return out
+    def _candidate(self, plan: Plan) -> Optional[_Candidate]:
+        """The plan's per-rank analyses, built once per program key (None: not modelled, counted)."""
+        key = plan.program_key()
+        try:
+            cfg = self._config(plan)
+            if key not in self._built:
+                self._built[key] = None
+                self._built[key] = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
+                                                       reuse_blocks=self.reuse_blocks)
+                self.outcome.evaluations["rank_program_builds"] += 1
+        except OptionError as exc:
+            # the reason without the plan's own spelling, so plans refused alike count together
+            self._refusals[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
+        dist = self._built.get(key)
+        if dist is None:
+            self.outcome.not_modelled[self._refusals[key]] += 1
+            return None
+        if dist.cfg != cfg:           # same programs, another micro-batch count: only the config differs
+            dist = copy.copy(dist)
+            dist.cfg = cfg
+        local = self.request.global_batch // plan.dp
+        bindings = {**self.footprint(plan.checkpoint).fixed, _batch_symbol(dist.program): local}
+        return _Candidate(plan, dist, bindings, self._micro_batch(plan))
 
     def _liveness_fits(self, c: _Candidate) -> bool:
         """Stage 3: every rank class's live-bytes peak (the allocator holds at least that) fits."""
@@ -307,30 +339,24 @@ class ParallelSearch:
             worst = max(worst, step.step_ns)
         return worst
 
-    def _fit(self, candidates: Sequence[_Candidate]) -> None:
-        """Stage 5: full evaluations in order of time until ``top`` plans fit."""
-        out = self.outcome
-        for i, c in enumerate(candidates):
-            if len(out.ranked) == self.request.top:
-                out.not_checked = len(candidates) - i
-                return
-            out.evaluations["full_evaluations"] += 1
-            parallel = c.dist.evaluate(c.bindings).report.parallel
-            classes = parallel["classes"]
-            if not all(cls["fits"] for cls in classes):
-                out.over_memory += 1
-                continue
-            slowest = max(range(len(classes)), key=lambda k: classes[k]["step_time_ns"])
-            step_ns = classes[slowest]["step_time_ns"]
-            times = parallel["time_by_class"][slowest] if parallel["time_by_class"] else {}
-            tokens = self.request.global_batch * self._tokens_per_sample(c)
-            out.ranked.append(PlanRow(
-                c.plan, c.micro_batch, step_ns, max(cls["total_device_bytes"] for cls in classes),
-                mfu(self._flops_per_token(self._tokens_per_sample(c)) * tokens, step_ns, c.plan.world,
-                    self.device.peak_for(_training_dtype(c.dist.program))),
-                tokens / (step_ns / NS_PER_S) / c.plan.world,
-                float(times.get("exposed_comm_ns", 0.0)), float(times.get("hidden_comm_ns", 0.0))))
-        out.ranked.sort(key=lambda r: (r.step_ns, r.plan.describe()))
+    def _full(self, c: _Candidate) -> Optional[PlanRow]:
+        """Stage 5: the full evaluation (allocator replay and streams, as ``--parallel`` reports); None when a
+        rank class runs out of memory."""
+        self.outcome.evaluations["full_evaluations"] += 1
+        parallel = c.dist.evaluate(c.bindings).report.parallel
+        classes = parallel["classes"]
+        if not all(cls["fits"] for cls in classes):
+            return None
+        slowest = max(range(len(classes)), key=lambda k: classes[k]["step_time_ns"])
+        step_ns = classes[slowest]["step_time_ns"]
+        times = parallel["time_by_class"][slowest] if parallel["time_by_class"] else {}
+        seq = self._tokens_per_sample(c)
+        tokens = self.request.global_batch * seq
+        return PlanRow(c.plan, c.micro_batch, step_ns, max(cls["total_device_bytes"] for cls in classes),
+                       mfu(self._flops_per_token(seq) * tokens, step_ns, c.plan.world,
+                           self.device.peak_for(_training_dtype(c.dist.program))),
+                       tokens / (step_ns / NS_PER_S) / c.plan.world,
+                       float(times.get("exposed_comm_ns", 0.0)), float(times.get("hidden_comm_ns", 0.0)))
 
     def _tokens_per_sample(self, c: _Candidate) -> int:
         return _tokens_per_sample(c.dist.program, c.dist.analyses[0].evaluator(c.bindings))

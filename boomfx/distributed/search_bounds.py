@@ -55,6 +55,7 @@ class ModelFootprint:
     fixed: Mapping[sympy.Symbol, int]               # every other symbol's binding (seq, ...)
     outside_bytes: int                              # memory outside the allocator (CUDA: context, cuBLAS)
     _per_batch: dict[int, int] = field(default_factory=dict)
+    _compute: dict[int, float] = field(default_factory=dict)
     _intervals: tuple[StorageInterval, ...] = ()
     _state: tuple[int, int] = (-1, -1)
 
@@ -98,6 +99,33 @@ class ModelFootprint:
                 peak = max(peak, live)
             hit = self._per_batch[batch] = int(peak)
         return hit
+
+    def compute_ns(self, batch: int) -> float:
+        """Device time of the forward, recompute and backward kernels at ``batch``, as the analysis prices
+        them (each repeated block's kernels priced once): what a data-parallel rank runs on its batch."""
+        hit = self._compute.get(batch)
+        if hit is None:
+            analysis, phases = self.analysis, self.analysis.program.phases
+            ev = analysis.evaluator(self._bindings(batch))
+            prices: dict[str, float] = {}
+            total = 0.0
+            for node in analysis.program.graph.nodes:
+                if node.name not in analysis.costs.by_node or phases.get(node.name, PHASE_FORWARD) not in _BATCH_PHASES:
+                    continue
+                rep = analysis.representative(node.name)
+                if rep not in prices:
+                    prices[rep] = analysis.price_node(rep, ev).time_ns
+                total += prices[rep]
+            hit = self._compute[batch] = total
+        return hit
+
+    def step_lower_bound_ns(self, plan: Plan, micro_batch: int) -> float:
+        """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
+        at least the rank's share of the model's kernels. Exact for data parallelism (the rank runs the
+        single-device kernels on its batch; collectives and the sharded optimizer only add); for tensor and
+        pipeline parallelism it assumes a kernel cut ``k`` ways takes at least ``1/k`` of its time (the cost
+        model's efficiency never rises as kernels shrink)."""
+        return self.compute_ns(micro_batch) * plan.microbatches / (plan.tp * plan.pp)
 
     def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
         """Any rank's device memory under ``plan`` is at least this (module docstring)."""
