@@ -13,13 +13,18 @@ discarding only plans the next could not have accepted:
    allocator; over the device's memory, the replay would run out too;
 4. **time**: each remaining plan's step on compute and communication streams, without the allocator
    replay (time does not depend on it);
-5. **fit**: in order of time, the plan's full evaluation (``DistributedAnalysis.evaluate``: allocator
-   replay and streams, exactly what ``--parallel`` reports) until ``top`` plans fit. Plans slower than the
-   last one listed are never replayed ("not checked"): none of them could be listed.
+5. **fit**: the plan's full evaluation (``DistributedAnalysis.evaluate``: allocator replay and streams,
+   exactly what ``--parallel`` reports), only while its time can still enter the ``top`` found so far
+   (slower ones are counted "not checked", as are listed ones pushed out later).
+
+Plans are visited in the order of a step-time floor (``ModelFootprint.step_lower_bound_ns``: the rank's
+share of the single-device compute kernels); the visit stops once the next floor exceeds the slowest of
+the ``top`` plans found ("skipped by the time bound": their floors, hence their times, are slower).
 
 So the plans listed are the ``top`` fastest that fit among the modelled ones, and every number in a row
-is the full evaluation's. Stage 4 equals stage 5's time for the same plan (same kernels, same schedule;
-``tests/test_parallel_search.py`` checks it), which makes the order of stage 5 the order of the answer.
+is the full evaluation's. Stage 4's time equals stage 5's for the same single-stage plan (same spans, same
+schedule), so skipping a plan at stage 4 never drops one that would have been listed
+(``tests/test_parallel_search.py`` compares the listed plans with a brute-force full evaluation of all).
 How the analyses are reused across plans is in docs/design.md ("Parallel plan search").
 
 Example::

@@ -95,7 +95,8 @@ def render_search(outcome: SearchOutcome, request: SearchRequest, device: Device
     lines.append(f"{outcome.plans} plans: {listed} listed, {outcome.pruned_by_bound} over memory by the state + "
                  f"activation bound, {outcome.pruned_by_liveness} over memory by rank liveness, "
                  f"{outcome.over_memory} over memory in the allocator replay, "
-                 f"{outcome.not_checked} slower than #{listed} (not replayed), "
+                 f"{outcome.not_checked} slower than #{listed}, "
+                 f"{outcome.skipped_by_time_bound} under a step-time floor above #{listed}, "
                  f"{sum(outcome.not_modelled.values())} not modelled")
     for reason, count in outcome.not_modelled.most_common():
         lines.append(f"  not modelled ({count} plans): {reason}")
