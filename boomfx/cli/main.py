@@ -90,12 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate a grid of symbol values (repeatable) and print one table")
     a.add_argument("--max-batch", action="store_true", help="find the largest batch that fits")
     a.add_argument("--max-seq", action="store_true", help="find the largest sequence length that fits")
-    a.add_argument("--top", type=int, default=8, help="rows per breakdown table")
+    a.add_argument("--top", type=int, default=8, help="rows per breakdown table (with --search: plans listed)")
     a.add_argument("--kernels", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="list the N slowest kernels with the source of each price (no N: every kernel)")
     a.add_argument("--no-reuse", action="store_true", help="analyse every layer instance separately")
     from boomfx.distributed.cli import add_parallel_args
     add_parallel_args(a)
+    from boomfx.distributed.search_cli import add_search_args
+    add_search_args(a)
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli.kernels import add_kernels_parser
     add_kernels_parser(sub)
