@@ -106,6 +106,13 @@ def foreign_name(op: torch._ops.OpOverload) -> str:
     return f"{_ORIGINAL[packet]}.{op._overloadname}"
 
 
+def library_op_name(op: torch._ops.OpOverload) -> str:
+    """``"namespace::op"`` as the file names it: the original name for a stand-in, else the op's own."""
+    if is_foreign(op):
+        return _ORIGINAL[op._schema.name.split("::")[-1]].replace(".", "::", 1)
+    return op._schema.name
+
+
 def foreign_op_by_name(name: str) -> Optional[torch._ops.OpOverload]:
     """The stand-in whose ``foreign_name`` is ``name``, if one was defined in this process."""
     for packet, overloads in _OVERLOADS.items():

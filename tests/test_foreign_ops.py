@@ -119,3 +119,24 @@ def _renamed(path: str, namespace: str) -> str:
                 data = data.replace(f"{NAMESPACE}.".encode(), f"{namespace}.".encode())
             dst.writestr(info, data)
     return str(out)
+
+
+@pytest.mark.slow
+def test_mixtral_without_transformers_imported_is_priced_as_with_it(zoo, tmp_path: Path) -> None:
+    """The CLI never imports transformers: its grouped-mm fallback is a stand-in there, priced by the same
+    formula (by name) as the registered op in this process, so the two reports' work is identical."""
+    import json
+    _, path = zoo("mixtral")
+    script = textwrap.dedent(f"""
+        import json, sys
+        from boomfx.cli.main import main
+        code = main(["analyze", {path!r}, "--device", "h100-sxm", "--dim", "batch=2", "--dim", "seq=16",
+                     "--json", {str(tmp_path / "r.json")!r}])
+        assert "transformers.integrations.moe" not in sys.modules
+        sys.exit(code)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    alone = json.loads((tmp_path / "r.json").read_text())
+    here = boomfx.analyze(path, device="h100-sxm", dims={"batch": 2, "seq": 16})
+    assert alone["time"]["flops"] == here.time.flops > 0
+    assert "transformers.grouped_mm_fallback.default" not in alone["unmodelled_ops"]
