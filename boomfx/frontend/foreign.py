@@ -115,8 +115,17 @@ def replace_foreign_ops(program: dict, path: str) -> list[str]:
         if isinstance(target, str) and not op_is_registered(target):
             calls.setdefault(target, []).append(node)
     for target, these in sorted(calls.items()):
-        namespace, op, overload = target.split(".")[2:5]
-        stand_in = define_foreign_op(f"{namespace}::{op}", overload, _signature(these, target, path))
+        parts = target.split(".")
+        if len(parts) != 5 or not all(p.isidentifier() for p in parts[2:]):
+            raise LoadError(f"{path}: {MODEL_JSON} calls {target!r}, which is not an operator name "
+                            f"(torch.ops.<namespace>.<op>.<overload>).")
+        namespace, op, overload = parts[2:]
+        signature = _signature(these, target, path)
+        try:
+            stand_in = define_foreign_op(f"{namespace}::{op}", overload, signature)
+        except (RuntimeError, ValueError) as err:   # torch refuses the schema the calls imply
+            raise LoadError(f"{path}: custom op {target} in {MODEL_JSON} implies the schema {signature}, which torch "
+                            f"refuses ({str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__}).") from err
         new_target = f"{_TORCH_OPS}{FOREIGN_NAMESPACE}.{stand_in._schema.name.split('::')[-1]}.{overload}"
         for node in these:
             node["target"] = new_target

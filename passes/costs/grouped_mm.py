@@ -48,7 +48,9 @@ from __future__ import annotations
 import torch
 
 from boomfx.passes.costs.pointwise import first_output, read_all, written_all
-from boomfx.passes.costs.registry import ZERO, Cost, OpCall, register_cost, register_library_cost
+from boomfx.passes.costs.registry import (
+    ZERO, Cost, OpCall, fallback_cost, register_cost, register_library_cost,
+)
 from boomfx.passes.specs import SymExpr, TensorSpec
 
 aten = torch.ops.aten
@@ -83,7 +85,7 @@ def transformers_grouped_mm_cost(call: OpCall) -> Cost:
     """``input [S, K]`` x ``weight [E, K, N]`` -> ``[S, N]``: ``2 * S * K * N`` (S = tokens x top_k)."""
     a, b, out = call.arg("input"), call.arg("weight"), first_output(call)
     if not isinstance(a, TensorSpec) or not isinstance(b, TensorSpec) or out is None:
-        return ZERO
+        return fallback_cost(call)   # another library version's arguments: bytes moved, never a silent zero
     return Cost(grouped_product_flops(a, b, out), read_all(call), written_all(call))
 
 
@@ -92,6 +94,6 @@ def transformers_grouped_mm_backward_cost(call: OpCall) -> Cost:
     """grad_input = grad_out [S, N] x weight^T and grad_weight = input^T x grad_out: ``2 * 2*S*K*N``."""
     a, grad = call.arg("input"), call.arg("grad_output")
     if not isinstance(a, TensorSpec) or not isinstance(grad, TensorSpec):
-        return ZERO
+        return fallback_cost(call)
     per_product = 2 * a.shape[0] * a.shape[-1] * grad.shape[-1]
     return Cost(2 * per_product, read_all(call), written_all(call))
