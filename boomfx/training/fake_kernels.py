@@ -18,9 +18,9 @@ Fixed ops:
   kernel allocates it (``aten/src/ATen/native/transformers/cuda/attention_backward.cu``).
 
 - ``aten.histc`` of an integer tensor (transformers' MoE routing counts tokens per expert with it; an
-  export on a CUDA or meta device records the integer form, which CUDA implements). Torch has no meta
-  function for ``histc``, so the fake mode runs the CPU kernel, which has no integer version. Its output
-  is ``[bins]`` of the input's dtype.
+  export on a CUDA or meta device records the integer form, which CUDA implements). Torch's meta function
+  (``meta_histc``) refuses integer input on the CPU device boomfx traces on, as the CPU kernel does. Its
+  output is ``[bins]`` of the input's dtype.
 
 Known limitations: only the ops above; any other meta failure still raises. The registration is
 process-wide while the context is open (torch keeps fake implementations in one table).
