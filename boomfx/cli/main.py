@@ -5,6 +5,7 @@ Bad input gets one line on stderr and exit status 2; a bug gets a traceback (so 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -133,12 +134,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("boomfx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `boomfx kernels info | head`: the reader left; stop quietly, as a C tool would
+        _silence_stdout()
+        return _EXIT_SIGPIPE
     except Exception as exc:  # user errors: one line; others re-raised
         message = _user_error_message(exc)
         if message is None:
             raise
         print(f"boomfx: error: {message}", file=sys.stderr)
         return 2
+
+
+_EXIT_SIGPIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer killed by a closed pipe
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise a second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):   # stdout without a file descriptor (captured in tests)
+        pass
 
 
 def _user_error_message(exc: BaseException) -> Optional[str]:
