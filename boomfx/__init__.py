@@ -12,7 +12,7 @@ Exported names (each a plain object; the module that defines it is given beside 
 ``analyze`` (function, boomfx/distributed/api.py: boomfx/analysis/analysis.py's, plus ``parallel=``), ``Analysis``, ``AnalyzeOptions``,
 ``capture`` (function, boomfx/frontend/capture.py), ``Report`` and ``SCHEMA_VERSION``
 (boomfx/report/model.py), ``annotate`` (the FX pass, boomfx/integrations/annotate.py),
-``get_device`` and the ``devices`` registry module (boomfx/core/devices.py), ``validate`` (predicted vs
+``search_plans`` (``--search``, boomfx/distributed/plan_search.py), ``get_device`` and the ``devices`` registry module (boomfx/core/devices.py), ``validate`` (predicted vs
 measured on this machine, boomfx/validate/run.py; the package is callable).
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ __version__ = "0.2.0"
 # name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
     "analyze": ("boomfx.distributed.api", "analyze"),
+    "search_plans": ("boomfx.distributed.plan_search", "search_plans"),   # --search
     "Analysis": ("boomfx.analysis.analysis", "Analysis"),
     "AnalyzeOptions": ("boomfx.analysis.analysis", "AnalyzeOptions"),
     "capture": ("boomfx.frontend.capture", "capture"),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import json
+from fractions import Fraction
 import operator
 from typing import Any, Optional
 
@@ -216,7 +217,7 @@ def recompute_inlined(program: Program) -> Program:
     phases = dict(program.phases)
     group = {val_map[n]: fusion.group_of[n.name] for n in program.graph.nodes if n.name in fusion.group_of}
     inlined = {val_map[n] for n in program.graph.nodes if n.name in fusion.inlined}
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = {n: Fraction(i) for i, n in enumerate(graph.nodes)}   # graph position, exact when copies go between
     for n in list(graph.nodes):         # views of inlined values (and views of those): split per kernel too
         if (n.op == "call_function" and node_class(n) == CLASS_NONE and is_view_node(n)
                 and n.args and n.args[0] in inlined):
@@ -233,13 +234,16 @@ def recompute_inlined(program: Program) -> Program:
             if g is not None and g != group[node]:
                 readers.setdefault(g, []).append(user)
         for g, users in readers.items():
-            first = min(users, key=lambda u: order.get(u, -1))
+            first = min(users, key=order.__getitem__)
             with graph.inserting_before(first):
                 copy = graph.node_copy(node, lambda a: a)
             if node.name in phases:
                 phases[copy.name] = phases[node.name]
             group[copy] = g
-            order[copy] = order.get(first, 0) - 0.5
+            # exact position between its graph neighbours: a copy placed before another copy must order
+            # before it and after the node preceding both (``first - 0.5`` tied such pairs with an
+            # original node, and the next value copied in front of the wrong one: used before defined)
+            order[copy] = (order[copy.prev] + order[first]) / 2
             inlined.add(copy)
             for u in users:
                 u.replace_input_with(node, copy)

@@ -15,6 +15,8 @@ import torch.fx
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.passes.aliasing import is_view_node
+from boomfx.passes.costs.grouped_mm import LIBRARY_GROUPED_MM_OPS
+from boomfx.passes.foreign_ops import library_op_name
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.op_sets import NO_KERNEL_OPS
 from boomfx.core.program import Program
@@ -25,13 +27,14 @@ OP_CLASS_MATMUL = "matmul"
 OP_CLASS_CONV = "conv"
 OP_CLASS_ATTENTION = "attention"
 OP_CLASS_MEMORY = "memory"
+_ATEN_NAMESPACES = ("aten", "prims", "quantized", "torchvision")
 
 def _packets(*names: str) -> frozenset:
     """Op packets by name, skipping those this torch version does not have."""
     return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
 
 _MATMUL = _packets("mm", "addmm", "bmm", "baddbmm", "addbmm", "linear", "matmul", "mv", "addmv", "dot",
-                   "_addmm_activation", "_scaled_mm", "_int_mm", "einsum")
+                   "_addmm_activation", "_scaled_mm", "_int_mm", "einsum", "_grouped_mm", "_scaled_grouped_mm")
 _CONV = _packets("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
                  "conv_transpose2d", "conv_transpose3d", "convolution_backward", "cudnn_convolution",
                  "mkldnn_convolution", "_slow_conv2d_forward")
@@ -61,6 +64,8 @@ class KernelInfo:
         return self.by_node.get(node.name, NO_KERNEL)
 
 def op_class(op: torch._ops.OpOverload) -> str:
+    if op.namespace not in _ATEN_NAMESPACES:   # other libraries' ops: matmuls only when known to be
+        return OP_CLASS_MATMUL if library_op_name(op) in LIBRARY_GROUPED_MM_OPS else OP_CLASS_MEMORY
     packet = op.overloadpacket
     if packet in _MATMUL:
         return OP_CLASS_MATMUL
@@ -102,8 +107,8 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
         if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket in NO_KERNEL_OPS:
             by_node[node.name] = NO_KERNEL
             continue
-        if target.namespace not in ("aten", "prims", "quantized", "torchvision"):
-            by_node[node.name] = KernelChoice(True, OP_CLASS_MEMORY)
+        if target.namespace not in _ATEN_NAMESPACES:
+            by_node[node.name] = KernelChoice(True, op_class(target))
             continue
         if is_view_node(node):
             by_node[node.name] = NO_KERNEL

@@ -49,3 +49,21 @@ def test_efficient_attention_bias_gradient_traces_with_symbolic_sizes() -> None:
         hint = env.guarding_hint_or_throw
         assert [hint(s.node.expr) if isinstance(s, torch.SymInt) else s for s in g.shape] == list(w.shape)
         assert [hint(s.node.expr) if isinstance(s, torch.SymInt) else s for s in g.stride()] == list(w.stride())
+
+
+def test_integer_histc_traces_with_the_float_forms_shape() -> None:
+    """transformers' MoE routing counts tokens per expert with histc; a CUDA/meta export records it on int32,
+    which torch's meta function refuses on the CPU device (as the CPU kernel does). The traced node has
+    the output the float form gives: [bins] in the input's dtype."""
+    def count(x):
+        return torch.histc(x, bins=4, min=0, max=3)
+
+    with FakeTensorMode():
+        ints = torch.empty(12, dtype=torch.int32)
+        floats = torch.empty(12)
+    with fake_kernel_fixes():
+        traced = make_fx(count)(ints)
+    reference = make_fx(count)(floats)
+    (got,) = [n.meta["val"] for n in traced.graph.nodes if n.target is aten.histc.default]
+    (want,) = [n.meta["val"] for n in reference.graph.nodes if n.target is aten.histc.default]
+    assert tuple(got.shape) == tuple(want.shape) == (4,) and got.dtype == torch.int32

@@ -2,7 +2,8 @@
 dynamic batch/length dims) analyse in the four modes people run, on a GPU target, or stop with one line
 that says what is unsupported and what to do. Each of these crashed or was refused before (issue 14):
 T5 --train (efficient-attention backward with a bias gradient), Mistral/Phi/Phi-3 --train --compile
-(fusion cycle), Mixtral with batched experts --train --amp bf16 (export's dtype asserts under autocast)."""
+(fusion cycle), Mixtral with batched experts --train --amp bf16 (export's dtype asserts under autocast), Mixtral with the
+default experts (transformers' grouped-mm custom op; registered here, since the zoo export imports it)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from boomfx.frontend.capture import capture
 from boomfx.core.errors import BoomfxError
 from boomfx.frontend.loader import LoadError
 
-MODELS = ["mistral", "phi", "phi3", "t5", "whisper", "vit", "resnet", "mixtral_batched"]
+MODELS = ["mistral", "phi", "phi3", "t5", "whisper", "vit", "resnet", "mixtral", "mixtral_batched"]
 MODES = {"inference": {}, "train": {"train": True}, "train_amp": {"train": True, "amp": "bf16"},
          "train_compile": {"train": True, "compile": True}}
 

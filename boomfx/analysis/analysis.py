@@ -125,6 +125,10 @@ class Analysis:
         """The KernelPrice of node ``name`` at ``ev``'s sizes (cached per distinct bound call)."""
         return self._price_node(name, ev)[0]
 
+    def representative(self, name: str) -> str:
+        """The node priced in ``name``'s place: its counterpart in the first instance of its block."""
+        return self._reps.get(name, name)
+
     def _bind(self, name: str, ev: Evaluator) -> Any:
         """The node's call at ``ev``'s sizes (the evaluator also fixes data-dependent scalars)."""
         return bind_call(self.costs.by_node[name].call, ev)
@@ -147,7 +151,10 @@ class Analysis:
 
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
-                 memory_only: bool = False) -> PointResult:
+                 memory_only: bool = False, replay_allocator: bool = True) -> PointResult:
+        """One point. ``memory_only``: no pricing or schedule (memory alone). ``replay_allocator=False``: no
+        caching-allocator replay (time alone; the memory report is then the liveness peak, a lower bound
+        of the replay's, and ``allocator`` is None): ``--search`` ranks plans by time before it replays."""
         ev = self.evaluator(bindings)
         kernels: list[KernelReport] = []
         scheduled: list[ScheduledKernel] = []
@@ -190,7 +197,8 @@ class Analysis:
             k.start_ns = span.start_ns
         memory, rep, events = memory_report(self.liveness, ev, workspace_at, self.device, self.outside,
                                             self.alloc_config, self.options.alloc_conf, self._node_module,
-                                            self._cudagraphs, record_trace, exact_total=not memory_only)
+                                            self._cudagraphs, record_trace, exact_total=not memory_only,
+                                            replay_allocator=replay_allocator)
         report = build_report(self.program, self.device, self.options, bindings, kernels, timeline, memory,
                               self.costs.unmodelled_ops())
         report.time.graph_entry_ns = step.graph_entry_ns

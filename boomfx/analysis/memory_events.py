@@ -55,9 +55,11 @@ def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[in
 def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int], device: DeviceSpec,
                   outside: OutsideMemory, alloc_config: AllocatorConfig, alloc_conf: str,
                   node_module: Mapping[str, str], cudagraphs: bool, record_trace: bool = False,
-                  exact_total: bool = True) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
+                  exact_total: bool = True, replay_allocator: bool = True
+                  ) -> tuple[MemoryReport, Optional[ReplayResult], list[AllocEvent]]:
     """The step's memory: the ideal live-bytes peak, and on CUDA the allocator replay (allocated, reserved,
-    fragmentation, out-of-memory with the node that caused it)."""
+    fragmentation, out-of-memory with the node that caused it). ``replay_allocator=False`` on CUDA: the
+    live-bytes peak plus the memory outside the allocator, a lower bound of the replay's total."""
     timeline = liveness.timeline(ev)
     combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
     peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
@@ -68,7 +70,9 @@ def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[i
     events: list[AllocEvent] = []
     oom_node = oom_module = None
     allocator = None
-    if device.kind == "cuda":
+    if device.kind == "cuda" and not replay_allocator:
+        total = (combined[peak_step] if combined else 0) + outside.total_bytes
+    elif device.kind == "cuda":
         events = alloc_events(liveness, ev, workspace_at, outside, node_module, cudagraphs)
         rep = replay(events, alloc_config, capacity - outside.total_bytes, record_trace=record_trace)
         allocator = AllocatorReport(

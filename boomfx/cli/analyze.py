@@ -31,6 +31,11 @@ def run_analyze(args: argparse.Namespace) -> int:
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
                              resident_grads=args.resident_grads)
+    if args.search:   # --search: the fastest parallel plans that fit (boomfx/distributed/search_cli.py)
+        from boomfx.distributed.search_cli import run_search
+        return run_search(args, device, options, dims, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,
+                                                                      args.db, args.from_db),
+                          log=progress.log if args.verbose else None)
     from boomfx.distributed.cli import parallel_config
     parallel = parallel_config(args)     # --parallel: checked before the (slow) capture
     if parallel is not None and not args.train:

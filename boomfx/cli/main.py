@@ -5,6 +5,7 @@ Bad input gets one line on stderr and exit status 2; a bug gets a traceback (so 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -90,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate a grid of symbol values (repeatable) and print one table")
     a.add_argument("--max-batch", action="store_true", help="find the largest batch that fits")
     a.add_argument("--max-seq", action="store_true", help="find the largest sequence length that fits")
-    a.add_argument("--top", type=int, default=8, help="rows per breakdown table")
+    a.add_argument("--top", type=int, default=8, help="rows per breakdown table (with --search: plans listed)")
     a.add_argument("--kernels", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="list the N slowest kernels with the source of each price (no N: every kernel)")
     a.add_argument("--no-reuse", action="store_true", help="analyse every layer instance separately")
     from boomfx.distributed.cli import add_parallel_args
     add_parallel_args(a)
+    from boomfx.distributed.search_cli import add_search_args
+    add_search_args(a)
     sub.add_parser("devices", help="list known devices")
     from boomfx.cli.kernels import add_kernels_parser
     add_kernels_parser(sub)
@@ -131,12 +134,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("boomfx: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # `boomfx kernels info | head`: the reader left; stop quietly, as a C tool would
+        _silence_stdout()
+        return _EXIT_SIGPIPE
     except Exception as exc:  # user errors: one line; others re-raised
         message = _user_error_message(exc)
         if message is None:
             raise
         print(f"boomfx: error: {message}", file=sys.stderr)
         return 2
+
+
+_EXIT_SIGPIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer killed by a closed pipe
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise a second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):   # stdout without a file descriptor (captured in tests)
+        pass
 
 
 def _user_error_message(exc: BaseException) -> Optional[str]:

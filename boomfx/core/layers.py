@@ -1,6 +1,7 @@
 """Module paths of fx nodes (from ``nn_module_stack``) and the layer they belong to."""
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from typing import Optional
@@ -77,23 +78,32 @@ def find_layer_list(graph: torch.fx.Graph) -> str | None:
     """
     indices: dict[str, set[int]] = defaultdict(set)
     node_counts: dict[str, int] = defaultdict(int)
+    parsed: dict[str, Optional[tuple[str, int]]] = {}      # path -> (prefix, index): few distinct paths
     for node in graph.nodes:
         seen: set[str] = set()
         for path in stack_paths(node):
-            match = _INDEXED.fullmatch(path)
-            if match and match.group(1) not in seen:
-                seen.add(match.group(1))
-                indices[match.group(1)].add(int(match.group(2)))
-                node_counts[match.group(1)] += 1
+            if path not in parsed:
+                match = _INDEXED.fullmatch(path)
+                parsed[path] = (match.group(1), int(match.group(2))) if match else None
+            hit = parsed[path]
+            if hit is not None and hit[0] not in seen:
+                seen.add(hit[0])
+                indices[hit[0]].add(hit[1])
+                node_counts[hit[0]] += 1
     candidates = [p for p, idx in indices.items() if len(idx) >= 2]
     if not candidates:
         return None
     return max(candidates, key=lambda p: (len(indices[p]), node_counts[p]))
 
 
+@functools.lru_cache(maxsize=64)
+def _instance_pattern(prefix: str) -> re.Pattern:
+    return re.compile(re.escape(prefix) + r"\.\d+")
+
+
 def layer_instance(node: torch.fx.Node, prefix: str) -> str | None:
     """The layer instance (``"h.3"``) that ``node`` belongs to, if any."""
-    pattern = re.compile(re.escape(prefix) + r"\.\d+")
+    pattern = _instance_pattern(prefix)
     for path in stack_paths(node):
         if pattern.fullmatch(path):
             return path

@@ -128,7 +128,11 @@ class Program:
         """This program with ``graph`` (checked) in place of its own, and any other fields ``changes``
         (the rewrites of passes/compiled.py, layout.py, post_grad.py end here)."""
         from dataclasses import replace
+
+        from torch.fx._lazy_graph_module import _LazyGraphModule
         graph.lint()
-        gm = torch.fx.GraphModule(self.gm, graph)
+        # lazy: Python code is generated on the first call or ``.code``, which the analysis never needs (fx's
+        # code generation was half of an 80-layer rank rewrite; frontend/deserialize.py does the same)
+        gm = _LazyGraphModule(self.gm, graph)
         gm.meta.update(self.gm.meta)
         return replace(self, gm=gm, **changes)

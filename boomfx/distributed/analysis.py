@@ -113,11 +113,14 @@ class DistributedAnalysis:
         rank: Optional[int] = None,
         record_trace: bool = False,
         memory_only: bool = False,
+        replay_allocator: bool = True,
     ) -> PointResult:
         per_rank = bindings
         bindings = self._program_bindings(bindings)
         points = [
-            a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only) for a in self.analyses
+            a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only,
+                       replay_allocator=replay_allocator)
+            for a in self.analyses
         ]
         reports = [
             self._class_report(rc, a, p, bindings) for rc, a, p in zip(self.classes, self.analyses, points)
@@ -132,7 +135,7 @@ class DistributedAnalysis:
             # the step with collectives priced and overlapped on their own streams; step_time_ns of each
             # class becomes that step instead of the single-stream sum of its kernels
             from boomfx.distributed.step_time import class_steps, time_report
-            steps = class_steps(self, bindings)
+            steps = class_steps(self, bindings, points=points)   # the points just evaluated, not again
             time_rows = time_report(steps)
             for report, step in zip(reports, steps):
                 report.step_time_ns = step.step.step_ns

@@ -120,7 +120,17 @@ def render_parallel(parallel: dict[str, Any]) -> str:
     lines.append(
         f"  worst rank: {parallel['worst_rank']}; the report above is rank {parallel['shown_rank']}'s"
     )
-    lines.append("  collective times are priced by bytes moved only (no network model yet)")
+    times = parallel.get("time_by_class") or []
+    if times:
+        worst = max(times, key=lambda r: r["step_time_ns"])
+        count = len(worst["collectives"])
+        lines.append(
+            f"  step (rank {worst['ranks'][0]}): {fmt_time(worst['step_time_ns'])} on compute and "
+            f"communication streams; {count} collectives, {fmt_time(worst['exposed_comm_ns'])} exposed, "
+            f"{fmt_time(worst['hidden_comm_ns'])} hidden behind compute"
+            + (f"; pipeline bubble {worst['bubble_fraction']:.1%}" if worst.get("bubble_fraction") is not None else "")
+            + (f", stage sends {fmt_time(worst['send_ns'])}" if worst.get("send_ns") else "")
+        )
     return "\n".join(lines)
 
 

@@ -43,8 +43,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 import torch.fx
 
+from boomfx.core.layers import module_path
 from boomfx.training.checkpointing import find_layer_list, layer_names
-from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, in_unit, meta_tensor, numel
+from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, meta_tensor, numel
 from boomfx.core.errors import OptionError
 from boomfx.core.program import (
     META_RUNTIME_USES,
@@ -116,11 +117,12 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
     first_bwd = next(i for i, n in enumerate(calls) if program.phase_of(n) == PHASE_BACKWARD)
     # forward-phase nodes after the backward (the loss's detach for the output) are not the model's
     calls = [n for i, n in enumerate(calls) if i < first_bwd or program.phase_of(n) != PHASE_FORWARD]
+    layer_set = set(layers)
     for node in calls:
         phase = program.phase_of(node)
         if phase not in (PHASE_FORWARD, PHASE_BACKWARD):
             continue
-        owner = next((l for l in layers if in_unit(node, l)), ROOT)
+        owner = _owning_layer(module_path(node), layer_set)
         (units[owner].fwd if phase == PHASE_FORWARD else units[owner].bwd).append(node)
     fwd_all = [n for n in calls if program.phase_of(n) == PHASE_FORWARD]
     bwd_all = [n for n in calls if program.phase_of(n) == PHASE_BACKWARD]
@@ -138,6 +140,17 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
         unit.bwd_end = bwd_all[end]
     units[ROOT].bwd_end = bwd_all[-1]
     return [units[ROOT]] + [units[l] for l in layers]
+
+
+def _owning_layer(path: str, layers: set[str]) -> str:
+    """The layer whose module ``path`` is or is inside (``in_unit``), else the root: one set lookup per
+    prefix of the path instead of one module-path parse per layer (quadratic in depth on 80 layers)."""
+    parts = path.split(".")
+    for end in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        if prefix in layers:
+            return prefix
+    return ROOT
 
 
 def _owned(node: torch.fx.Node, layers: Sequence[str]) -> bool:
@@ -364,7 +377,17 @@ def _rebase_saved_views(
             current = hit
         return current
 
-    for node in list(edit.graph.nodes):
+    # only backward readers of forward views of the unit's parameters can need it: found from the
+    # parameters forward (their view chains), not by scanning the whole graph once per unit
+    views: list[torch.fx.Node] = []
+    todo = list(fwd)
+    while todo:
+        for user in todo.pop().users:
+            if user not in base and user not in views and chain(user) is not None:
+                views.append(user)
+                todo.append(user)
+    readers = {u for v in views for u in v.users}
+    for node in sorted(readers):      # graph order, as the rewrite always ran
         if node.op != "call_function" or phases.get(node.name) != PHASE_BACKWARD or node in rebuilt.values():
             continue
         for inp in list(node.all_input_nodes):

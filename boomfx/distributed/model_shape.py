@@ -15,6 +15,7 @@ Heads come from the attention op itself (``scaled_dot_product_attention``'s quer
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from typing import Optional
 
 import torch
@@ -94,7 +95,21 @@ def _param_val(program: Program, placeholder: str) -> Optional[torch.Tensor]:
     return None
 
 
+# per GraphModule: a search asks for the shape of one program under hundreds of plans (0.5-2 s each on 80 layers)
+_SHAPES: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+
 def model_shape(program: Program, cfg: Optional[ParallelConfig] = None) -> ModelShape:
+    """The program's layers and heads; with ``cfg.tp > 1`` (or no ``cfg``) its tensor-parallel projections.
+    Depends on the config only through those two, so it is kept per program and (TP or not, TP plan)."""
+    key = (cfg is None or cfg.tp > 1, tuple(cfg.tp_plan) if cfg is not None else (), len(program.graph.nodes))
+    memo = _SHAPES.setdefault(program.gm, {})
+    if key not in memo:
+        memo[key] = _model_shape(program, cfg)
+    return memo[key]
+
+
+def _model_shape(program: Program, cfg: Optional[ParallelConfig]) -> ModelShape:
     prefix = find_layer_list(program.graph)
     layers = layer_names(program.graph, prefix) if prefix else []
     heads = head_dim = None

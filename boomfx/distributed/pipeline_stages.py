@@ -68,6 +68,7 @@ from boomfx.core.program import (
     PHASE_BACKWARD,
     PHASE_FORWARD,
     PHASE_OPTIMIZER,
+    PHASE_RECOMPUTE,
     ROLE_PARAM,
     Program,
 )
@@ -149,7 +150,8 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
     calls = [n for n in graph.nodes if n.op == "call_function"]
     first_bwd = next(i for i, n in enumerate(calls) if program.phase_of(n) == PHASE_BACKWARD)
     fwd_nodes = [n for n in calls[:first_bwd] if program.phase_of(n) == PHASE_FORWARD]
-    bwd_nodes = [n for n in calls if program.phase_of(n) == PHASE_BACKWARD]
+    # activation checkpointing's recomputation runs inside the backward of its layer (its stage)
+    bwd_nodes = [n for n in calls if program.phase_of(n) in (PHASE_BACKWARD, PHASE_RECOMPUTE)]
     owner: dict[torch.fx.Node, int] = {}
     pre: list[torch.fx.Node] = []  # root ops before the first layer op
     seen_layer = False

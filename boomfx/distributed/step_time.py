@@ -51,16 +51,19 @@ def topology_of(cfg: Any, network: str = "ib-ndr") -> ClusterTopology:
 
 def class_steps(dist: DistributedAnalysisLike, bindings: Mapping[sympy.Symbol, int], network: str = "ib-ndr",
                 pricer: Optional[CollectivePriceSource] = None,
-                slowdown: Optional[OverlapSlowdown] = None) -> list[ClassStep]:
-    """Each rank class's simulated step (see the module docstring)."""
+                slowdown: Optional[OverlapSlowdown] = None,
+                points: Optional[Sequence[Any]] = None) -> list[ClassStep]:
+    """Each rank class's simulated step (see the module docstring); ``points``: each class's
+    ``Analysis.evaluate(bindings)`` when the caller has them (else evaluated here)."""
     topology = topology_of(dist.cfg, network)
     degrees = {name: int(getattr(dist.cfg, name)) for name in MESH_ORDER}
     if pricer is None and dist.analyses:
         pricer = default_pricer(dist.analyses[0])
     out = []
-    for rc, analysis in zip(dist.classes, dist.analyses):
+    for i, (rc, analysis) in enumerate(zip(dist.classes, dist.analyses)):
         groups = mesh_groups(degrees, rc.ranks[0], topology)
-        out.append(ClassStep(tuple(rc.ranks), schedule_rank(analysis, bindings, groups, pricer, slowdown)))
+        point = points[i] if points is not None else None
+        out.append(ClassStep(tuple(rc.ranks), schedule_rank(analysis, bindings, groups, pricer, slowdown, point)))
     return out
 
 

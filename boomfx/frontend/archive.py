@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from boomfx.core.errors import BoomfxError
+
 ARCHIVE_FORMAT_VALUE = "pt2"
 ARCHIVE_VERSION_VALUE = "0"
 MODEL_NAME = "model"
@@ -42,7 +44,7 @@ TENSOR_CONSTANT_PREFIX = "tensor_"
 ZIP_DIRECTORY = "the zip directory"   # named by errors about the container rather than one entry
 
 
-class LoadError(Exception):
+class LoadError(BoomfxError):
     """A .pt2 file that boomfx cannot load; ``str(err)`` is one sentence naming the file and cause."""
 
 

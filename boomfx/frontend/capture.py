@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from boomfx.core.errors import BoomfxError, DimError, OptionError
+from boomfx.frontend.foreign import refuse_retrace_of_stand_ins
 from boomfx.frontend.torch_caches import fx_source_keys, release_when_collected
 from boomfx.core.program import (
     ROLE_BUFFER, ROLE_CONSTANT, ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions, SymbolInfo,
@@ -111,6 +112,7 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     symbols = symbols_of(ep, roles)
     if not options.train and not options.amp:
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label)
+    refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
     program = program_from_traced(trace_step(ep, options), symbols, options, label)
     if options.train:
         _EXPORTS[program.gm] = ep   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)

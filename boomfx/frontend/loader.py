@@ -10,7 +10,9 @@ Steps:
 2. ``validate.check_program_json`` / ``check_payload_configs``: the JSON checked against torch's
    export schema and for references that resolve; a damaged file stops here with a ``LoadError``
    naming the entry and the field.
-3. ``treespec.sanitize_program``: unknown pytree types become plain dicts/tuples.
+3. ``treespec.sanitize_program``: unknown pytree types become plain dicts/tuples;
+   ``foreign.replace_foreign_ops``: custom ops this process has not registered become stand-ins
+   with the schema their calls imply (priced by bytes moved, listed as unmodelled).
 4. ``deserialize.deserialize_fast``: torch's graph deserializer with cached schema conversion and
    memoized symbol parsing. If it fails for any reason, ``deserialize.deserialize_torch`` (torch's
    unpatched deserializer, still fed only JSON and meta tensors) is tried, and the log says why.
@@ -44,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from boomfx.frontend import deserialize as pt2_fast
+from boomfx.frontend.foreign import replace_foreign_ops
 from boomfx.frontend.archive import CONSTANTS_DIR, MODEL_JSON, WEIGHTS_DIR, LoadError, meta_tensors, read_archive
 from boomfx.frontend.graph_check import check_graph
 from boomfx.frontend.treespec import sanitize_program
@@ -98,6 +101,9 @@ def load_program(
     replaced = sanitize_program(contents.program)
     if replaced:
         say(f"replaced unregistered pytree types by plain containers: {', '.join(sorted(set(replaced)))}")
+    foreign = replace_foreign_ops(contents.program, name)
+    if foreign:
+        say(f"custom ops not registered in this process, loaded as stand-ins (bytes moved only): {', '.join(foreign)}")
     state_dict = meta_tensors(contents.weights_config, WEIGHTS_DIR, contents.record_sizes_bytes, name, constants=False)
     constants = meta_tensors(contents.constants_config, CONSTANTS_DIR, contents.record_sizes_bytes, name, constants=True)
     _check_version(contents.program, name)
@@ -112,7 +118,6 @@ def load_program(
         check_graph(ep, name)
         return _tied(ep, say)
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
-    _refuse_unknown_ops(contents.program, name)
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
@@ -127,31 +132,6 @@ def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch
     for kept, *others in apply_ties(ep):
         say(f"tied weights counted once: {kept} = {', '.join(others)}")
     return ep
-
-
-def _refuse_unknown_ops(program: dict, path: str) -> None:
-    """Ops of a package that is not imported (``transformers``' grouped-mm fallback) cannot be rebuilt:
-    say which, and what to do, in one line."""
-    targets = {n.get("target", "") for n in program.get("graph_module", {}).get("graph", {}).get("nodes", [])
-               if isinstance(n, dict)}
-    unknown = sorted(t for t in targets if isinstance(t, str) and t.startswith("torch.ops.") and not _op_exists(t))
-    if unknown:
-        raise LoadError(f"{path} uses custom op(s) {', '.join(unknown)} that boomfx cannot rebuild without their "
-                        f"library; export with the library's plain-ATen implementation instead (transformers MoE: "
-                        f"config experts_implementation='batched_mm').")
-
-
-def _op_exists(target: str) -> bool:
-    parts = target.split(".")[2:]           # torch.ops.<namespace>.<op>.<overload>
-    if len(parts) < 2:
-        return True
-    namespace, op = parts[0], parts[1]
-    if namespace in ("aten", "prims", "higher_order", "_operator", "profiler", "math", "builtins"):
-        return True
-    try:
-        return hasattr(getattr(torch.ops, namespace), op)
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _check_version(program: dict, path: str) -> None:

@@ -99,11 +99,12 @@ def plan_segments(graph: fx.Graph, prefix: str) -> list[Segment]:
 
 def layer_names(graph: fx.Graph, prefix: str) -> list[str]:
     """Instances of the layer list ``prefix`` in the graph, in index order (``["h.0", "h.1", ...]``)."""
-    found: set[str] = set()
+    raw: set[str] = set()
     for node in graph.nodes:
         path = layer_instance(node, prefix)
         if path is not None:
-            found.add(clean_module_path(path))
+            raw.add(path)
+    found = {clean_module_path(path) for path in raw}     # once per distinct path, not per node
     return sorted(found, key=lambda p: (int(p.rsplit(".", 1)[1]), p))
 
 

@@ -17,6 +17,11 @@ Fixed ops:
   whose last dimension is padded to a multiple of 16 elements, viewed at the bias's length, as the
   kernel allocates it (``aten/src/ATen/native/transformers/cuda/attention_backward.cu``).
 
+- ``aten.histc`` of an integer tensor (transformers' MoE routing counts tokens per expert with it; an
+  export on a CUDA or meta device records the integer form, which CUDA implements). Torch's meta function
+  (``meta_histc``) refuses integer input on the CPU device boomfx traces on, as the CPU kernel does. Its
+  output is ``[bins]`` of the input's dtype.
+
 Known limitations: only the ops above; any other meta failure still raises. The registration is
 process-wide while the context is open (torch keeps fake implementations in one table).
 """
@@ -51,8 +56,17 @@ def _efficient_attention_backward(fake_mode: Any, op: Any, *args: Any, **kwargs:
     return grad_q, grad_k, grad_v, padded.narrow(-1, 0, last)
 
 
+def _histc(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    values = dict(zip((a.name for a in op._schema.arguments), args))
+    values.update(kwargs)
+    bins = values.get("bins", 100)
+    with fake_mode:
+        return torch.empty([bins], dtype=values["self"].dtype, device=values["self"].device)
+
+
 _FIXES = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+    aten.histc.default: _histc,
 }
 
 

@@ -2,7 +2,7 @@
 import importlib
 
 FAMILIES = ("matmul", "conv", "attention", "pointwise", "reduction", "norms", "indexing", "views",
-            "optimizer", "collectives", "pooling")
+            "optimizer", "collectives", "pooling", "grouped_mm")
 _loaded = False
 
 

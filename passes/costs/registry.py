@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import sympy
 import torch
 
+from boomfx.passes.foreign_ops import library_op_name
 from boomfx.passes.specs import SymExpr, TensorSpec
 
 OpKey = Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]
@@ -136,10 +137,27 @@ class DuplicateRuleError(KeyError):
 
 
 class CostRegistry:
-    """Maps aten ops (overloads or whole packets) to cost formulas. Duplicates raise."""
+    """Maps aten ops (overloads or whole packets) to cost formulas. Duplicates raise.
 
-    def __init__(self, rules: Optional[Mapping[OpKey, Formula]] = None) -> None:
+    Ops of other libraries (``transformers::grouped_mm_fallback``) may not exist in the process when
+    the rules load, or exist only as a stand-in (``foreign_ops``): those are registered by their
+    qualified name with ``register_library`` and found by the name the op has in the file.
+    """
+
+    def __init__(self, rules: Optional[Mapping[OpKey, Formula]] = None,
+                 library_rules: Optional[Mapping[str, Formula]] = None) -> None:
         self._rules: dict[OpKey, Formula] = dict(rules or {})
+        self._library_rules: dict[str, Formula] = dict(library_rules or {})
+
+    def register_library(self, *qualified_names: str) -> Callable[[Formula], Formula]:
+        """Register a formula for library ops by ``"namespace::op"`` (every overload)."""
+        def decorator(fn: Formula) -> Formula:
+            for name in qualified_names:
+                if name in self._library_rules:
+                    raise DuplicateRuleError(f"cost rule for {name} registered twice")
+                self._library_rules[name] = fn
+            return fn
+        return decorator
 
     def register(self, *targets: OpKey) -> Callable[[Formula], Formula]:
         def decorator(fn: Formula) -> Formula:
@@ -156,13 +174,15 @@ class CostRegistry:
             packet = getattr(op, "overloadpacket", None)
             if packet is not None:
                 rule = self._rules.get(packet)
+        if rule is None and self._library_rules and getattr(op, "namespace", "aten") != "aten":
+            rule = self._library_rules.get(library_op_name(op))
         return rule
 
     def extended(self, custom_rules: Mapping[OpKey, Formula]) -> "CostRegistry":
         """A copy with extra (or overriding) rules, for tests and users; the default is not mutated."""
         merged = dict(self._rules)
         merged.update(custom_rules)
-        return CostRegistry(merged)
+        return CostRegistry(merged, self._library_rules)
 
     def __contains__(self, op: OpKey) -> bool:
         return self.lookup(op) is not None if isinstance(op, torch._ops.OpOverload) else op in self._rules
@@ -173,6 +193,7 @@ class CostRegistry:
 
 DEFAULT_REGISTRY = CostRegistry()
 register_cost = DEFAULT_REGISTRY.register
+register_library_cost = DEFAULT_REGISTRY.register_library
 
 
 @dataclass(frozen=True)

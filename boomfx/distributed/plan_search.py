@@ -1,0 +1,463 @@
+"""``--search``: the fastest parallel plans that fit, found with as few full evaluations as the answer allows.
+
+Every plan of ``search.enumerate_plans`` goes through stages, each cheaper than the next and each
+discarding only plans the next could not have accepted:
+
+1. **memory bound** (``search_bounds.ModelFootprint``): sharded state plus the single-device activation
+   peak at the plan's micro-batch, from the single-device liveness; no per-rank program is built for a plan
+   over the device's memory by it;
+2. **per-rank programs**, once per ``Plan.program_key`` (degrees and checkpointing; the micro-batch count
+   only binds sizes): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
+   parallelism, until their rewrites land) marks the plans of that key "not modelled", with its reason;
+3. **rank liveness**: each rank class's live-bytes peak (no allocator) plus the memory outside the
+   allocator; over the device's memory, the replay would run out too;
+4. **time**: each remaining plan's step on compute and communication streams, without the allocator
+   replay (time does not depend on it);
+5. **fit**: the plan's full evaluation (``DistributedAnalysis.evaluate``: allocator replay and streams,
+   exactly what ``--parallel`` reports), only while its time can still enter the ``top`` found so far
+   (slower ones are counted "not checked", as are listed ones pushed out later).
+
+Plans are visited in the order of a step-time floor (``ModelFootprint.step_lower_bound_ns``: the rank's
+share of the single-device compute kernels); the visit stops once the next floor exceeds the slowest of
+the ``top`` plans found ("skipped by the time bound": their floors, hence their times, are slower).
+
+So the plans listed are the ``top`` fastest that fit among the modelled ones, and every number in a row
+is the full evaluation's. Stage 4's time equals stage 5's for the same single-stage plan (same spans, same
+schedule), so skipping a plan at stage 4 never drops one that would have been listed
+(``tests/test_parallel_search.py`` compares the listed plans with a brute-force full evaluation of all).
+How the analyses are reused across plans is in docs/design.md ("Parallel plan search").
+
+Example::
+
+    >>> out = search_plans("llama.pt2", nodes=8, gpus_per_node=8, global_batch=512, seq=2048,
+    ...                    device="h100-sxm", amp="bf16")                                  # doctest: +SKIP
+    >>> out.best.plan.describe(), out.best.step_ns, out.best.peak_bytes
+"""
+from __future__ import annotations
+
+import copy
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import sympy
+import torch
+
+from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+from boomfx.core.devices import DeviceSpec, get_device
+from boomfx.core.errors import OptionError
+from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
+from boomfx.distributed.analysis import DistributedAnalysis
+from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
+from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
+from boomfx.distributed.model_shape import _SDPA, model_shape
+from boomfx.distributed.plan import DEGREES, ParallelConfig
+from boomfx.distributed.rank_schedule import default_pricer, schedule_rank
+from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
+from boomfx.distributed.search_bounds import ModelFootprint
+from boomfx.distributed.step_time import topology_of
+from boomfx.frontend.capture import capture, resolve_bindings, to_exported_program
+from boomfx.passes.specs import to_sympy
+
+DEFAULT_NETWORK = "ib-ndr"
+_PLAN_PREFIX = re.compile(r"^--parallel \S+: ")
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What the user asks: a world, a global batch, and what to bind or hold fixed."""
+
+    nodes: int
+    gpus_per_node: int
+    global_batch: int
+    seq: Optional[int] = None
+    dims: Mapping[str, int] = field(default_factory=dict)
+    top: int = 5
+    checkpoint: tuple[bool, ...] = (False, True)
+    pinned: Mapping[str, int] = field(default_factory=dict)     # degrees held fixed (``--parallel tp=8``)
+    network: str = DEFAULT_NETWORK
+    max_microbatches: Optional[int] = None
+    config_options: Mapping[str, Any] = field(default_factory=dict)  # other ParallelConfig fields of every plan
+
+    def check(self) -> None:
+        for name in ("nodes", "gpus_per_node", "global_batch"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"--search: --{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.top < 1:
+            raise OptionError(f"--search: --top must be at least 1, got {self.top}")
+        world = self.nodes * self.gpus_per_node
+        fixed = 1
+        for name, degree in self.pinned.items():
+            if name not in DEGREES or degree < 1:
+                raise OptionError(f"--search --parallel: {name}={degree} is not one of {', '.join(DEGREES)}=N (N >= 1)")
+            fixed *= degree
+        if world % fixed:
+            raise OptionError(f"--search --parallel: the fixed degrees multiply to {fixed} ranks, which does not divide "
+                              f"the world of {self.nodes} node(s) x {self.gpus_per_node} GPUs = {world}")
+        dp = self.pinned.get("dp_replicate", 1) * self.pinned.get("dp_shard", 1)
+        if self.global_batch % dp:
+            raise OptionError(f"--global-batch {self.global_batch} does not split over the fixed data-parallel "
+                              f"degree {dp}")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One plan that fits, with its full evaluation's numbers (the slowest rank class's step)."""
+
+    plan: Plan
+    micro_batch: int
+    step_ns: float
+    peak_bytes: int                 # the largest per-GPU device total (allocator replay + outside memory)
+    mfu: float
+    tokens_per_s_per_gpu: float
+    exposed_comm_ns: float
+    hidden_comm_ns: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.describe(), **{k: getattr(self.plan, k) for k in
+                                                 ("dp_replicate", "dp_shard", "tp", "pp", "microbatches", "checkpoint")},
+                "micro_batch": self.micro_batch, "step_ns": self.step_ns, "peak_bytes": self.peak_bytes,
+                "mfu": self.mfu, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "exposed_comm_ns": self.exposed_comm_ns, "hidden_comm_ns": self.hidden_comm_ns}
+
+
+@dataclass
+class SearchOutcome:
+    ranked: list[PlanRow]                       # the ``top`` fastest plans that fit, fastest first
+    plans: int                                  # valid plans enumerated
+    pruned_by_bound: int = 0                    # stage 1
+    not_modelled: Counter = field(default_factory=Counter)   # stage 2: reason -> plans
+    pruned_by_liveness: int = 0                 # stage 3
+    over_memory: int = 0                        # stage 5: the allocator ran out
+    not_checked: int = 0                        # evaluated slower than the last plan listed
+    skipped_by_time_bound: int = 0              # step-time floor above the last plan listed: never built
+    evaluations: Counter = field(default_factory=Counter)    # what each stage ran, by kind
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage
+
+    @property
+    def best(self) -> Optional[PlanRow]:
+        return self.ranked[0] if self.ranked else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranked": [r.to_dict() for r in self.ranked], "plans": self.plans,
+                "pruned_by_memory_bound": self.pruned_by_bound, "not_modelled": dict(self.not_modelled),
+                "pruned_by_rank_liveness": self.pruned_by_liveness, "over_memory": self.over_memory,
+                "not_checked": self.not_checked, "skipped_by_time_bound": self.skipped_by_time_bound,
+                "evaluations": dict(self.evaluations), "seconds": self.seconds}
+
+
+@dataclass
+class _Candidate:
+    plan: Plan
+    dist: DistributedAnalysis
+    bindings: dict[sympy.Symbol, int]
+    micro_batch: int
+    time_ns: float = 0.0
+
+
+class ParallelSearch:
+    """One search over the plans of a world for the programs ``program_for(checkpoint)`` returns."""
+
+    def __init__(self, program_for: Callable[[bool], Program], device: DeviceSpec, request: SearchRequest,
+                 options: AnalyzeOptions = AnalyzeOptions(), reuse_blocks: bool = True) -> None:
+        request.check()
+        self.request = request
+        self.device = device
+        self.options = options
+        self.reuse_blocks = reuse_blocks
+        self._program_for = program_for
+        self._programs: dict[bool, Program] = {}
+        self._footprints: dict[bool, ModelFootprint] = {}
+        self.outcome = SearchOutcome([], 0)
+        self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
+        self._refusals: dict[tuple, str] = {}
+        self._clock = time.perf_counter()
+
+    # -- shared, built once ---------------------------------------------------------------------
+    def program(self, checkpoint: bool) -> Program:
+        if checkpoint not in self._programs:
+            self._programs[checkpoint] = self._program_for(checkpoint)
+            self.outcome.evaluations["captures"] += 1
+        return self._programs[checkpoint]
+
+    def footprint(self, checkpoint: bool) -> ModelFootprint:
+        if checkpoint not in self._footprints:
+            program = self.program(checkpoint)
+            analysis = Analysis(program, self.device, self.options, reuse_blocks=self.reuse_blocks)
+            batch = _batch_symbol(program)
+            fixed = resolve_bindings(program, self.request.dims, None, self.request.seq, allow_unbound=True)
+            fixed.pop(batch, None)
+            unbound = [s for s in program.symbols.values() if s.symbol not in fixed and s.symbol != batch]
+            if unbound:
+                raise OptionError("--search: bind the other dimensions first: " + ", ".join(s.describe() for s in unbound))
+            outside = analysis.outside.total_bytes if self.device.kind == "cuda" else 0
+            self._footprints[checkpoint] = ModelFootprint(analysis, batch, fixed, outside)
+            self.outcome.evaluations["single_device_analyses"] += 1
+        return self._footprints[checkpoint]
+
+    def _lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.outcome.seconds[stage] = self.outcome.seconds.get(stage, 0.0) + now - self._clock
+        self._clock = now
+
+    # -- the stages ----------------------------------------------------------------------------
+    def run(self) -> SearchOutcome:
+        req, out = self.request, self.outcome
+        first = self.program(req.checkpoint[0])
+        shape = model_shape(first)
+        if not shape.layers or not shape.heads:
+            raise OptionError("--search needs a model with a layer list and attention (found "
+                              f"{shape.layers} layers, {shape.heads or 0} attention heads)")
+        space = SearchSpace(req.nodes, req.gpus_per_node, req.global_batch, shape.layers, shape.heads,
+                            shape.kv_heads, checkpoint=req.checkpoint, max_microbatches=req.max_microbatches)
+        plans = [p for p in enumerate_plans(space) if all(getattr(p, k) == v for k, v in req.pinned.items())]
+        if not plans:
+            raise OptionError(f"--search: no plan of {req.nodes} x {req.gpus_per_node} GPUs splits the global batch "
+                              f"{req.global_batch} and the model's {shape.layers} layers and {shape.heads} heads"
+                              + (f" with {_pins(req.pinned)}" if req.pinned else ""))
+        out.plans = len(plans)
+        self._flops_per_token = _model_flops_per_token(first, shape.layers)
+        self._lap("setup")
+        kept = self._bound(plans)
+        self._lap("memory bound")
+        order = sorted(kept, key=lambda p: (self._step_floor(p), p.describe()))
+        self._lap("time bound")
+        for i, plan in enumerate(order):
+            if len(out.ranked) == req.top and self._step_floor(plan) > out.ranked[-1].step_ns:
+                out.skipped_by_time_bound = len(order) - i     # their floors only rise from here
+                break
+            self._consider(plan)
+        return out
+
+    def _step_floor(self, plan: Plan) -> float:
+        footprint = self.footprint(plan.checkpoint)
+        before = len(footprint._compute)
+        floor = footprint.step_lower_bound_ns(plan, self._micro_batch(plan))
+        self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
+        return floor
+
+    def _consider(self, plan: Plan) -> None:
+        """Stages 2-5 for one plan, its floor below the slowest of the ``top`` found so far."""
+        c = self._candidate(plan)
+        self._lap("per-rank programs")
+        if c is None:
+            return
+        if not self._liveness_fits(c):
+            self._lap("rank liveness")
+            return
+        self._lap("rank liveness")
+        c.time_ns = self._time(c)
+        self._lap("time")
+        ranked = self.outcome.ranked
+        if len(ranked) == self.request.top and (c.time_ns, plan.describe()) >= (ranked[-1].step_ns,
+                                                                                ranked[-1].plan.describe()):
+            self.outcome.not_checked += 1        # slower than every listed plan: never replayed
+            return
+        row = self._full(c)
+        self._lap("fit")
+        if row is None:
+            self.outcome.over_memory += 1
+            return
+        ranked.append(row)
+        ranked.sort(key=lambda r: (r.step_ns, r.plan.describe()))
+        if len(ranked) > self.request.top:
+            ranked.pop()
+            self.outcome.not_checked += 1        # pushed out: replayed, but slower than the listed plans
+
+    def _micro_batch(self, plan: Plan) -> int:
+        return self.request.global_batch // plan.dp // plan.microbatches
+
+    def _bound(self, plans: Sequence[Plan]) -> list[Plan]:
+        kept = []
+        for plan in plans:
+            footprint = self.footprint(plan.checkpoint)
+            before = len(footprint._per_batch)
+            bound = footprint.lower_bound_bytes(plan, self._micro_batch(plan))
+            self.outcome.evaluations["activation_bounds"] += len(footprint._per_batch) - before
+            if bound > self.device.memory_bytes:
+                self.outcome.pruned_by_bound += 1
+            else:
+                kept.append(plan)
+        return kept
+
+    def _config(self, plan: Plan) -> ParallelConfig:
+        cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=self.request.nodes,
+                             gpus_per_node=self.request.gpus_per_node, microbatches=plan.microbatches,
+                             **self.request.config_options)
+        cfg.check()
+        return cfg
+
+    def _candidate(self, plan: Plan) -> Optional[_Candidate]:
+        """The plan's per-rank analyses, built once per program key (None: not modelled, counted)."""
+        key = plan.program_key()
+        try:
+            cfg = self._config(plan)
+            if key not in self._built:
+                self._built[key] = None
+                self._built[key] = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
+                                                       reuse_blocks=self.reuse_blocks)
+                self.outcome.evaluations["rank_program_builds"] += 1
+        except OptionError as exc:
+            # the reason without the plan's own spelling, so plans refused alike count together
+            self._refusals[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
+        dist = self._built.get(key)
+        if dist is None:
+            self.outcome.not_modelled[self._refusals[key]] += 1
+            return None
+        if dist.cfg != cfg:           # same programs, another micro-batch count: only the config differs
+            dist = copy.copy(dist)
+            dist.cfg = cfg
+        local = self.request.global_batch // plan.dp
+        bindings = {**self.footprint(plan.checkpoint).fixed, _batch_symbol(dist.program): local}
+        return _Candidate(plan, dist, bindings, self._micro_batch(plan))
+
+    def _liveness_fits(self, c: _Candidate) -> bool:
+        """Stage 3: every rank class's live-bytes peak (the allocator holds at least that) fits."""
+        if c.plan.pp > 1:
+            return True           # stage programs bind the micro-batch their own way: left to the full evaluation
+        outside = self.footprint(c.plan.checkpoint).outside_bytes
+        for analysis in c.dist.analyses:
+            self.outcome.evaluations["rank_liveness_peaks"] += 1
+            live = analysis.liveness.timeline(analysis.evaluator(c.bindings))
+            if (max(live) if live else 0) + outside > self.device.memory_bytes:
+                self.outcome.pruned_by_liveness += 1
+                return False
+        return True
+
+    def _time(self, c: _Candidate) -> float:
+        """Stage 4: the step without the allocator replay; pipelines through ``DistributedAnalysis``."""
+        self.outcome.evaluations["time_evaluations"] += 1
+        if c.plan.pp > 1:
+            report = c.dist.evaluate(c.bindings, replay_allocator=False).report
+            return max(row["step_time_ns"] for row in report.parallel["classes"])
+        if not hasattr(self, "_pricer"):
+            self._pricer = default_pricer(c.dist.analyses[0])
+        topology = topology_of(c.dist.cfg, self.request.network)
+        degrees = {name: int(getattr(c.dist.cfg, name)) for name in MESH_ORDER}
+        worst = 0.0
+        for rc, analysis in zip(c.dist.classes, c.dist.analyses):
+            point = analysis.evaluate(c.bindings, replay_allocator=False)
+            step = schedule_rank(analysis, c.bindings, mesh_groups(degrees, rc.ranks[0], topology), self._pricer,
+                                 point=point)
+            worst = max(worst, step.step_ns)
+        return worst
+
+    def _full(self, c: _Candidate) -> Optional[PlanRow]:
+        """Stage 5: the full evaluation (allocator replay and streams, as ``--parallel`` reports); None when a
+        rank class runs out of memory."""
+        self.outcome.evaluations["full_evaluations"] += 1
+        parallel = c.dist.evaluate(c.bindings).report.parallel
+        classes = parallel["classes"]
+        if not all(cls["fits"] for cls in classes):
+            return None
+        slowest = max(range(len(classes)), key=lambda k: classes[k]["step_time_ns"])
+        step_ns = classes[slowest]["step_time_ns"]
+        times = parallel["time_by_class"][slowest] if parallel["time_by_class"] else {}
+        seq = self._tokens_per_sample(c)
+        tokens = self.request.global_batch * seq
+        return PlanRow(c.plan, c.micro_batch, step_ns, max(cls["total_device_bytes"] for cls in classes),
+                       mfu(self._flops_per_token(seq) * tokens, step_ns, c.plan.world,
+                           self.device.peak_for(_training_dtype(c.dist.program))),
+                       tokens / (step_ns / NS_PER_S) / c.plan.world,
+                       float(times.get("exposed_comm_ns", 0.0)), float(times.get("hidden_comm_ns", 0.0)))
+
+    def _tokens_per_sample(self, c: _Candidate) -> int:
+        return _tokens_per_sample(c.dist.program, c.dist.analyses[0].evaluator(c.bindings))
+
+
+# -- model facts for MFU ------------------------------------------------------------------------------
+def _batch_symbol(program: Program) -> sympy.Symbol:
+    for info in program.symbols.values():
+        if info.role == "batch":
+            return info.symbol
+    raise OptionError("--search needs an export with a dynamic batch dimension (the plans split the global "
+                      "batch over data-parallel ranks); export with dynamic_shapes={...: {0: Dim('batch')}}")
+
+
+def _tokens_per_sample(program: Program, ev: Any) -> int:
+    """Tokens of one sequence: dimension 1 of the first integer input (token ids), else 1."""
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or program.input_roles.get(node.name) != ROLE_INPUT:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.dtype.is_floating_point and val.dim() >= 2:
+            return int(ev(to_sympy(val.shape[1])))
+    return 1
+
+
+def _model_flops_per_token(program: Program, layers: int) -> Callable[[int], float]:
+    """torchtitan's ``6 N + 12 L H Q T`` (boomfx/distributed/metrics.py) as a function of the sequence length:
+    N the parameters outside embedding tables, H and Q the attention's heads and head dimension."""
+    embedding = {n.args[0].name for n in program.graph.nodes
+                 if n.op == "call_function" and n.target == torch.ops.aten.embedding.default}
+    params = 0
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and program.input_roles.get(node.name) == ROLE_PARAM and node.name not in embedding:
+            params += int(node.meta["val"].numel())          # parameters have concrete shapes
+    heads = head_dim = 0
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in _SDPA:
+            q = node.args[0].meta["val"]
+            heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+            break
+    return lambda seq: model_flops_per_token(params, layers, heads, head_dim, seq)
+
+
+def _training_dtype(program: Program) -> torch.dtype:
+    amp = getattr(program.options, "amp", None)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "", torch.float32)
+
+
+def _pins(pinned: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in pinned.items())
+
+
+def parse_pinned(text: Optional[str]) -> dict[str, int]:
+    """``"tp=8,pp=2"`` -> the degrees ``--search`` holds fixed (``--parallel`` with ``--search``)."""
+    out: dict[str, int] = {}
+    for item in (p.strip() for p in (text or "").split(",") if p.strip()):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in DEGREES:
+            raise OptionError(f"--search --parallel: {item!r} is not one of {', '.join(DEGREES)}=N")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            raise OptionError(f"--search --parallel: {item!r}: {value!r} is not an integer") from None
+    return out
+
+
+def search_plans(source: Any, *example_inputs: Any, nodes: int, gpus_per_node: int, global_batch: int,
+                 device: str | DeviceSpec = "h100-sxm", seq: Optional[int] = None,
+                 dims: Optional[Mapping[str, int]] = None, top: int = 5, checkpoint: Sequence[bool] = (False, True),
+                 parallel: Optional[str] = None, network: str = DEFAULT_NETWORK,
+                 max_microbatches: Optional[int] = None, db: Optional[str] = None, alloc_conf: str = "",
+                 outside_memory: str = "", **program_options: Any) -> SearchOutcome:
+    """The Python API of ``boomfx analyze --train --search``: the ``top`` fastest plans of ``nodes x
+    gpus_per_node`` GPUs that fit, training ``global_batch`` sequences per step (``program_options``:
+    ``amp``, ``optimizer``, ... as ``boomfx.capture`` takes them; ``checkpoint`` the settings searched)."""
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    request = SearchRequest(nodes, gpus_per_node, global_batch, seq, dict(dims or {}), top, tuple(checkpoint),
+                            parse_pinned(parallel), network, max_microbatches)
+    if not request.checkpoint:
+        raise OptionError("--search: no checkpointing setting to search")
+    program_options.pop("train", None)
+    program_for = program_maker(source, *example_inputs,
+                                options=ProgramOptions(train=True, target_kind=spec.kind, **program_options))
+
+    options = AnalyzeOptions(spec.name, alloc_conf, outside_memory, db)
+    return ParallelSearch(program_for, spec, request, options).run()
+
+
+def program_maker(source: Any, *example_inputs: Any, options: ProgramOptions,
+                  log: Optional[Callable[[str], None]] = None) -> Callable[[bool], Program]:
+    """``checkpoint -> Program``: the training program with activation checkpointing on or off, the file
+    loaded (or the module exported) once for both."""
+    from dataclasses import replace
+    exported = to_exported_program(source, example_inputs, log=log)
+
+    def program_for(checkpoint: bool) -> Program:
+        return capture(exported, options=replace(options, checkpoint=checkpoint), log=log)
+
+    return program_for
