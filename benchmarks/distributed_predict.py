@@ -30,6 +30,7 @@ def parallel_config(cfg: truth.TruthConfig):
         "tp_fsdp": dict(dp_shard=cfg.world // 2, tp=2),
         "pp_tp": dict(pp=2, tp=cfg.world // 2),
         "pp_ddp": dict(pp=2, dp_replicate=cfg.world // 2),
+        "pp_fsdp": dict(pp=2, dp_shard=cfg.world // 2),
     }[cfg.parallel]
     return ParallelConfig(
         **degrees,
@@ -72,7 +73,7 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
         except OptionError:
             return None
     bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)
-    pp = cfg.parallel in ("pp", "pp_tp", "pp_ddp")
+    pp = cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp")
     if pp:  # the stage programs run one micro-batch at a time
         from boomfx.distributed.pipeline_stages import micro_bindings
 

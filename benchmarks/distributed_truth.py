@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -93,10 +93,10 @@ class TruthConfig:
     @property
     def name(self) -> str:
         extra = ""
-        if self.parallel in ("fsdp", "hsdp", "tp_fsdp"):
+        if self.parallel in ("fsdp", "hsdp", "tp_fsdp", "pp_fsdp"):
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
-        if self.parallel in ("pp", "pp_tp", "pp_ddp"):
-            extra = f"-{self.schedule}-mb{self.microbatches}"
+        if self.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
+            extra += f"-{self.schedule}-mb{self.microbatches}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
 
@@ -239,19 +239,22 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
-    if cfg.parallel in ("pp", "pp_tp", "pp_ddp"):
+    if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         # pp_tp / pp_ddp: a (pp=2, tp or dp) mesh as torchtitan lays it out (pp outer). pp_tp: each
         # stage's layers are parallelize_module'd over its TP group; pp_ddp: the stage module is
         # wrapped in DistributedDataParallel over its dp group (PipelineStage runs every micro-batch
-        # but the last under no_sync). The stage sends over its pp group.
+        # but the last under no_sync); pp_fsdp: each stage layer and the stage module are fully_shard'ed
+        # over its dp group (torchtitan's default with pp: reshard_after_forward=False; PipelineStage
+        # keeps parameters gathered and gradients unsharded until its last backward). The stage sends
+        # over its pp group.
         stages, stage_id, group, inner, data_seed = cfg.world, rank, None, None, 7
         if cfg.parallel != "pp":
             inner_name = "tp" if cfg.parallel == "pp_tp" else "dp"
             mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", inner_name))
             stages, stage_id, group, inner = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[inner_name]
-            if cfg.parallel == "pp_ddp":
+            if cfg.parallel in ("pp_ddp", "pp_fsdp"):
                 data_seed = 1000 + inner.get_local_rank()
         lo, hi = stage_layer_ranges(len(layer_list(model)), stages)[stage_id]
         module = _Stage(model, lo, hi, stage_id == 0, stage_id == stages - 1)
@@ -260,6 +263,12 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
             for layer in module.layers:
                 parallelize_module(layer, inner, _tp_plan(cfg.model))
+        if cfg.parallel == "pp_fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in module.layers:
+                fully_shard(layer, mesh=inner, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(module, mesh=inner, reshard_after_forward=cfg.reshard_after_forward)
         opt = torch.optim.AdamW(_param_groups(module), foreach=True)
         named = dict(module.named_parameters())
         if cfg.parallel == "pp_ddp":
@@ -485,5 +494,6 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "tp_fsdp", 4),
             TruthConfig(model, "pp_tp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
+            TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False),
         ]
     return configs

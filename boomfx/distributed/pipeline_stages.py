@@ -42,7 +42,11 @@ Known limitations:
   backward, so the unsharded parameters stay gathered and the gradients accumulate unsharded over
   the micro-batches; ``perform_reduce_grad`` then runs each unit's ``post_backward`` (reduce-scatter,
   reshard) once after the last backward. ``fsdp_rank_program`` places a reduce-scatter after each
-  unit's backward of a single step, which is not that.
+  unit's backward of a single step, which is not that. The gloo truth (``pp_fsdp`` rows of
+  ``benchmarks/results/distributed_gloo.md``, torchtitan's ``reshard_after_forward=False`` with pp)
+  shows it: one all-gather per unit in the first forward, one reduce-scatter (gloo: all_reduce) per
+  unit after the last backward, and a stage peak equal to the pp-alone peak plus the stage's
+  unsharded parameters (exactly for Llama's stages and GPT's first; GPT's last: 10,744 B under).
 
 Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
 (``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces; with
