@@ -142,7 +142,7 @@ class DistributedAnalysis:
             if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
                 from boomfx.distributed.pipeline_time import pipeline_run
 
-                run = pipeline_run(self, points, bindings)
+                run = pipeline_run(self, points, bindings, steps)
                 for i, (report, row) in enumerate(zip(reports, time_rows)):
                     report.step_time_ns = run.stage_end_ns[i]
                     row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,

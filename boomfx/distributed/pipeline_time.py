@@ -3,7 +3,8 @@
 A stage program (``pipeline_stages.py``) holds all M micro-batches of its stage in schedule order;
 evaluated once, its forward-phase kernels divided by M are one micro-batch's forward on that stage,
 likewise its backward (its own ``send``/``recv_`` nodes left out: their transfer is the send price
-``pipeline_step`` adds between stages), and its optimizer runs once. ``pipeline_step`` then places
+``pipeline_step`` adds between stages; its TP / DP collectives at the collective model's price, in
+line), and its optimizer runs once. ``pipeline_step`` then places
 every pass as the schedule does (``boomfx/simulate/pipeline.py``), so each stage's step includes
 the bubble: the time it waits for the stage before it in forward and after it in backward.
 
@@ -12,7 +13,7 @@ Known limitations: ``pipeline_step``'s (one stream per stage, sends that never q
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from boomfx.analysis.analysis import PointResult
 from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE
@@ -23,9 +24,14 @@ from boomfx.distributed.step_time import topology_of
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
 
 
-def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int) -> StageCompute:
-    """One micro-batch's forward and backward on a stage, and its optimizer step, from its program's point."""
+def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int,
+                  collective_ns: Optional[Mapping[str, float]] = None) -> StageCompute:
+    """One micro-batch's forward and backward on a stage, and its optimizer step, from its program's point.
+    ``collective_ns``: the collective model's price of each of the stage's TP / DP collectives by node
+    (``schedule_rank``'s), which replaces the single-device kernel estimate; they run in line with the
+    stage's passes (TP's all-reduces block the next op; DDP's bucket is counted, not overlapped)."""
     spans = {s.name: s.end_ns - s.start_ns for s in point.timeline.spans}
+    spans.update(collective_ns or {})
     by_phase = {PHASE_FORWARD: 0.0, PHASE_BACKWARD: 0.0, PHASE_OPTIMIZER: 0.0}
     for k in point.report.kernels:
         if k.op.startswith(NAMESPACE):
@@ -47,13 +53,15 @@ def boundary_bytes(program: Any, ev: Any) -> int:
     return 0
 
 
-def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any) -> PipelineStep:
-    """The pipeline step of ``dist`` (a DistributedAnalysis of pp stage classes) from its classes' points."""
+def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps: Sequence[Any] = ()) -> PipelineStep:
+    """The pipeline step of ``dist`` (a DistributedAnalysis of pp stage classes) from its classes' points;
+    ``steps``: their ``class_steps`` (``ClassStep``), whose priced collectives the stages' costs use."""
     cfg = dist.cfg
     m = cfg.num_microbatches
+    priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
     costs = [
-        stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)))
-        for rc, analysis, point in zip(dist.classes, dist.analyses, points)
+        stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices)
+        for rc, analysis, point, prices in zip(dist.classes, dist.analyses, points, priced)
     ]
     return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], costs, m, [rc.ranks[0] for rc in dist.classes],
                          topology_of(cfg), dist.device)

@@ -6,8 +6,8 @@ discarding only plans the next could not have accepted:
 1. **memory bound** (``search_bounds.ModelFootprint``): sharded state plus the single-device activation
    peak at the plan's micro-batch, from the single-device liveness; no per-rank program is built for a plan
    over the device's memory by it;
-2. **per-rank programs**, once per ``Plan.program_key`` (degrees and checkpointing; the micro-batch count
-   only binds sizes): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
+2. **per-rank programs**, once per ``Plan.program_key`` (degrees, checkpointing and, with pp, the
+   micro-batch count: a stage program holds one pass per micro-batch): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
    parallelism, until their rewrites land) marks the plans of that key "not modelled", with its reason;
 3. **rank liveness**: each rank class's live-bytes peak (no allocator) plus the memory outside the
    allocator; over the device's memory, the replay would run out too;

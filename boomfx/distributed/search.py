@@ -56,8 +56,11 @@ class Plan:
         return self.dp_replicate * self.dp_shard
 
     def program_key(self) -> tuple:
-        """What the per-rank programs depend on (the micro-batch only binds sizes)."""
-        return (self.dp_replicate, self.dp_shard, self.tp, self.pp, self.checkpoint)
+        """What the per-rank programs depend on: the degrees, checkpointing and, with pp, the micro-batch
+        count (a stage program holds one forward and backward per micro-batch; the micro-batch size only
+        binds sizes)."""
+        micro = self.microbatches if self.pp > 1 else 1
+        return (self.dp_replicate, self.dp_shard, self.tp, self.pp, micro, self.checkpoint)
 
     def describe(self) -> str:
         """The ``--parallel`` spelling, then micro-batches and checkpointing."""
