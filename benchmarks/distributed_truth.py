@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "pp", "hsdp", "tp_fsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -152,6 +152,23 @@ def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
 
     for layer in layer_list(model):
         parallelize_module(layer, mesh, _tp_plan(model_name))
+
+
+def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama plan for the ends of the model, without sequence parallelism: the embedding
+    rowwise over the vocabulary (token ids arrive replicated) and the head colwise with its logits
+    all-gathered back to Replicate (loss parallel off)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
 
 
 def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool) -> None:
@@ -272,8 +289,11 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     elif cfg.parallel == "fsdp":
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
-    elif cfg.parallel == "tp":
-        _apply_tp(model, cfg.model, init_device_mesh("cpu", (cfg.world,)))
+    elif cfg.parallel in ("tp", "tp_vocab"):
+        mesh = init_device_mesh("cpu", (cfg.world,))
+        _apply_tp(model, cfg.model, mesh)
+        if cfg.parallel == "tp_vocab":
+            _apply_vocab_parallel(model, mesh)
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel == "hsdp":
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
@@ -460,6 +480,7 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
             TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
             TruthConfig(model, "tp", 2),
+            *([TruthConfig(model, "tp_vocab", 2)] if model == "llama" else []),
             TruthConfig(model, "pp", 2, schedule="1f1b"),
             TruthConfig(model, "pp", 2, schedule="gpipe"),
             TruthConfig(model, "hsdp", 4),

@@ -37,7 +37,9 @@ from boomfx.distributed.ranks import rank_programs  # noqa: E402
 from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
 
 TOLERANCE = 0.01
-TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")]
+TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")] + [
+    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1)  # + torchtitan's vocabulary-parallel ends
+]
 FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
 TINY = str(ROOT / "examples" / "llama_tiny.pt2")  # 2 layers, d 64, 4 heads, 2 key/value heads
@@ -108,6 +110,8 @@ def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> 
             elif style == "rowwise" and len(shape) == 2:
                 expect[1] //= 2
             assert local[fqn] == expect, fqn
+    if cfg.parallel == "tp_vocab":  # vocabulary rows split: [256, 64] -> [128, 64] on each of 2 ranks
+        assert local["embed.weight"] == local["lm_head.weight"] == [truth.VOCAB // 2, 64]
     params = _nbytes(_placeholders(rc.program, "param").values())
     assert params == real.start_param_bytes
     # AdamW: exp_avg + exp_avg_sq of each local parameter, plus one fp32 step scalar per parameter
@@ -133,7 +137,12 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
         resolve_bindings(program, {}, cfg.batch, cfg.seq)
     )
-    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce", "all_reduce": "all_reduce"}
+    gloo_name = {
+        "all_gather_into_tensor_out": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "all_reduce",
+        "all_reduce": "all_reduce",
+    }
     predicted = [(gloo_name[c.op], c.input_bytes // 4) for c in collectives(rc.program, ev)]
     real = [(c["op"], c["numel"][0]) for c in tp_gloo_runs[cfg.name].ranks[0].collectives]
     assert predicted == real
@@ -142,9 +151,15 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     # colwise linear (llama: q, k, v, gate, up; gpt: fc)
     styles = list(truth.TP_PLANS[cfg.model].values())
     layers = truth.MODEL_DIMS[cfg.model]["layers"]
-    assert [c.phase for c in tp_calls].count("forward") == styles.count("rowwise") * layers
-    assert [c.phase for c in tp_calls].count("backward") == styles.count("colwise") * layers
-    assert {c.input_bytes for c in tp_calls} == {cfg.batch * cfg.seq * 64 * 4}
+    reduces = [c for c in tp_calls if c.op == "all_reduce"]
+    # the vocabulary-parallel ends: the embedding's partial output all-reduced forward, the head's
+    # input gradient backward (colwise), its [batch, seq, vocab / 2] logits all-gathered forward
+    ends = 1 if cfg.parallel == "tp_vocab" else 0
+    assert [c.phase for c in reduces].count("forward") == styles.count("rowwise") * layers + ends
+    assert [c.phase for c in reduces].count("backward") == styles.count("colwise") * layers + ends
+    assert {c.input_bytes for c in reduces} == {cfg.batch * cfg.seq * 64 * 4}
+    gathers = [(c.phase, c.input_bytes) for c in tp_calls if c.op != "all_reduce"]
+    assert gathers == ([("forward", cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4)] if ends else [])
 
 
 class _HardCodedHeads(torch.nn.Module):
@@ -221,12 +236,11 @@ def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
     """(tp not dividing heads / key-value heads: tests/test_distributed_memory.py.) What the TP
     rewrite cannot do yet is one line, exit 2 through the CLI, an OptionError through the API."""
     base = ["analyze", TINY, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
-    assert "a split value reaches the model's output" in _bad(
-        capsys, *base, "--parallel", "tp=2", "--tp-plan", "lm_head=colwise"
+    assert "a colwise (embedding-dimension) split of an embedding is not built" in _bad(
+        capsys, *base, "--parallel", "tp=2", "--tp-plan", "embed=colwise"
     )
+    assert "--tp-plan torchtitan needs tp > 1" in _bad(capsys, *base, "--parallel", "dp_shard=2", "--tp-plan", "torchtitan")
     program, _ = tp_programs(TWO_RANKS[0])
-    with pytest.raises(OptionError, match="vocabulary-parallel embedding is not built"):
-        rank_programs(program, ParallelConfig(tp=2, tp_plan=(("embed", "colwise"),)))
     with pytest.raises(OptionError, match="sequence parallelism is not built yet"):
         rank_programs(program, ParallelConfig(tp=2, sp=True))
     with pytest.raises(OptionError, match="no linear of the model matches"):
@@ -246,6 +260,23 @@ def test_tp_report_times_its_collectives_on_the_critical_path() -> None:
     assert len(tp) == 14 and {c["input_bytes"] for c in tp} == {2 * 16 * 64 * 4}
     timing = par["time_by_class"][0]
     assert timing["exposed_comm_ns"] > 0.9 * (timing["exposed_comm_ns"] + timing["hidden_comm_ns"])
+
+
+def test_torchtitan_preset_adds_the_vocabulary_parallel_ends() -> None:
+    """``tp_plan="torchtitan"``: the derived layer plan plus embed rowwise and lm_head colwise; the
+    tiny Llama (vocab 512, d 64) then issues 14 + 3 TP collectives (the embedding's forward
+    all-reduce, the head's input-gradient all-reduce, the logits' all-gather), the all-gather of
+    each rank's logits [2, 16, 512 / 2] fp32 = 32,768 B."""
+    import boomfx
+
+    report = boomfx.analyze(
+        TINY, train=True, device="h100-sxm", batch=2, seq=16, parallel={"tp": 2, "tp_plan": "torchtitan"}
+    )
+    (cls,) = report.parallel["classes"]
+    tp = [c for c in cls["collectives"] if c["group"] == "tp"]
+    assert len(tp) == 17
+    gathers = [c for c in tp if c["op"].startswith("all_gather")]
+    assert [c["input_bytes"] for c in gathers] == [2 * 16 * 256 * 4]
 
 
 def test_view_groups_follow_the_split() -> None:

@@ -118,8 +118,7 @@ class _Sharder:
             elif node.op == "output":
                 for arg in self.tensors(node):
                     if self.of(arg) is not None:
-                        raise _fail(arg, "a split value reaches the model's output (a colwise output head "
-                                    "needs a vocabulary-parallel loss, not built)")
+                        self.gather_output(node, arg)
             elif node.op == "call_function":
                 self.split[node] = self.call(node)
 
@@ -131,7 +130,13 @@ class _Sharder:
         fqn = self.fqn[node.name]
         if style == "rowwise" and val.dim() == 1:
             return None  # a rowwise bias stays whole
-        dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
+        if _is_embedding_weight(node):
+            if style == "colwise":
+                raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
+                                  "built (rowwise, the vocabulary-parallel one, is)")
+            dim = 0  # rowwise embedding: rows of the vocabulary
+        else:
+            dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
         if val.shape[dim] % self.tp:
             raise OptionError(f"--parallel: tp={self.tp} does not divide {fqn} ({style}: dimension {val.shape[dim]})")
         shape = list(val.shape)
@@ -143,8 +148,8 @@ class _Sharder:
         target = node.target
         if target is aten.linear.default:
             return self.linear(node)
-        if target is aten.embedding.default and self.of(node.args[0]) is not None:  # vocab-parallel
-            raise _fail(node, "a vocabulary-parallel embedding is not built (leave the embedding out of --tp-plan)")
+        if target is aten.embedding.default and self.of(node.args[0]) is not None:
+            return self.vocab_embedding(node)
         inputs = self.tensors(node)
         splits = [self.of(a) for a in inputs]
         if target is operator.getitem:
@@ -221,6 +226,49 @@ class _Sharder:
         node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
         self.split[reduced] = None
         return "partial"
+
+    def vocab_embedding(self, node: fx.Node) -> Split:
+        """RowwiseParallel on an embedding (token ids replicated): as DTensor's ``MaskPartial``, the
+        ids outside this rank's vocabulary block are masked to 0 and shifted into it, the lookup runs
+        on the local rows and its partial output is all-reduced. (The real runtime also zeroes the
+        masked rows of the output in place: no memory, not in the graph.)"""
+        weight, ids = node.args[0], node.args[1]
+        if self.of(ids) is not None:
+            raise _fail(node, "the token ids are split")
+        rows = int(weight.meta["val"].shape[0])  # already the local block
+
+        def add(target: Any, args: tuple, like: fx.Node) -> fx.Node:
+            with self.graph.inserting_before(node):
+                new = self.graph.call_function(target, args)
+            new.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+            for key in ("nn_module_stack", "stack_trace"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+            self.split[new] = None
+            return new
+
+        mask = add(aten.bitwise_or.Tensor, (add(aten.lt.Scalar, (ids, 0), ids), add(aten.ge.Scalar, (ids, rows), ids)), ids)
+        shifted = add(aten.sub.Scalar, (add(aten.clone.default, (ids,), ids), 0), ids)  # ids - this rank's offset
+        local_ids = add(aten.masked_fill.Scalar, (shifted, mask, 0), ids)
+        node.replace_input_with(ids, local_ids)
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
+        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.split[reduced] = None
+        return "partial"
+
+    def gather_output(self, out: fx.Node, arg: fx.Node) -> None:
+        """A split value the model returns (a colwise output head): all-gathered back to Replicate, as
+        torchtitan's ``ColwiseParallel(output_layouts=Replicate())`` head without loss parallel."""
+        d = self.of(arg)
+        if d == "partial":
+            raise _fail(arg, "a partial sum reaches the model's output")
+        with self.graph.inserting_before(out):
+            gathered = self.graph.call_function(tp_ops.ALL_GATHER, (arg, d, self.tp))
+        gathered.meta.update({k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        out.replace_input_with(arg, gathered)
+        self.split[gathered] = None
 
     def pointwise(self, node: fx.Node, inputs: Sequence[fx.Node]) -> Split:
         nd = _ndim(node)
@@ -321,6 +369,10 @@ class _Sharder:
         return da
 
 
+def _is_embedding_weight(node: fx.Node) -> bool:
+    return any(u.target is aten.embedding.default and u.args[0] is node for u in node.users)
+
+
 def _group(ins: list[sympy.Expr], outs: list[sympy.Expr], d: int) -> tuple[Optional[list[int]], list[int]]:
     """(input dims, output dims) of the view group holding input dim ``d`` (groups: the shortest runs
     of dims whose size products agree); None when ``d`` is not the group's first non-unit input
@@ -409,4 +461,4 @@ def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     sharded = shard_export(ep, plan, cfg.tp)
     traced = trace_step(sharded, program.options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
-    return tp_ops.lower_tp_ops(local)
+    return tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
