@@ -297,3 +297,47 @@ def test_view_groups_follow_the_split() -> None:
     assert _group([b, i(8), t], [b * i(8), t], 1)[0] is None
     # [b * t, 64] -> [b, t, 64]: the last dim is its own run
     assert _group([b * t, i(64)], [b, t, i(64)], 1) == ([1], [2])
+
+
+@pytest.mark.slow  # export of a transformers model
+def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
+    """transformers' GPT-2 keeps Conv1D weights as [in, out] (``addmm(bias, x, weight)``): the
+    derived plan splits ``mlp.c_fc`` colwise on dim 1 (and its bias) and ``mlp.c_proj`` rowwise on
+    dim 0 (its bias whole); the fused ``attn.c_attn`` and the attention's ``c_proj`` stay
+    replicated. Per layer: one forward all-reduce (c_proj's partial output) and one backward
+    all-reduce (c_fc's input gradient), each [batch, seq, 64] fp32."""
+    transformers = pytest.importorskip("transformers")
+    from torch.export import Dim
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=idx, use_cache=False).logits
+
+    idx = torch.randint(0, 256, (2, 16))
+    ep = torch.export.export(Logits(), (idx,), dynamic_shapes={"idx": {0: Dim("batch"), 1: Dim("seq", max=64)}})
+    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    (rc,) = rank_programs(program, ParallelConfig(tp=2))
+    local = {rc.program.param_names[n]: list(v.shape) for n, v in _placeholders(rc.program, "param").items()}
+    full = {program.param_names[n]: list(v.shape) for n, v in _placeholders(program, "param").items()}
+    for layer in ("m.transformer.h.0", "m.transformer.h.1"):
+        assert local[f"{layer}.mlp.c_fc.weight"] == [64, 128] and local[f"{layer}.mlp.c_fc.bias"] == [128]
+        assert local[f"{layer}.mlp.c_proj.weight"] == [128, 64] and local[f"{layer}.mlp.c_proj.bias"] == [64]
+    split = {f"m.transformer.h.{i}.mlp.{m}" for i in (0, 1) for m in ("c_fc.weight", "c_fc.bias", "c_proj.weight")}
+    assert {k: v for k, v in local.items() if k not in split} == {k: v for k, v in full.items() if k not in split}
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+
+    spec = cpu_spec()
+    ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
+        resolve_bindings(program, {}, 2, 16)
+    )
+    calls = [(c.op, c.phase, c.input_bytes) for c in collectives(rc.program, ev)]
+    assert calls == [("all_reduce", "forward", 2 * 16 * 64 * 4)] * 2 + [("all_reduce", "backward", 2 * 16 * 64 * 4)] * 2

@@ -49,6 +49,7 @@ COLWISE_NAMES = frozenset(
     }
 )
 ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
+GPT2_MLP_OUT = "c_proj"
 KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
 _SDPA = {
     torch.ops.aten.scaled_dot_product_attention.default,
@@ -86,7 +87,20 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
             plan[fqn] = "colwise"
         elif leaf in ROWWISE_NAMES:
             plan[fqn] = "rowwise"
+    if not explicit:
+        _pair_gpt2_mlp_projection(plan, program)
     return plan
+
+
+def _pair_gpt2_mlp_projection(plan: dict[str, str], program: Program) -> None:
+    """GPT-2 names both output projections ``c_proj``: the MLP's (beside a colwise ``c_fc``) is
+    rowwise; the attention's stays replicated with its fused ``c_attn``."""
+    fqns = set(program.param_names.values())
+    for fqn, style in list(plan.items()):
+        parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
+        partner = f"{parent}.{GPT2_MLP_OUT}.weight"
+        if leaf == "c_fc" and style == "colwise" and partner in fqns:
+            plan[partner] = "rowwise"
 
 
 def vocab_ends(program: Program) -> dict[str, str]:
@@ -124,6 +138,18 @@ def _weight_placeholder(node: "torch.fx.Node") -> Optional[str]:
     return w.name if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
 
 
+def _conv1d_weights(program: Program) -> set[str]:
+    """Weights a forward ``addmm`` reads untransposed as its second matrix ([in, out], GPT-2's Conv1D)."""
+    aten = torch.ops.aten
+    names = {
+        n.args[2].name
+        for n in program.graph.nodes
+        if n.op == "call_function" and n.target is aten.addmm.default and isinstance(n.args[2], torch.fx.Node)
+        and n.args[2].op == "placeholder" and program.phases.get(n.name) == PHASE_FORWARD
+    }
+    return {program.param_names[n] for n in names if n in program.param_names}
+
+
 def _embedding_weights(program: Program) -> set[str]:
     aten = torch.ops.aten
     names = {n.args[0].name for n in program.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default}
@@ -152,10 +178,12 @@ def model_shape(program: Program, cfg: Optional[ParallelConfig] = None) -> Model
     vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
     if cfg is None or cfg.tp > 1:
         embeddings = _embedding_weights(program)
+        conv1d = _conv1d_weights(program)
         for fqn, style in tp_plan(program, cfg).items():
             val = vals[fqn]
             vocab_rows = style == "rowwise" and fqn in embeddings  # a vocabulary-parallel embedding
-            size = int(val.shape[0] if style == "colwise" or vocab_rows else val.shape[1])
+            in_out = fqn in conv1d  # a [in, out] weight: colwise splits dim 1, rowwise dim 0
+            size = int(val.shape[(0 if style == "colwise" or vocab_rows else 1) ^ int(in_out)])
             projected[fqn] = (style, size)
             leaf = fqn[: -len(".weight")].rsplit(".", 1)[-1]
             if leaf in KEY_NAMES and head_dim:

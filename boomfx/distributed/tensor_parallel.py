@@ -135,6 +135,8 @@ class _Sharder:
                 raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
                                   "built (rowwise, the vocabulary-parallel one, is)")
             dim = 0  # rowwise embedding: rows of the vocabulary
+        elif _is_conv1d_weight(node):  # GPT-2's Conv1D: addmm(bias, x, weight [in, out])
+            dim = 1 if style == "colwise" else 0
         else:
             dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
         if val.shape[dim] % self.tp:
@@ -148,6 +150,8 @@ class _Sharder:
         target = node.target
         if target is aten.linear.default:
             return self.linear(node)
+        if target is aten.addmm.default and isinstance(node.args[2], fx.Node) and _is_conv1d_weight(node.args[2]):
+            return self.conv1d(node)
         if target is aten.embedding.default and self.of(node.args[0]) is not None:
             return self.vocab_embedding(node)
         inputs = self.tensors(node)
@@ -220,6 +224,36 @@ class _Sharder:
             return nd - 1
         if d != nd - 1:
             raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
+        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.split[reduced] = None
+        return "partial"
+
+    def conv1d(self, node: fx.Node) -> Split:
+        """GPT-2's Conv1D, ``addmm(bias, x [N, in], weight [in, out])``: colwise splits the weight's
+        columns and the bias, rowwise its rows (the bias stays whole), with the same collectives as a
+        linear (Megatron's; DTensor's styles do not take Conv1D)."""
+        bias, x, w = node.args[:3]
+        style = self.style.get(w.name)
+        d = self.of(x)
+        if style is None:
+            if d is not None or self.of(bias) is not None:
+                raise _fail(node, "a replicated Conv1D reads a split input (plan its module rowwise)")
+            return None
+        if style == "colwise":
+            if d is not None:
+                raise _fail(node, "a colwise Conv1D reads a split input")
+            with self.graph.inserting_before(node):
+                entered = self.graph.call_function(tp_ops.REGION_ENTER, (x,))
+            entered.meta.update({k: v for k, v in x.meta.items() if k in ("val", "stack_trace")})
+            entered.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            node.replace_input_with(x, entered)
+            self.split[entered] = None
+            return 1
+        if d != 1:
+            raise _fail(node, "a rowwise Conv1D reads an input not split on its last dimension")
         with self.graph.inserting_after(node):
             reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
         reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
@@ -367,6 +401,11 @@ class _Sharder:
         if da is None or db is None or da != db or da >= nd - 2:
             raise _fail(node, "a matmul is only split along a batch dimension both operands share")
         return da
+
+
+def _is_conv1d_weight(node: fx.Node) -> bool:
+    """A weight read untransposed as addmm's second matrix: [in, out] (transformers' Conv1D)."""
+    return node.op == "placeholder" and any(u.target is aten.addmm.default and u.args[2] is node for u in node.users)
 
 
 def _is_embedding_weight(node: fx.Node) -> bool:
