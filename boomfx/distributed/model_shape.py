@@ -6,7 +6,10 @@ an MLP input projection (gate/up/fc) are split column-wise (output features), th
 output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
 'layers.*.q=colwise,...'``, fnmatch patterns on module paths) replaces the derived one. Fused
 projections (GPT-2's ``c_attn``, one [3d, d] weight) cannot be split by head with a plain column
-split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly.
+split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly; with it the
+attention's ``c_proj`` stays replicated and only the MLP's (beside ``c_fc``) is rowwise. With
+``vocab_parallel`` (``--tp-plan torchtitan``) the token embedding is rowwise and the output head
+colwise (``vocab_ends``).
 
 Heads come from the attention op itself (``scaled_dot_product_attention``'s query is
 ``[batch, heads, seq, head_dim]``); key/value heads from the k projection's width / head_dim.

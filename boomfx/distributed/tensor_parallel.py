@@ -19,9 +19,19 @@ the custom ops are lowered to ``_c10d_functional.all_reduce`` + ``wait_tensor`` 
 
 Plan: ``model_shape.tp_plan`` (derived from module names inside the layer list, or ``--tp-plan``).
 
+Vocabulary-parallel ends (``--tp-plan torchtitan``, torchtitan's Llama plan with loss parallel
+off): a rowwise embedding holds ``vocab / tp`` rows, masks the ids outside them (``MaskPartial``)
+and all-reduces its partial output; a split value the model returns (the colwise head's logits) is
+all-gathered to Replicate (``ColwiseParallel(output_layouts=Replicate())``).
+
+GPT-2's ``Conv1D`` (``addmm(bias, x, weight [in, out])``) splits like a linear on the transposed
+dimensions (colwise: weight dim 1; rowwise: dim 0).
+
 Known limitations:
-- Vocabulary-parallel embedding and output head, and sequence parallelism (``sp``), are not built
-  (OptionError); the embedding, norms and head stay replicated, as in torchtitan without them.
+- Sequence parallelism (``sp``) and loss parallel (split logits into a parallel cross-entropy) are
+  not built (OptionError); norms stay replicated, as in torchtitan without ``sp``.
+- The masked ids of a vocabulary-parallel embedding are saved for its backward here (autograd's
+  embedding saves its indices); DTensor frees them and re-masks in backward: [batch, seq] int64 more.
 - A rowwise linear's bias is added on every rank before the all-reduce (DTensor adds ``bias / tp``
   as a ``Partial`` operand): the same shapes and memory, a different sum.
 """
