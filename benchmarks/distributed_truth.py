@@ -26,6 +26,10 @@ Known limitations (gloo and CPU):
 - No streams on CPU: FSDP2's all-gather/reduce-scatter run on the default stream, so overlap (and
   the memory it holds in flight on a GPU) is not exercised; prefetch order still is.
 - Mixed precision (``MixedPrecisionPolicy`` with bf16) runs on CPU but is not part of the default set.
+- Sequence parallelism (``tp_sp``, measured, not predicted yet): gloo has no reduce-scatter, so each
+  ``Partial -> Shard(1)`` runs as a ``gloo:all_reduce`` of the whole [batch, seq, d]; the norm
+  weights' gradients stay ``Partial`` and AdamW's foreach ops all-reduce them again on each read
+  (three ``all_reduce`` of [d] per norm weight after backward).
 - Tensor parallelism here splits Llama's q/k/v/o and gate/up/down and GPT's MLP (fc/fc_out); GPT's
   fused qkv projection cannot be column-split by head with ``ColwiseParallel`` and stays replicated.
 """
@@ -51,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "pp", "hsdp", "tp_fsdp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -167,6 +171,40 @@ def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any) -> None:
         {
             "embed": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+
+
+def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama plan with sequence parallelism, on this model's modules: activations
+    between blocks split on the sequence dim (``Shard(1)``); each norm ``SequenceParallel`` with its
+    output all-gathered once to Replicate for the colwise projections reading it (torchtitan's
+    ``PrepareModuleInput`` on its attention / feed-forward modules, which this Llama has not); the
+    rowwise projections' outputs reduce-scattered to ``Shard(1)``; the embedding rowwise over the
+    vocabulary into ``Shard(1)``; the head colwise from ``Shard(1)`` with its logits gathered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    gather = {"output_layouts": Shard(1), "desired_output_layouts": Replicate()}
+    for layer in layer_list(model):
+        plan = {m: ColwiseParallel() for m in ("q", "k", "v", "gate", "up")}
+        plan.update({m: RowwiseParallel(output_layouts=Shard(1)) for m in ("o", "down")})
+        plan.update({m: SequenceParallel() for m in ("input_norm", "post_norm")})
+        parallelize_module(layer, mesh, plan)
+        parallelize_module(layer, mesh, {m: PrepareModuleOutput(**gather) for m in ("input_norm", "post_norm")})
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         },
     )
 
@@ -289,6 +327,9 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     elif cfg.parallel == "fsdp":
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
+    elif cfg.parallel == "tp_sp":
+        _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)))
+        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel in ("tp", "tp_vocab"):
         mesh = init_device_mesh("cpu", (cfg.world,))
         _apply_tp(model, cfg.model, mesh)
@@ -480,7 +521,7 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
             TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
             TruthConfig(model, "tp", 2),
-            *([TruthConfig(model, "tp_vocab", 2)] if model == "llama" else []),
+            *([TruthConfig(model, "tp_vocab", 2), TruthConfig(model, "tp_sp", 2)] if model == "llama" else []),
             TruthConfig(model, "pp", 2, schedule="1f1b"),
             TruthConfig(model, "pp", 2, schedule="gpipe"),
             TruthConfig(model, "hsdp", 4),
