@@ -191,7 +191,9 @@ def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
         parallelize_module,
     )
 
-    gather = {"output_layouts": Shard(1), "desired_output_layouts": Replicate()}
+    # use_local_output=False: the projections read one Replicate DTensor, so their input gradients
+    # sum as Partial and are reduce-scattered once (torchtitan's PrepareModuleInput does the same)
+    gather = {"output_layouts": Shard(1), "desired_output_layouts": Replicate(), "use_local_output": False}
     for layer in layer_list(model):
         plan = {m: ColwiseParallel() for m in ("q", "k", "v", "gate", "up")}
         plan.update({m: RowwiseParallel(output_layouts=Shard(1)) for m in ("o", "down")})

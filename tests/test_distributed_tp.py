@@ -38,7 +38,8 @@ from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
 
 TOLERANCE = 0.01
 TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")] + [
-    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1)  # + torchtitan's vocabulary-parallel ends
+    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1),  # + torchtitan's vocabulary-parallel ends
+    truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1),  # + sequence parallelism
 ]
 FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
@@ -110,7 +111,7 @@ def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> 
             elif style == "rowwise" and len(shape) == 2:
                 expect[1] //= 2
             assert local[fqn] == expect, fqn
-    if cfg.parallel == "tp_vocab":  # vocabulary rows split: [256, 64] -> [128, 64] on each of 2 ranks
+    if cfg.parallel in ("tp_vocab", "tp_sp"):  # vocabulary rows split: [256, 64] -> [128, 64] on each of 2 ranks
         assert local["embed.weight"] == local["lm_head.weight"] == [truth.VOCAB // 2, 64]
     params = _nbytes(_placeholders(rc.program, "param").values())
     assert params == real.start_param_bytes
@@ -145,8 +146,11 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     }
     predicted = [(gloo_name[c.op], c.input_bytes // 4) for c in collectives(rc.program, ev)]
     real = [(c["op"], c["numel"][0]) for c in tp_gloo_runs[cfg.name].ranks[0].collectives]
-    assert predicted == real
     tp_calls = [c for c in collectives(rc.program, ev) if c.group == "tp"]
+    if cfg.parallel == "tp_sp":
+        _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls)
+        return
+    assert predicted == real
     # per layer: one forward per rowwise linear (llama: o, down; gpt: fc_out), one backward per
     # colwise linear (llama: q, k, v, gate, up; gpt: fc)
     styles = list(truth.TP_PLANS[cfg.model].values())
@@ -160,6 +164,28 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     assert {c.input_bytes for c in reduces} == {cfg.batch * cfg.seq * 64 * 4}
     gathers = [(c.phase, c.input_bytes) for c in tp_calls if c.op != "all_reduce"]
     assert gathers == ([("forward", cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4)] if ends else [])
+
+
+def _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls) -> None:
+    """Sequence parallelism: per layer, forward all-gathers of each norm's [batch, seq / 2, d] output
+    and reduce-scatters of the o/down outputs (gloo runs each as an all_reduce of the whole
+    [batch, seq, d]); backward the mirror image; the embedding reduce-scatters, the final norm's
+    output and the logits are gathered. Not modelled: DTensor leaves the norm weights' gradients
+    Partial and AdamW's foreach ops all-reduce them on each of their 3 reads (lerp, addcmul x 2),
+    after backward: 3 x 5 norm weights all_reduces of [d] = 64, listed apart here."""
+    d, layers, norms = 64, truth.MODEL_DIMS[cfg.model]["layers"], 2 * truth.MODEL_DIMS[cfg.model]["layers"] + 1
+    unmodelled = [("all_reduce", d)] * (3 * norms)
+    assert real[-len(unmodelled):] == unmodelled
+    assert predicted == real[: -len(unmodelled)]
+    full, local = cfg.batch * cfg.seq * d * 4, cfg.batch * cfg.seq // 2 * d * 4
+    logits = cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4
+    by_kind = {}
+    for c in tp_calls:
+        by_kind.setdefault((c.op, c.phase), []).append(c.input_bytes)
+    assert by_kind[("reduce_scatter_tensor", "forward")] == [full] * (1 + 2 * layers)  # embed, o, down
+    assert by_kind[("all_gather_into_tensor", "forward")] == [local] * (2 * layers + 1) + [logits]
+    assert by_kind[("reduce_scatter_tensor", "backward")] == [full] * (1 + 2 * layers)
+    assert by_kind[("all_gather_into_tensor", "backward")] == [local] * (2 * layers + 1)
 
 
 class _HardCodedHeads(torch.nn.Module):
@@ -241,7 +267,7 @@ def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
     )
     assert "--tp-plan torchtitan needs tp > 1" in _bad(capsys, *base, "--parallel", "dp_shard=2", "--tp-plan", "torchtitan")
     program, _ = tp_programs(TWO_RANKS[0])
-    with pytest.raises(OptionError, match="sequence parallelism is not built yet"):
+    with pytest.raises(OptionError, match="sequence parallelism is built with torchtitan's plan"):
         rank_programs(program, ParallelConfig(tp=2, sp=True))
     with pytest.raises(OptionError, match="no linear of the model matches"):
         rank_programs(program, ParallelConfig(tp=2, tp_plan=(("nothing.*", "colwise"),)))

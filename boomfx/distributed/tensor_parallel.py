@@ -95,9 +95,13 @@ def _dim(d: int, ndim: int) -> int:
 class _Sharder:
     """One pass over the export graph: the split of every value, the edits to sizes, the custom ops."""
 
-    def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int) -> None:
+    def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int,
+                 seq_len: Optional[fx.Node] = None) -> None:
         self.graph = graph
         self.tp = tp
+        self.seq_len = seq_len  # sequence parallelism: the graph's full sequence length (a sym_size node)
+        self.gathered: dict[fx.Node, fx.Node] = {}  # a seq-split value -> its one all-gather
+        self.seq_inputs: dict[fx.Node, fx.Node] = {}  # a colwise linear -> the seq-split value it gathered
         self.style = {name: plan[fqn] for name, fqn in params.items() if fqn in plan}  # placeholder -> style
         self.fqn = dict(params)
         self.split: dict[fx.Node, Any] = {}
@@ -223,6 +227,10 @@ class _Sharder:
                 raise _fail(node, "a replicated linear reads a split input (plan its module rowwise)")
             return None
         if style == "colwise":
+            if d is not None and self.seq_len is not None and d == nd - 2:
+                node.replace_input_with(x, self.gather_sequence(x))
+                self.seq_inputs[node] = x
+                return nd - 1
             if d is not None:
                 raise _fail(node, "a colwise linear reads a split input (DTensor would all-gather it)")
             with self.graph.inserting_before(node):
@@ -234,6 +242,19 @@ class _Sharder:
             return nd - 1
         if d != nd - 1:
             raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
+        return self.reduce_partial(node)
+
+    def reduce_partial(self, node: fx.Node) -> Split:
+        """A partial sum made whole: all-reduced, or under sequence parallelism reduce-scattered
+        along the sequence (``output_layouts=Shard(1)``)."""
+        if self.seq_len is not None:
+            with self.graph.inserting_after(node):
+                scattered = self.graph.call_function(tp_ops.SP_SCATTER, (node, 1, self.tp))
+            # (the walk reasons in the export's global shapes: the value keeps its full shape)
+            scattered.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            node.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not scattered)
+            self.split[scattered] = 1
+            return "partial"
         with self.graph.inserting_after(node):
             reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
         reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
@@ -295,12 +316,18 @@ class _Sharder:
         shifted = add(aten.sub.Scalar, (add(aten.clone.default, (ids,), ids), 0), ids)  # ids - this rank's offset
         local_ids = add(aten.masked_fill.Scalar, (shifted, mask, 0), ids)
         node.replace_input_with(ids, local_ids)
-        with self.graph.inserting_after(node):
-            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
-        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
-        self.split[reduced] = None
-        return "partial"
+        return self.reduce_partial(node)
+
+    def gather_sequence(self, x: fx.Node) -> fx.Node:
+        """The one all-gather along the sequence of a seq-split value (torchtitan's
+        ``PrepareModuleInput``: q, k and v, or gate and up, share it)."""
+        if x not in self.gathered:
+            with self.graph.inserting_after(x):
+                g = self.graph.call_function(tp_ops.SP_GATHER, (x, 1, self.tp, self.seq_len))
+            g.meta.update({k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            self.split[g] = None
+            self.gathered[x] = g
+        return self.gathered[x]
 
     def gather_output(self, out: fx.Node, arg: fx.Node) -> None:
         """A split value the model returns (a colwise output head): all-gathered back to Replicate, as
@@ -309,7 +336,7 @@ class _Sharder:
         if d == "partial":
             raise _fail(arg, "a partial sum reaches the model's output")
         with self.graph.inserting_before(out):
-            gathered = self.graph.call_function(tp_ops.ALL_GATHER, (arg, d, self.tp))
+            gathered = self.graph.call_function(tp_ops.ALL_GATHER, (arg, d, self.tp, self.seq_inputs.get(arg)))
         gathered.meta.update({k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         out.replace_input_with(arg, gathered)
         self.split[gathered] = None
@@ -458,18 +485,31 @@ def _needs_more_output(pi: sympy.Expr, pj: sympy.Expr) -> bool:
     return bool(num > den)
 
 
-def shard_export(ep: Any, plan: Mapping[str, str], tp: int) -> SimpleNamespace:
+def shard_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool = False) -> SimpleNamespace:
     """A duck-typed export (what ``training._trace`` reads) of one TP rank's forward."""
     from boomfx.frontend.capture import export_param_names
 
     gm = fx.GraphModule(ep.graph_module, _copy_graph(ep.graph))
     params = export_param_names(ep)
-    sharder = _Sharder(gm.graph, plan, params, tp)
+    sharder = _Sharder(gm.graph, plan, params, tp, _sequence_length(gm.graph, ep) if sp else None)
     sharder.run()
     gm.graph.lint()
     gm.recompile()
     return SimpleNamespace(graph=gm.graph, graph_module=gm, graph_signature=ep.graph_signature,
                            range_constraints=ep.range_constraints, state_dict=ep.state_dict)
+
+
+def _sequence_length(graph: fx.Graph, ep: Any) -> fx.Node:
+    """``sym_size(token ids, 1)``: the full sequence length, for sequence parallelism's all-gathers."""
+    inputs = set(ep.graph_signature.user_inputs)
+    ids = next((n for n in graph.nodes if n.op == "placeholder" and n.name in inputs and _ndim(n) == 2), None)
+    if ids is None:
+        raise OptionError("--parallel sp: the model has no [batch, seq] token input to split the sequence of")
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        size = graph.call_function(aten.sym_size.int, (ids, 1))
+    size.meta["val"] = ids.meta["val"].shape[1]
+    return size
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
@@ -498,8 +538,8 @@ def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     """The training program of one TP rank (every rank of a TP group runs the same one)."""
     from boomfx.frontend.capture import export_of, program_from_traced, trace_step
 
-    if cfg.sp:
-        raise OptionError("--parallel sp: sequence parallelism is not built yet (tp without sp is)")
+    if cfg.sp and not cfg.vocab_parallel:
+        raise OptionError("--parallel sp: sequence parallelism is built with torchtitan's plan (--tp-plan torchtitan)")
     if program.options.compile:
         raise OptionError("--parallel tp with --compile is not modelled yet")
     ep = export_of(program)
@@ -507,7 +547,7 @@ def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
         raise OptionError("--parallel tp needs the training program captured from its export "
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
-    sharded = shard_export(ep, plan, cfg.tp)
+    sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp)
     traced = trace_step(sharded, program.options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
     return tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
