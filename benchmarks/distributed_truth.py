@@ -26,7 +26,7 @@ Known limitations (gloo and CPU):
 - No streams on CPU: FSDP2's all-gather/reduce-scatter run on the default stream, so overlap (and
   the memory it holds in flight on a GPU) is not exercised; prefetch order still is.
 - Mixed precision (``MixedPrecisionPolicy`` with bf16) runs on CPU but is not part of the default set.
-- Sequence parallelism (``tp_sp``, measured, not predicted yet): gloo has no reduce-scatter, so each
+- Sequence parallelism (``tp_sp``): gloo has no reduce-scatter, so each
   ``Partial -> Shard(1)`` runs as a ``gloo:all_reduce`` of the whole [batch, seq, d]; the norm
   weights' gradients stay ``Partial`` and AdamW's foreach ops all-reduce them again on each read
   (three ``all_reduce`` of [d] per norm weight after backward).

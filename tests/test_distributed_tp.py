@@ -367,3 +367,30 @@ def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
     )
     calls = [(c.op, c.phase, c.input_bytes) for c in collectives(rc.program, ev)]
     assert calls == [("all_reduce", "forward", 2 * 16 * 64 * 4)] * 2 + [("all_reduce", "backward", 2 * 16 * 64 * 4)] * 2
+
+
+def test_sequence_parallel_splits_the_residual_stream() -> None:
+    """Under ``sp`` the residual stream between blocks holds seq / 2 positions per rank: every
+    forward residual add of the tiny Llama (2 layers x 2, [2, 16, 64] without sp) is [2, 8, 64],
+    and every reduce-scatter's output too; the logits are gathered back to [2, 16, 512]."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import PHASE_FORWARD
+
+    program = capture(TINY, options=ProgramOptions(True, target_kind="cpu"))
+    (rc,) = rank_programs(program, ParallelConfig(tp=2, sp=True, vocab_parallel=True))
+    spec = cpu_spec()
+    ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
+        resolve_bindings(program, {}, 2, 16)
+    )
+
+    def shape(n):
+        return [int(ev(s.node.expr if isinstance(s, torch.SymInt) else s)) for s in n.meta["val"].shape]
+
+    fwd = [n for n in rc.program.graph.nodes if n.op == "call_function" and rc.program.phases.get(n.name) == PHASE_FORWARD]
+    residual = [shape(n) for n in fwd if n.target is torch.ops.aten.add.Tensor and len(n.meta["val"].shape) == 3
+                and all(isinstance(a, torch.fx.Node) and len(a.meta["val"].shape) == 3 for a in n.args)]
+    assert len(residual) >= 4 and all(s == [2, 8, 64] for s in residual), residual
+    scattered = [shape(n) for n in fwd if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert scattered == [[2, 8, 64]] * 5  # the embedding, then o and down of each layer
+    assert shape(next(n for n in reversed(fwd) if n.target is torch.ops.aten.cat.default)) == [2, 16, 512]

@@ -27,9 +27,19 @@ all-gathered to Replicate (``ColwiseParallel(output_layouts=Replicate())``).
 GPT-2's ``Conv1D`` (``addmm(bias, x, weight [in, out])``) splits like a linear on the transposed
 dimensions (colwise: weight dim 1; rowwise: dim 0).
 
+Sequence parallelism (``sp``, with the torchtitan plan): the activations between blocks are split
+on the sequence dim (``Shard(1)``); the first colwise projection reading a seq-split value
+all-gathers it once (``sp_gather``: q, k and v share it, as behind torchtitan's
+``PrepareModuleInput``), its backward reduce-scatters the summed input gradient; the rowwise outputs
+and the embedding's partial output are reduce-scattered (``sp_scatter``), their backward
+all-gathers. The head's seq-split input stays alive until its logits are gathered (the caller's
+frame holds a module's argument).
+
 Known limitations:
-- Sequence parallelism (``sp``) and loss parallel (split logits into a parallel cross-entropy) are
-  not built (OptionError); norms stay replicated, as in torchtitan without ``sp``.
+- Loss parallel (split logits into a parallel cross-entropy) is not built; ``sp`` needs the
+  torchtitan plan (the embedding's output goes straight into ``Shard(1)``).
+- Under ``sp`` DTensor leaves the norm weights' gradients ``Partial`` and AdamW's foreach ops
+  all-reduce them on each read (3 per weight, [d] each, measured on gloo): not in the program.
 - The masked ids of a vocabulary-parallel embedding are saved for its backward here (autograd's
   embedding saves its indices); DTensor frees them and re-masks in backward: [batch, seq] int64 more.
 - A rowwise linear's bias is added on every rank before the all-reduce (DTensor adds ``bias / tp``
