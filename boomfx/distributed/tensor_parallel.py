@@ -545,7 +545,18 @@ def module_plan(program: Program, cfg: ParallelConfig) -> dict[str, str]:
 
 
 def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
-    """The training program of one TP rank (every rank of a TP group runs the same one)."""
+    """The training program of one TP rank (every rank of a TP group runs the same one).
+
+    Kept per program and TP setting: the re-trace is most of a TP plan's build, and the plans of a
+    ``--search`` (or the rank classes of one world) that share ``tp`` share it; the FSDP, DDP and
+    pipeline rewrites copy the graph they are given, so the kept program is never edited."""
+    key = ("tensor_parallel", cfg.tp, cfg.sp, cfg.tp_plan, cfg.vocab_parallel, cfg.backend)
+    if key not in program.derived:
+        program.derived[key] = _build_tp_rank_program(program, cfg)
+    return program.derived[key]
+
+
+def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     from boomfx.frontend.capture import export_of, program_from_traced, trace_step
 
     if cfg.sp and not cfg.vocab_parallel:
