@@ -71,6 +71,16 @@ def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float,
     return "\n".join(lines) + "\n"
 
 
+def _merged_with_earlier(fresh: dict) -> list[dict]:
+    """``--only``: the earlier results file's rows with the rerun ones replaced (or added), in the
+    order of ``default_configs()``; each row keeps the load average of its own run."""
+    path = RESULTS / "distributed_gloo.json"
+    earlier = {r["name"]: r for r in json.loads(path.read_text())["configs"]} if path.exists() else {}
+    earlier.update(fresh)
+    order = [c.name for c in truth.default_configs()]
+    return sorted(earlier.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run only configurations whose name contains this")
@@ -82,11 +92,13 @@ def main() -> None:
         results += truth.run_configs([c for c in configs if c.world == world])
     wall_s = time.perf_counter() - start
     load = os.getloadavg()
-    rows = []
+    fresh = {}
     for res in results:
         row = res.to_json()
         row["predicted"] = _predict(res.config)
-        rows.append(row)
+        row["load_average"] = load
+        fresh[row["name"]] = row
+    rows = _merged_with_earlier(fresh) if args.only else list(fresh.values())
     RESULTS.mkdir(exist_ok=True)
     previous = RESULTS / "distributed_gloo.json"
     reruns: list[dict] = []

@@ -26,6 +26,8 @@ def parallel_config(cfg: truth.TruthConfig):
         "fsdp": dict(dp_shard=cfg.world),
         "hsdp": dict(dp_replicate=2, dp_shard=cfg.world // 2),
         "tp": dict(tp=cfg.world),
+        "tp_vocab": dict(tp=cfg.world, vocab_parallel=True),
+        "tp_sp": dict(tp=cfg.world, vocab_parallel=True, sp=True),  # not built: no prediction yet
         "pp": dict(pp=cfg.world),
         "tp_fsdp": dict(dp_shard=cfg.world // 2, tp=2),
         "pp_tp": dict(pp=2, tp=cfg.world // 2),

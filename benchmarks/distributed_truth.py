@@ -26,6 +26,10 @@ Known limitations (gloo and CPU):
 - No streams on CPU: FSDP2's all-gather/reduce-scatter run on the default stream, so overlap (and
   the memory it holds in flight on a GPU) is not exercised; prefetch order still is.
 - Mixed precision (``MixedPrecisionPolicy`` with bf16) runs on CPU but is not part of the default set.
+- Sequence parallelism (``tp_sp``): gloo has no reduce-scatter, so each
+  ``Partial -> Shard(1)`` runs as a ``gloo:all_reduce`` of the whole [batch, seq, d]; the norm
+  weights' gradients stay ``Partial`` and AdamW's foreach ops all-reduce them again on each read
+  (three ``all_reduce`` of [d] per norm weight after backward).
 - Tensor parallelism here splits Llama's q/k/v/o and gate/up/down and GPT's MLP (fc/fc_out); GPT's
   fused qkv projection cannot be column-split by head with ``ColwiseParallel`` and stays replicated.
 """
@@ -51,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -152,6 +156,59 @@ def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
 
     for layer in layer_list(model):
         parallelize_module(layer, mesh, _tp_plan(model_name))
+
+
+def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama plan for the ends of the model, without sequence parallelism: the embedding
+    rowwise over the vocabulary (token ids arrive replicated) and the head colwise with its logits
+    all-gathered back to Replicate (loss parallel off)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+
+
+def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
+    """torchtitan's Llama plan with sequence parallelism, on this model's modules: activations
+    between blocks split on the sequence dim (``Shard(1)``); each norm ``SequenceParallel`` with its
+    output all-gathered once to Replicate for the colwise projections reading it (torchtitan's
+    ``PrepareModuleInput`` on its attention / feed-forward modules, which this Llama has not); the
+    rowwise projections' outputs reduce-scattered to ``Shard(1)``; the embedding rowwise over the
+    vocabulary into ``Shard(1)``; the head colwise from ``Shard(1)`` with its logits gathered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    # use_local_output=False: the projections read one Replicate DTensor, so their input gradients
+    # sum as Partial and are reduce-scattered once (torchtitan's PrepareModuleInput does the same)
+    gather = {"output_layouts": Shard(1), "desired_output_layouts": Replicate(), "use_local_output": False}
+    for layer in layer_list(model):
+        plan = {m: ColwiseParallel() for m in ("q", "k", "v", "gate", "up")}
+        plan.update({m: RowwiseParallel(output_layouts=Shard(1)) for m in ("o", "down")})
+        plan.update({m: SequenceParallel() for m in ("input_norm", "post_norm")})
+        parallelize_module(layer, mesh, plan)
+        parallelize_module(layer, mesh, {m: PrepareModuleOutput(**gather) for m in ("input_norm", "post_norm")})
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
 
 
 def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool) -> None:
@@ -300,8 +357,14 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
     elif cfg.parallel == "fsdp":
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
-    elif cfg.parallel == "tp":
-        _apply_tp(model, cfg.model, init_device_mesh("cpu", (cfg.world,)))
+    elif cfg.parallel == "tp_sp":
+        _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)))
+        idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+    elif cfg.parallel in ("tp", "tp_vocab"):
+        mesh = init_device_mesh("cpu", (cfg.world,))
+        _apply_tp(model, cfg.model, mesh)
+        if cfg.parallel == "tp_vocab":
+            _apply_vocab_parallel(model, mesh)
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel == "hsdp":
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
@@ -488,6 +551,7 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
             TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
             TruthConfig(model, "tp", 2),
+            *([TruthConfig(model, "tp_vocab", 2), TruthConfig(model, "tp_sp", 2)] if model == "llama" else []),
             TruthConfig(model, "pp", 2, schedule="1f1b"),
             TruthConfig(model, "pp", 2, schedule="gpipe"),
             TruthConfig(model, "hsdp", 4),

@@ -103,8 +103,10 @@ class LlamaBlock(nn.Module):
         self.down = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
         h = self.input_norm(x)
+        # sizes from the norm's output, not x: under sequence parallelism x holds seq / tp positions
+        # and h the gathered sequence
+        b, t, c = h.shape
         # -1 heads: under tensor parallelism each rank holds heads / tp of them
         q = self.q(h).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k(h).view(b, t, -1, self.head_dim).transpose(1, 2)

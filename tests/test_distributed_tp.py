@@ -37,7 +37,10 @@ from boomfx.distributed.ranks import rank_programs  # noqa: E402
 from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
 
 TOLERANCE = 0.01
-TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")]
+TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")] + [
+    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1),  # + torchtitan's vocabulary-parallel ends
+    truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1),  # + sequence parallelism
+]
 FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
 TINY = str(ROOT / "examples" / "llama_tiny.pt2")  # 2 layers, d 64, 4 heads, 2 key/value heads
@@ -109,6 +112,8 @@ def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> 
             elif style == "rowwise" and len(shape) == 2:
                 expect[1] //= 2
             assert local[fqn] == expect, fqn
+    if cfg.parallel in ("tp_vocab", "tp_sp"):  # vocabulary rows split: [256, 64] -> [128, 64] on each of 2 ranks
+        assert local["embed.weight"] == local["lm_head.weight"] == [truth.VOCAB // 2, 64]
     params = _nbytes(_placeholders(rc.program, "param").values())
     assert params == real.start_param_bytes
     # AdamW: exp_avg + exp_avg_sq of each local parameter, plus one fp32 step scalar per parameter
@@ -134,18 +139,54 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
         resolve_bindings(program, {}, cfg.batch, cfg.seq)
     )
-    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce", "all_reduce": "all_reduce"}
+    gloo_name = {
+        "all_gather_into_tensor_out": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "all_reduce",
+        "all_reduce": "all_reduce",
+    }
     predicted = [(gloo_name[c.op], c.input_bytes // 4) for c in collectives(rc.program, ev)]
     real = [(c["op"], c["numel"][0]) for c in tp_gloo_runs[cfg.name].ranks[0].collectives]
-    assert predicted == real
     tp_calls = [c for c in collectives(rc.program, ev) if c.group == "tp"]
+    if cfg.parallel == "tp_sp":
+        _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls)
+        return
+    assert predicted == real
     # per layer: one forward per rowwise linear (llama: o, down; gpt: fc_out), one backward per
     # colwise linear (llama: q, k, v, gate, up; gpt: fc)
     styles = list(truth.TP_PLANS[cfg.model].values())
     layers = truth.MODEL_DIMS[cfg.model]["layers"]
-    assert [c.phase for c in tp_calls].count("forward") == styles.count("rowwise") * layers
-    assert [c.phase for c in tp_calls].count("backward") == styles.count("colwise") * layers
-    assert {c.input_bytes for c in tp_calls} == {cfg.batch * cfg.seq * 64 * 4}
+    reduces = [c for c in tp_calls if c.op == "all_reduce"]
+    # the vocabulary-parallel ends: the embedding's partial output all-reduced forward, the head's
+    # input gradient backward (colwise), its [batch, seq, vocab / 2] logits all-gathered forward
+    ends = 1 if cfg.parallel == "tp_vocab" else 0
+    assert [c.phase for c in reduces].count("forward") == styles.count("rowwise") * layers + ends
+    assert [c.phase for c in reduces].count("backward") == styles.count("colwise") * layers + ends
+    assert {c.input_bytes for c in reduces} == {cfg.batch * cfg.seq * 64 * 4}
+    gathers = [(c.phase, c.input_bytes) for c in tp_calls if c.op != "all_reduce"]
+    assert gathers == ([("forward", cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4)] if ends else [])
+
+
+def _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls) -> None:
+    """Sequence parallelism: per layer, forward all-gathers of each norm's [batch, seq / 2, d] output
+    and reduce-scatters of the o/down outputs (gloo runs each as an all_reduce of the whole
+    [batch, seq, d]); backward the mirror image; the embedding reduce-scatters, the final norm's
+    output and the logits are gathered. Not modelled: DTensor leaves the norm weights' gradients
+    Partial and AdamW's foreach ops all-reduce them on each of their 3 reads (lerp, addcmul x 2),
+    after backward: 3 x 5 norm weights all_reduces of [d] = 64, listed apart here."""
+    d, layers, norms = 64, truth.MODEL_DIMS[cfg.model]["layers"], 2 * truth.MODEL_DIMS[cfg.model]["layers"] + 1
+    unmodelled = [("all_reduce", d)] * (3 * norms)
+    assert real[-len(unmodelled):] == unmodelled
+    assert predicted == real[: -len(unmodelled)]
+    full, local = cfg.batch * cfg.seq * d * 4, cfg.batch * cfg.seq // 2 * d * 4
+    logits = cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4
+    by_kind = {}
+    for c in tp_calls:
+        by_kind.setdefault((c.op, c.phase), []).append(c.input_bytes)
+    assert by_kind[("reduce_scatter_tensor", "forward")] == [full] * (1 + 2 * layers)  # embed, o, down
+    assert by_kind[("all_gather_into_tensor", "forward")] == [local] * (2 * layers + 1) + [logits]
+    assert by_kind[("reduce_scatter_tensor", "backward")] == [full] * (1 + 2 * layers)
+    assert by_kind[("all_gather_into_tensor", "backward")] == [local] * (2 * layers + 1)
 
 
 class _HardCodedHeads(torch.nn.Module):
@@ -222,13 +263,12 @@ def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
     """(tp not dividing heads / key-value heads: tests/test_distributed_memory.py.) What the TP
     rewrite cannot do yet is one line, exit 2 through the CLI, an OptionError through the API."""
     base = ["analyze", TINY, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
-    assert "a split value reaches the model's output" in _bad(
-        capsys, *base, "--parallel", "tp=2", "--tp-plan", "lm_head=colwise"
+    assert "a colwise (embedding-dimension) split of an embedding is not built" in _bad(
+        capsys, *base, "--parallel", "tp=2", "--tp-plan", "embed=colwise"
     )
+    assert "--tp-plan torchtitan needs tp > 1" in _bad(capsys, *base, "--parallel", "dp_shard=2", "--tp-plan", "torchtitan")
     program, _ = tp_programs(TWO_RANKS[0])
-    with pytest.raises(OptionError, match="vocabulary-parallel embedding is not built"):
-        rank_programs(program, ParallelConfig(tp=2, tp_plan=(("embed", "colwise"),)))
-    with pytest.raises(OptionError, match="sequence parallelism is not built yet"):
+    with pytest.raises(OptionError, match="sequence parallelism is built with torchtitan's plan"):
         rank_programs(program, ParallelConfig(tp=2, sp=True))
     with pytest.raises(OptionError, match="no linear of the model matches"):
         rank_programs(program, ParallelConfig(tp=2, tp_plan=(("nothing.*", "colwise"),)))
@@ -249,6 +289,23 @@ def test_tp_report_times_its_collectives_on_the_critical_path() -> None:
     assert timing["exposed_comm_ns"] > 0.9 * (timing["exposed_comm_ns"] + timing["hidden_comm_ns"])
 
 
+def test_torchtitan_preset_adds_the_vocabulary_parallel_ends() -> None:
+    """``tp_plan="torchtitan"``: the derived layer plan plus embed rowwise and lm_head colwise; the
+    tiny Llama (vocab 512, d 64) then issues 14 + 3 TP collectives (the embedding's forward
+    all-reduce, the head's input-gradient all-reduce, the logits' all-gather), the all-gather of
+    each rank's logits [2, 16, 512 / 2] fp32 = 32,768 B."""
+    import boomfx
+
+    report = boomfx.analyze(
+        TINY, train=True, device="h100-sxm", batch=2, seq=16, parallel={"tp": 2, "tp_plan": "torchtitan"}
+    )
+    (cls,) = report.parallel["classes"]
+    tp = [c for c in cls["collectives"] if c["group"] == "tp"]
+    assert len(tp) == 17
+    gathers = [c for c in tp if c["op"].startswith("all_gather")]
+    assert [c["input_bytes"] for c in gathers] == [2 * 16 * 256 * 4]
+
+
 def test_view_groups_follow_the_split() -> None:
     """A view maps runs of dims with equal size products; the split dim must lead its run (then the
     run's first non-unit output dim carries it), else each rank's slice is not one block."""
@@ -267,3 +324,74 @@ def test_view_groups_follow_the_split() -> None:
     assert _group([b, i(8), t], [b * i(8), t], 1)[0] is None
     # [b * t, 64] -> [b, t, 64]: the last dim is its own run
     assert _group([b * t, i(64)], [b, t, i(64)], 1) == ([1], [2])
+
+
+@pytest.mark.slow  # export of a transformers model
+def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
+    """transformers' GPT-2 keeps Conv1D weights as [in, out] (``addmm(bias, x, weight)``): the
+    derived plan splits ``mlp.c_fc`` colwise on dim 1 (and its bias) and ``mlp.c_proj`` rowwise on
+    dim 0 (its bias whole); the fused ``attn.c_attn`` and the attention's ``c_proj`` stay
+    replicated. Per layer: one forward all-reduce (c_proj's partial output) and one backward
+    all-reduce (c_fc's input gradient), each [batch, seq, 64] fp32."""
+    transformers = pytest.importorskip("transformers")
+    from torch.export import Dim
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=idx, use_cache=False).logits
+
+    idx = torch.randint(0, 256, (2, 16))
+    ep = torch.export.export(Logits(), (idx,), dynamic_shapes={"idx": {0: Dim("batch"), 1: Dim("seq", max=64)}})
+    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    (rc,) = rank_programs(program, ParallelConfig(tp=2))
+    local = {rc.program.param_names[n]: list(v.shape) for n, v in _placeholders(rc.program, "param").items()}
+    full = {program.param_names[n]: list(v.shape) for n, v in _placeholders(program, "param").items()}
+    for layer in ("m.transformer.h.0", "m.transformer.h.1"):
+        assert local[f"{layer}.mlp.c_fc.weight"] == [64, 128] and local[f"{layer}.mlp.c_fc.bias"] == [128]
+        assert local[f"{layer}.mlp.c_proj.weight"] == [128, 64] and local[f"{layer}.mlp.c_proj.bias"] == [64]
+    split = {f"m.transformer.h.{i}.mlp.{m}" for i in (0, 1) for m in ("c_fc.weight", "c_fc.bias", "c_proj.weight")}
+    assert {k: v for k, v in local.items() if k not in split} == {k: v for k, v in full.items() if k not in split}
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+
+    spec = cpu_spec()
+    ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
+        resolve_bindings(program, {}, 2, 16)
+    )
+    calls = [(c.op, c.phase, c.input_bytes) for c in collectives(rc.program, ev)]
+    assert calls == [("all_reduce", "forward", 2 * 16 * 64 * 4)] * 2 + [("all_reduce", "backward", 2 * 16 * 64 * 4)] * 2
+
+
+def test_sequence_parallel_splits_the_residual_stream() -> None:
+    """Under ``sp`` the residual stream between blocks holds seq / 2 positions per rank: every
+    forward residual add of the tiny Llama (2 layers x 2, [2, 16, 64] without sp) is [2, 8, 64],
+    and every reduce-scatter's output too; the logits are gathered back to [2, 16, 512]."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import PHASE_FORWARD
+
+    program = capture(TINY, options=ProgramOptions(True, target_kind="cpu"))
+    (rc,) = rank_programs(program, ParallelConfig(tp=2, sp=True, vocab_parallel=True))
+    spec = cpu_spec()
+    ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
+        resolve_bindings(program, {}, 2, 16)
+    )
+
+    def shape(n):
+        return [int(ev(s.node.expr if isinstance(s, torch.SymInt) else s)) for s in n.meta["val"].shape]
+
+    fwd = [n for n in rc.program.graph.nodes if n.op == "call_function" and rc.program.phases.get(n.name) == PHASE_FORWARD]
+    residual = [shape(n) for n in fwd if n.target is torch.ops.aten.add.Tensor and len(n.meta["val"].shape) == 3
+                and all(isinstance(a, torch.fx.Node) and len(a.meta["val"].shape) == 3 for a in n.args)]
+    assert len(residual) >= 4 and all(s == [2, 8, 64] for s in residual), residual
+    scattered = [shape(n) for n in fwd if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert scattered == [[2, 8, 64]] * 5  # the embedding, then o and down of each layer
+    assert shape(next(n for n in reversed(fwd) if n.target is torch.ops.aten.cat.default)) == [2, 16, 512]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import sympy
 import torch.fx
@@ -92,6 +92,12 @@ class Program:
     param_names: Mapping[str, str] = field(default_factory=dict)
     source: str = "<memory>"
     warnings: tuple[str, ...] = ()      # known approximations of this capture, copied into the Report
+    # the ExportedProgram a training program was traced from (a per-rank rewrite re-traces it: tensor
+    # parallelism); held by the program, not by a process-wide table, so it dies with it. None after a rewrite
+    export: Any = field(default=None, compare=False, repr=False)
+    # programs rewritten from this one, kept by the rewrite's key so that plans sharing it build it once
+    # (boomfx/distributed/tensor_parallel.py); they die with this program. Empty after a rewrite
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -135,4 +141,6 @@ class Program:
         # code generation was half of an 80-layer rank rewrite; frontend/deserialize.py does the same)
         gm = _LazyGraphModule(self.gm, graph)
         gm.meta.update(self.gm.meta)
+        changes.setdefault("export", None)
+        changes.setdefault("derived", {})
         return replace(self, gm=gm, **changes)

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
-from boomfx.distributed.plan import DEFAULT_BUCKET_CAP_MB, SCHEDULES, ParallelConfig
+from boomfx.distributed.plan import DEFAULT_BUCKET_CAP_MB, SCHEDULES, TP_PRESET, ParallelConfig
 from boomfx.core.errors import OptionError
 from boomfx.core.units import fmt_bytes, fmt_time
 
@@ -42,7 +42,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--tp-plan",
         default="",
         metavar="PATTERN=STYLE,...",
-        help="explicit tensor-parallel plan: module fnmatch pattern = colwise|rowwise",
+        help="explicit tensor-parallel plan: module fnmatch pattern = colwise|rowwise (an embedding "
+        "rowwise: vocabulary-parallel), or 'torchtitan': the derived plan plus the vocabulary-parallel "
+        "embedding and output head",
     )
     g.add_argument(
         "--rank",
@@ -58,7 +60,8 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
             raise OptionError("--rank needs --parallel")
         return None
     plan = []
-    for item in (i.strip() for i in args.tp_plan.split(",") if i.strip()):
+    preset = args.tp_plan.strip() == TP_PRESET
+    for item in (i.strip() for i in ("" if preset else args.tp_plan).split(",") if i.strip()):
         pattern, sep, style = item.partition("=")
         if not sep:
             raise OptionError(f"--tp-plan: {item!r} is not PATTERN=colwise|rowwise")
@@ -75,6 +78,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         bucket_cap_mb=args.bucket_cap_mb,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         tp_plan=tuple(plan),
+        vocab_parallel=preset,
     )
 
 

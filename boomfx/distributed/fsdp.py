@@ -324,7 +324,9 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
             g.replace_all_uses_with(s, delete_user_cb=lambda user: phases.get(user.name) == PHASE_OPTIMIZER)
             new_grad_nodes[s.name] = program.param_names.get(p.name, p.name)
     graph.lint()
-    gm_meta = {META_RUNTIME_USES: {k: tuple(v) for k, v in edit.extra_uses.items()}}
+    uses = dict(program.gm.meta.get(META_RUNTIME_USES, {}))  # the TP rewrite's, if any
+    uses.update({k: tuple(v) for k, v in edit.extra_uses.items()})
+    gm_meta = {META_RUNTIME_USES: uses}
     out = program.rewritten(graph, phases=phases, grad_nodes=new_grad_nodes)
     out.gm.meta.update(gm_meta)
     return out

@@ -6,7 +6,10 @@ an MLP input projection (gate/up/fc) are split column-wise (output features), th
 output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
 'layers.*.q=colwise,...'``, fnmatch patterns on module paths) replaces the derived one. Fused
 projections (GPT-2's ``c_attn``, one [3d, d] weight) cannot be split by head with a plain column
-split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly.
+split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly; with it the
+attention's ``c_proj`` stays replicated and only the MLP's (beside ``c_fc``) is rowwise. With
+``vocab_parallel`` (``--tp-plan torchtitan``) the token embedding is rowwise and the output head
+colwise (``vocab_ends``).
 
 Heads come from the attention op itself (``scaled_dot_product_attention``'s query is
 ``[batch, heads, seq, head_dim]``); key/value heads from the k projection's width / head_dim.
@@ -22,7 +25,7 @@ import torch
 
 from boomfx.training.checkpointing import find_layer_list, layer_names
 from boomfx.distributed.plan import ModelShape, ParallelConfig
-from boomfx.core.program import ROLE_PARAM, Program
+from boomfx.core.program import PHASE_FORWARD, ROLE_INPUT, ROLE_PARAM, Program
 
 COLWISE_NAMES = frozenset(
     {
@@ -50,6 +53,7 @@ COLWISE_NAMES = frozenset(
     }
 )
 ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
+GPT2_MLP_OUT = "c_proj"
 KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
 _SDPA = {
     torch.ops.aten.scaled_dot_product_attention.default,
@@ -65,6 +69,7 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
     layers = layer_names(program.graph, prefix) if prefix else []
     explicit = tuple(cfg.tp_plan) if cfg is not None else ()
     plan: dict[str, str] = {}
+    ends = vocab_ends(program) if cfg is not None and cfg.vocab_parallel and not explicit else {}
     for name, fqn in program.param_names.items():
         if program.input_roles.get(name) != ROLE_PARAM or not fqn.endswith(".weight"):
             continue
@@ -78,13 +83,81 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
                     plan[fqn] = style
             continue
         if not any(module.startswith(layer + ".") for layer in layers):
+            if cfg is not None and cfg.vocab_parallel and name in ends:
+                plan[fqn] = ends[name]
             continue
         leaf = module.rsplit(".", 1)[-1]
         if leaf in COLWISE_NAMES:
             plan[fqn] = "colwise"
         elif leaf in ROWWISE_NAMES:
             plan[fqn] = "rowwise"
+    if not explicit:
+        _pair_gpt2_mlp_projection(plan, program)
     return plan
+
+
+def _pair_gpt2_mlp_projection(plan: dict[str, str], program: Program) -> None:
+    """GPT-2 names both output projections ``c_proj``: the MLP's (beside a colwise ``c_fc``) is
+    rowwise; the attention's stays replicated with its fused ``c_attn``."""
+    fqns = set(program.param_names.values())
+    for fqn, style in list(plan.items()):
+        parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
+        partner = f"{parent}.{GPT2_MLP_OUT}.weight"
+        if leaf == "c_fc" and style == "colwise" and partner in fqns:
+            plan[partner] = "rowwise"
+
+
+def vocab_ends(program: Program) -> dict[str, str]:
+    """torchtitan's vocabulary-parallel ends, by placeholder: the token embedding (an embedding
+    looking up a model input) rowwise, the output head (the linear whose result the model returns)
+    colwise."""
+    aten = torch.ops.aten
+    inputs = {n for n in program.graph.nodes if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_INPUT}
+    ends: dict[str, str] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default and node.args[1] in inputs:
+            ends[node.args[0].name] = "rowwise"
+    head = _returned_linear(program)
+    if head is not None:
+        ends[head] = "colwise"
+    return ends
+
+
+def _returned_linear(program: Program) -> Optional[str]:
+    """The weight placeholder of the forward linear whose output the loss reads first (the head)."""
+    aten = torch.ops.aten
+    linears = [n for n in program.graph.nodes if n.op == "call_function" and n.target in (aten.linear.default, aten.mm.default, aten.addmm.default)
+               and program.phases.get(n.name) == PHASE_FORWARD]
+    return None if not linears else _weight_placeholder(linears[-1])
+
+
+def _weight_placeholder(node: "torch.fx.Node") -> Optional[str]:
+    """The parameter placeholder a matmul's weight operand comes from (through t/transpose views)."""
+    aten = torch.ops.aten
+    w = node.args[1] if node.target is aten.linear.default else node.args[-1]
+    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+        w = w.args[0]
+    return w.name if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
+
+
+def _conv1d_weights(program: Program) -> set[str]:
+    """Weights a forward ``addmm`` reads untransposed as its second matrix ([in, out], GPT-2's Conv1D)."""
+    aten = torch.ops.aten
+    names = {
+        n.args[2].name
+        for n in program.graph.nodes
+        if n.op == "call_function" and n.target is aten.addmm.default and isinstance(n.args[2], torch.fx.Node)
+        and n.args[2].op == "placeholder" and program.phases.get(n.name) == PHASE_FORWARD
+    }
+    return {program.param_names[n] for n in names if n in program.param_names}
+
+
+def _embedding_weights(program: Program) -> set[str]:
+    aten = torch.ops.aten
+    names = {n.args[0].name for n in program.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default}
+    return {program.param_names[n] for n in names if n in program.param_names}
 
 
 def _param_val(program: Program, placeholder: str) -> Optional[torch.Tensor]:
@@ -122,9 +195,13 @@ def _model_shape(program: Program, cfg: Optional[ParallelConfig]) -> ModelShape:
     kv_heads = None
     vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
     if cfg is None or cfg.tp > 1:
+        embeddings = _embedding_weights(program)
+        conv1d = _conv1d_weights(program)
         for fqn, style in tp_plan(program, cfg).items():
             val = vals[fqn]
-            size = int(val.shape[0] if style == "colwise" else val.shape[1])
+            vocab_rows = style == "rowwise" and fqn in embeddings  # a vocabulary-parallel embedding
+            in_out = fqn in conv1d  # a [in, out] weight: colwise splits dim 1, rowwise dim 0
+            size = int(val.shape[(0 if style == "colwise" or vocab_rows else 1) ^ int(in_out)])
             projected[fqn] = (style, size)
             leaf = fqn[: -len(".weight")].rsplit(".", 1)[-1]
             if leaf in KEY_NAMES and head_dim:

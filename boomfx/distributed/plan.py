@@ -37,6 +37,9 @@ DTYPES = {
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 
 
+TP_PRESET = "torchtitan"  # --tp-plan's named plan
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     dp_replicate: int = 1
@@ -54,6 +57,9 @@ class ParallelConfig:
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
     tp_plan: tuple[tuple[str, str], ...] = ()  # explicit (module pattern, "colwise"|"rowwise")
+    # torchtitan's Llama plan (``--tp-plan torchtitan``): the derived layer plan plus the token
+    # embedding rowwise over the vocabulary and the output head colwise (logits gathered)
+    vocab_parallel: bool = False
     backend: str = "nccl"  # "gloo": the CPU ground truth's backend
 
     # -- construction ----------------------------------------------------------------------------
@@ -93,7 +99,9 @@ class ParallelConfig:
             return ParallelConfig.parse(value)
         fields = dict(value)
         plan = fields.get("tp_plan")
-        if isinstance(plan, Mapping):
+        if plan == TP_PRESET:
+            fields["tp_plan"], fields["vocab_parallel"] = (), True
+        elif isinstance(plan, Mapping):
             fields["tp_plan"] = tuple(plan.items())
         try:
             cfg = ParallelConfig(**fields)  # type: ignore[arg-type]
@@ -124,6 +132,8 @@ class ParallelConfig:
                 f"--pp-schedule {self.pp_schedule} needs at least pp={self.pp} micro-batches, "
                 f"got {self.num_microbatches}"
             )
+        if self.vocab_parallel and self.tp == 1:
+            raise OptionError(f"--tp-plan {TP_PRESET} needs tp > 1")
         if self.sp and self.tp == 1:
             raise OptionError("--parallel: sp (sequence parallelism) needs tp > 1")
         if self.bucket_cap_mb <= 0:

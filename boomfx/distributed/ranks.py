@@ -92,6 +92,9 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
 
+        if cfg.sp or cfg.vocab_parallel:
+            raise OptionError("--parallel pp with sp or a vocabulary-parallel TP plan is not built yet "
+                              "(pp with the default TP plan is)")
         program = tp_rank_program(program, cfg)
     classes = []
     for stage in stage_programs(program, cfg):

@@ -19,9 +19,29 @@ the custom ops are lowered to ``_c10d_functional.all_reduce`` + ``wait_tensor`` 
 
 Plan: ``model_shape.tp_plan`` (derived from module names inside the layer list, or ``--tp-plan``).
 
+Vocabulary-parallel ends (``--tp-plan torchtitan``, torchtitan's Llama plan with loss parallel
+off): a rowwise embedding holds ``vocab / tp`` rows, masks the ids outside them (``MaskPartial``)
+and all-reduces its partial output; a split value the model returns (the colwise head's logits) is
+all-gathered to Replicate (``ColwiseParallel(output_layouts=Replicate())``).
+
+GPT-2's ``Conv1D`` (``addmm(bias, x, weight [in, out])``) splits like a linear on the transposed
+dimensions (colwise: weight dim 1; rowwise: dim 0).
+
+Sequence parallelism (``sp``, with the torchtitan plan): the activations between blocks are split
+on the sequence dim (``Shard(1)``); the first colwise projection reading a seq-split value
+all-gathers it once (``sp_gather``: q, k and v share it, as behind torchtitan's
+``PrepareModuleInput``), its backward reduce-scatters the summed input gradient; the rowwise outputs
+and the embedding's partial output are reduce-scattered (``sp_scatter``), their backward
+all-gathers. The head's seq-split input stays alive until its logits are gathered (the caller's
+frame holds a module's argument).
+
 Known limitations:
-- Vocabulary-parallel embedding and output head, and sequence parallelism (``sp``), are not built
-  (OptionError); the embedding, norms and head stay replicated, as in torchtitan without them.
+- Loss parallel (split logits into a parallel cross-entropy) is not built; ``sp`` needs the
+  torchtitan plan (the embedding's output goes straight into ``Shard(1)``).
+- Under ``sp`` DTensor leaves the norm weights' gradients ``Partial`` and AdamW's foreach ops
+  all-reduce them on each read (3 per weight, [d] each, measured on gloo): not in the program.
+- The masked ids of a vocabulary-parallel embedding are saved for its backward here (autograd's
+  embedding saves its indices); DTensor frees them and re-masks in backward: [batch, seq] int64 more.
 - A rowwise linear's bias is added on every rank before the all-reduce (DTensor adds ``bias / tp``
   as a ``Partial`` operand): the same shapes and memory, a different sum.
 """
@@ -85,9 +105,13 @@ def _dim(d: int, ndim: int) -> int:
 class _Sharder:
     """One pass over the export graph: the split of every value, the edits to sizes, the custom ops."""
 
-    def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int) -> None:
+    def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int,
+                 seq_len: Optional[fx.Node] = None) -> None:
         self.graph = graph
         self.tp = tp
+        self.seq_len = seq_len  # sequence parallelism: the graph's full sequence length (a sym_size node)
+        self.gathered: dict[fx.Node, fx.Node] = {}  # a seq-split value -> its one all-gather
+        self.seq_inputs: dict[fx.Node, fx.Node] = {}  # a colwise linear -> the seq-split value it gathered
         self.style = {name: plan[fqn] for name, fqn in params.items() if fqn in plan}  # placeholder -> style
         self.fqn = dict(params)
         self.split: dict[fx.Node, Any] = {}
@@ -118,8 +142,7 @@ class _Sharder:
             elif node.op == "output":
                 for arg in self.tensors(node):
                     if self.of(arg) is not None:
-                        raise _fail(arg, "a split value reaches the model's output (a colwise output head "
-                                    "needs a vocabulary-parallel loss, not built)")
+                        self.gather_output(node, arg)
             elif node.op == "call_function":
                 self.split[node] = self.call(node)
 
@@ -131,7 +154,15 @@ class _Sharder:
         fqn = self.fqn[node.name]
         if style == "rowwise" and val.dim() == 1:
             return None  # a rowwise bias stays whole
-        dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
+        if _is_embedding_weight(node):
+            if style == "colwise":
+                raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
+                                  "built (rowwise, the vocabulary-parallel one, is)")
+            dim = 0  # rowwise embedding: rows of the vocabulary
+        elif _is_conv1d_weight(node):  # GPT-2's Conv1D: addmm(bias, x, weight [in, out])
+            dim = 1 if style == "colwise" else 0
+        else:
+            dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
         if val.shape[dim] % self.tp:
             raise OptionError(f"--parallel: tp={self.tp} does not divide {fqn} ({style}: dimension {val.shape[dim]})")
         shape = list(val.shape)
@@ -143,8 +174,10 @@ class _Sharder:
         target = node.target
         if target is aten.linear.default:
             return self.linear(node)
-        if target is aten.embedding.default and self.of(node.args[0]) is not None:  # vocab-parallel
-            raise _fail(node, "a vocabulary-parallel embedding is not built (leave the embedding out of --tp-plan)")
+        if target is aten.addmm.default and isinstance(node.args[2], fx.Node) and _is_conv1d_weight(node.args[2]):
+            return self.conv1d(node)
+        if target is aten.embedding.default and self.of(node.args[0]) is not None:
+            return self.vocab_embedding(node)
         inputs = self.tensors(node)
         splits = [self.of(a) for a in inputs]
         if target is operator.getitem:
@@ -204,6 +237,10 @@ class _Sharder:
                 raise _fail(node, "a replicated linear reads a split input (plan its module rowwise)")
             return None
         if style == "colwise":
+            if d is not None and self.seq_len is not None and d == nd - 2:
+                node.replace_input_with(x, self.gather_sequence(x))
+                self.seq_inputs[node] = x
+                return nd - 1
             if d is not None:
                 raise _fail(node, "a colwise linear reads a split input (DTensor would all-gather it)")
             with self.graph.inserting_before(node):
@@ -215,12 +252,104 @@ class _Sharder:
             return nd - 1
         if d != nd - 1:
             raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
+        return self.reduce_partial(node)
+
+    def reduce_partial(self, node: fx.Node) -> Split:
+        """A partial sum made whole: all-reduced, or under sequence parallelism reduce-scattered
+        along the sequence (``output_layouts=Shard(1)``)."""
+        if self.seq_len is not None:
+            with self.graph.inserting_after(node):
+                scattered = self.graph.call_function(tp_ops.SP_SCATTER, (node, 1, self.tp))
+            # (the walk reasons in the export's global shapes: the value keeps its full shape)
+            scattered.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            node.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not scattered)
+            self.split[scattered] = 1
+            return "partial"
         with self.graph.inserting_after(node):
             reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
         reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
         self.split[reduced] = None
         return "partial"
+
+    def conv1d(self, node: fx.Node) -> Split:
+        """GPT-2's Conv1D, ``addmm(bias, x [N, in], weight [in, out])``: colwise splits the weight's
+        columns and the bias, rowwise its rows (the bias stays whole), with the same collectives as a
+        linear (Megatron's; DTensor's styles do not take Conv1D)."""
+        bias, x, w = node.args[:3]
+        style = self.style.get(w.name)
+        d = self.of(x)
+        if style is None:
+            if d is not None or self.of(bias) is not None:
+                raise _fail(node, "a replicated Conv1D reads a split input (plan its module rowwise)")
+            return None
+        if style == "colwise":
+            if d is not None:
+                raise _fail(node, "a colwise Conv1D reads a split input")
+            with self.graph.inserting_before(node):
+                entered = self.graph.call_function(tp_ops.REGION_ENTER, (x,))
+            entered.meta.update({k: v for k, v in x.meta.items() if k in ("val", "stack_trace")})
+            entered.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            node.replace_input_with(x, entered)
+            self.split[entered] = None
+            return 1
+        if d != 1:
+            raise _fail(node, "a rowwise Conv1D reads an input not split on its last dimension")
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
+        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.split[reduced] = None
+        return "partial"
+
+    def vocab_embedding(self, node: fx.Node) -> Split:
+        """RowwiseParallel on an embedding (token ids replicated): as DTensor's ``MaskPartial``, the
+        ids outside this rank's vocabulary block are masked to 0 and shifted into it, the lookup runs
+        on the local rows and its partial output is all-reduced. (The real runtime also zeroes the
+        masked rows of the output in place: no memory, not in the graph.)"""
+        weight, ids = node.args[0], node.args[1]
+        if self.of(ids) is not None:
+            raise _fail(node, "the token ids are split")
+        rows = int(weight.meta["val"].shape[0])  # already the local block
+
+        def add(target: Any, args: tuple, like: fx.Node) -> fx.Node:
+            with self.graph.inserting_before(node):
+                new = self.graph.call_function(target, args)
+            new.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+            for key in ("nn_module_stack", "stack_trace"):
+                if key in node.meta:
+                    new.meta[key] = node.meta[key]
+            self.split[new] = None
+            return new
+
+        mask = add(aten.bitwise_or.Tensor, (add(aten.lt.Scalar, (ids, 0), ids), add(aten.ge.Scalar, (ids, rows), ids)), ids)
+        shifted = add(aten.sub.Scalar, (add(aten.clone.default, (ids,), ids), 0), ids)  # ids - this rank's offset
+        local_ids = add(aten.masked_fill.Scalar, (shifted, mask, 0), ids)
+        node.replace_input_with(ids, local_ids)
+        return self.reduce_partial(node)
+
+    def gather_sequence(self, x: fx.Node) -> fx.Node:
+        """The one all-gather along the sequence of a seq-split value (torchtitan's
+        ``PrepareModuleInput``: q, k and v, or gate and up, share it)."""
+        if x not in self.gathered:
+            with self.graph.inserting_after(x):
+                g = self.graph.call_function(tp_ops.SP_GATHER, (x, 1, self.tp, self.seq_len))
+            g.meta.update({k: v for k, v in x.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+            self.split[g] = None
+            self.gathered[x] = g
+        return self.gathered[x]
+
+    def gather_output(self, out: fx.Node, arg: fx.Node) -> None:
+        """A split value the model returns (a colwise output head): all-gathered back to Replicate, as
+        torchtitan's ``ColwiseParallel(output_layouts=Replicate())`` head without loss parallel."""
+        d = self.of(arg)
+        if d == "partial":
+            raise _fail(arg, "a partial sum reaches the model's output")
+        with self.graph.inserting_before(out):
+            gathered = self.graph.call_function(tp_ops.ALL_GATHER, (arg, d, self.tp, self.seq_inputs.get(arg)))
+        gathered.meta.update({k: v for k, v in arg.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        out.replace_input_with(arg, gathered)
+        self.split[gathered] = None
 
     def pointwise(self, node: fx.Node, inputs: Sequence[fx.Node]) -> Split:
         nd = _ndim(node)
@@ -321,6 +450,15 @@ class _Sharder:
         return da
 
 
+def _is_conv1d_weight(node: fx.Node) -> bool:
+    """A weight read untransposed as addmm's second matrix: [in, out] (transformers' Conv1D)."""
+    return node.op == "placeholder" and any(u.target is aten.addmm.default and u.args[2] is node for u in node.users)
+
+
+def _is_embedding_weight(node: fx.Node) -> bool:
+    return any(u.target is aten.embedding.default and u.args[0] is node for u in node.users)
+
+
 def _group(ins: list[sympy.Expr], outs: list[sympy.Expr], d: int) -> tuple[Optional[list[int]], list[int]]:
     """(input dims, output dims) of the view group holding input dim ``d`` (groups: the shortest runs
     of dims whose size products agree); None when ``d`` is not the group's first non-unit input
@@ -357,18 +495,31 @@ def _needs_more_output(pi: sympy.Expr, pj: sympy.Expr) -> bool:
     return bool(num > den)
 
 
-def shard_export(ep: Any, plan: Mapping[str, str], tp: int) -> SimpleNamespace:
+def shard_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool = False) -> SimpleNamespace:
     """A duck-typed export (what ``training._trace`` reads) of one TP rank's forward."""
     from boomfx.frontend.capture import export_param_names
 
     gm = fx.GraphModule(ep.graph_module, _copy_graph(ep.graph))
     params = export_param_names(ep)
-    sharder = _Sharder(gm.graph, plan, params, tp)
+    sharder = _Sharder(gm.graph, plan, params, tp, _sequence_length(gm.graph, ep) if sp else None)
     sharder.run()
     gm.graph.lint()
     gm.recompile()
     return SimpleNamespace(graph=gm.graph, graph_module=gm, graph_signature=ep.graph_signature,
                            range_constraints=ep.range_constraints, state_dict=ep.state_dict)
+
+
+def _sequence_length(graph: fx.Graph, ep: Any) -> fx.Node:
+    """``sym_size(token ids, 1)``: the full sequence length, for sequence parallelism's all-gathers."""
+    inputs = set(ep.graph_signature.user_inputs)
+    ids = next((n for n in graph.nodes if n.op == "placeholder" and n.name in inputs and _ndim(n) == 2), None)
+    if ids is None:
+        raise OptionError("--parallel sp: the model has no [batch, seq] token input to split the sequence of")
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        size = graph.call_function(aten.sym_size.int, (ids, 1))
+    size.meta["val"] = ids.meta["val"].shape[1]
+    return size
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
@@ -394,11 +545,22 @@ def module_plan(program: Program, cfg: ParallelConfig) -> dict[str, str]:
 
 
 def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
-    """The training program of one TP rank (every rank of a TP group runs the same one)."""
+    """The training program of one TP rank (every rank of a TP group runs the same one).
+
+    Kept per program and TP setting: the re-trace is most of a TP plan's build, and the plans of a
+    ``--search`` (or the rank classes of one world) that share ``tp`` share it; the FSDP, DDP and
+    pipeline rewrites copy the graph they are given, so the kept program is never edited."""
+    key = ("tensor_parallel", cfg.tp, cfg.sp, cfg.tp_plan, cfg.vocab_parallel, cfg.backend)
+    if key not in program.derived:
+        program.derived[key] = _build_tp_rank_program(program, cfg)
+    return program.derived[key]
+
+
+def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     from boomfx.frontend.capture import export_of, program_from_traced, trace_step
 
-    if cfg.sp:
-        raise OptionError("--parallel sp: sequence parallelism is not built yet (tp without sp is)")
+    if cfg.sp and not cfg.vocab_parallel:
+        raise OptionError("--parallel sp: sequence parallelism is built with torchtitan's plan (--tp-plan torchtitan)")
     if program.options.compile:
         raise OptionError("--parallel tp with --compile is not modelled yet")
     ep = export_of(program)
@@ -406,7 +568,7 @@ def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
         raise OptionError("--parallel tp needs the training program captured from its export "
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
-    sharded = shard_export(ep, plan, cfg.tp)
+    sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp)
     traced = trace_step(sharded, program.options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
-    return tp_ops.lower_tp_ops(local)
+    return tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")

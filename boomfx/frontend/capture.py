@@ -6,8 +6,8 @@ The graph is never run: sizes stay symbolic, parameters are meta tensors. ``--tr
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import sympy
@@ -114,8 +114,8 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label)
     refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
     program = program_from_traced(trace_step(ep, options), symbols, options, label)
-    if options.train:
-        _EXPORTS[program.gm] = ep   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
+    if options.train:   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
+        program = dataclasses.replace(program, export=ep)
     return program
 
 
@@ -143,10 +143,7 @@ def trace_step(ep: Any, options: ProgramOptions) -> Any:
 
 def export_of(program: Program) -> Optional[ExportedProgram]:
     """The export a training ``program`` was captured from (None for rewritten or compiled programs)."""
-    return _EXPORTS.get(program.gm)
-
-
-_EXPORTS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, ExportedProgram]" = weakref.WeakKeyDictionary()
+    return program.export
 
 
 def program_from_traced(traced: Any, symbols: Mapping[str, SymbolInfo], options: ProgramOptions,
