@@ -183,86 +183,10 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
     _shard_optimizer(program, graph, full_shapes, n, rank)
 
     def all_gather(unit: _Unit, anchor: torch.fx.Node, phase: str) -> tuple[torch.fx.Node, torch.fx.Node]:
-        """(flat buffer, waited all-gather) of ``unit``'s shards, inserted before ``anchor``."""
-        dtype = unit.params[0].meta["val"].dtype
-        total = sum(numel(p.meta["val"].shape) for p in unit.params)
-        flat = edit.call(
-            anchor,
-            aten.empty.memory_format,
-            ([n * total],),
-            meta_tensor([n * total], dtype),
-            phase,
-            kwargs={"dtype": dtype, "device": torch.device("cpu")},
-        )
-        own = edit.call(
-            anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
-        )
-        scratch = None
-        if spec.all_gather_scratch:
-            scratch = edit.call(
-                anchor,
-                aten.empty.memory_format,
-                ([n * total],),
-                meta_tensor([n * total], dtype),
-                phase,
-                kwargs={"dtype": dtype, "device": torch.device("cpu")},
-            )
-        gathered = edit.call(
-            anchor,
-            c10d.all_gather_into_tensor_out.default,
-            (own, n, spec.group),
-            meta_tensor([n * total], dtype),
-            phase,
-            kwargs={"out": flat},
-        )
-        waited = edit.call(
-            anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase
-        )
-        if scratch is not None:
-            edit.keep_alive(gathered, [scratch])
-        return flat, waited
+        return _all_gather(edit, spec, rank, unit, anchor, phase)
 
-    def copy_out(
-        unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str
-    ) -> list[torch.fx.Node]:
-        """Per-parameter unsharded tensors (views of their ``[N x padded]`` buffers) before ``anchor``."""
-        dtype = unit.params[0].meta["val"].dtype
-        sizes = [numel(p.meta["val"].shape) for p in unit.params]
-        total = sum(sizes)
-        outs, views = [], []
-        for p, size in zip(unit.params, sizes):
-            out = edit.call(
-                anchor,
-                aten.empty.memory_format,
-                ([n * size],),
-                meta_tensor([n * size], dtype),
-                phase,
-                kwargs={"dtype": dtype, "device": torch.device("cpu")},
-            )
-            outs.append(out)
-            views.append(
-                edit.call(anchor, aten.view.default, (out, [n, size]), meta_tensor([n, size], dtype), phase)
-            )
-        grid = edit.call(
-            anchor, aten.view.default, (waited, [n, total]), meta_tensor([n, total], dtype), phase
-        )
-        edit.call(
-            anchor, aten.split_with_sizes_copy.out, (grid, sizes, 1), None, phase, kwargs={"out": views}
-        )
-        fulls = []
-        for p, out in zip(unit.params, outs):
-            shape = full_shapes[p.name]
-            rows = edit.call(
-                anchor,
-                aten.slice.Tensor,
-                (out, 0, 0, numel(shape)),
-                meta_tensor([numel(shape)], dtype),
-                phase,
-            )
-            fulls.append(
-                edit.call(anchor, aten.view.default, (rows, shape), meta_tensor(shape, dtype), phase)
-            )
-        return fulls
+    def copy_out(unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str) -> list[torch.fx.Node]:
+        return _copy_out(edit, n, full_shapes, unit, waited, anchor, phase)
 
     def use(unit: _Unit, fulls: list[torch.fx.Node], nodes: Sequence[torch.fx.Node]) -> None:
         members = set(nodes)
@@ -330,6 +254,98 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
     out = program.rewritten(graph, phases=phases, grad_nodes=new_grad_nodes)
     out.gm.meta.update(gm_meta)
     return out
+
+
+def _all_gather(
+    edit: GraphEditor, spec: ShardSpec, rank: int, unit: _Unit, anchor: torch.fx.Node, phase: str
+) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(flat buffer, waited all-gather) of ``unit``'s shards, inserted before ``anchor``."""
+    n = spec.world
+    dtype = unit.params[0].meta["val"].dtype
+    total = sum(numel(p.meta["val"].shape) for p in unit.params)
+    flat = edit.call(
+        anchor,
+        aten.empty.memory_format,
+        ([n * total],),
+        meta_tensor([n * total], dtype),
+        phase,
+        kwargs={"dtype": dtype, "device": torch.device("cpu")},
+    )
+    own = edit.call(
+        anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
+    )
+    scratch = None
+    if spec.all_gather_scratch:
+        scratch = edit.call(
+            anchor,
+            aten.empty.memory_format,
+            ([n * total],),
+            meta_tensor([n * total], dtype),
+            phase,
+            kwargs={"dtype": dtype, "device": torch.device("cpu")},
+        )
+    gathered = edit.call(
+        anchor,
+        c10d.all_gather_into_tensor_out.default,
+        (own, n, spec.group),
+        meta_tensor([n * total], dtype),
+        phase,
+        kwargs={"out": flat},
+    )
+    waited = edit.call(
+        anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase
+    )
+    if scratch is not None:
+        edit.keep_alive(gathered, [scratch])
+    return flat, waited
+
+def _copy_out(
+    edit: GraphEditor,
+    n: int,
+    full_shapes: Mapping[str, list[int]],
+    unit: _Unit,
+    waited: torch.fx.Node,
+    anchor: torch.fx.Node,
+    phase: str,
+) -> list[torch.fx.Node]:
+    """Per-parameter unsharded tensors (views of their ``[N x padded]`` buffers) before ``anchor``."""
+    dtype = unit.params[0].meta["val"].dtype
+    sizes = [numel(p.meta["val"].shape) for p in unit.params]
+    total = sum(sizes)
+    outs, views = [], []
+    for p, size in zip(unit.params, sizes):
+        out = edit.call(
+            anchor,
+            aten.empty.memory_format,
+            ([n * size],),
+            meta_tensor([n * size], dtype),
+            phase,
+            kwargs={"dtype": dtype, "device": torch.device("cpu")},
+        )
+        outs.append(out)
+        views.append(
+            edit.call(anchor, aten.view.default, (out, [n, size]), meta_tensor([n, size], dtype), phase)
+        )
+    grid = edit.call(
+        anchor, aten.view.default, (waited, [n, total]), meta_tensor([n, total], dtype), phase
+    )
+    edit.call(
+        anchor, aten.split_with_sizes_copy.out, (grid, sizes, 1), None, phase, kwargs={"out": views}
+    )
+    fulls = []
+    for p, out in zip(unit.params, outs):
+        shape = full_shapes[p.name]
+        rows = edit.call(
+            anchor,
+            aten.slice.Tensor,
+            (out, 0, 0, numel(shape)),
+            meta_tensor([numel(shape)], dtype),
+            phase,
+        )
+        fulls.append(
+            edit.call(anchor, aten.view.default, (rows, shape), meta_tensor(shape, dtype), phase)
+        )
+    return fulls
 
 
 def _rebase_saved_views(

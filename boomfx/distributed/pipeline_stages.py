@@ -384,9 +384,6 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     if cfg.pp_schedule == "interleaved_1f1b":
         raise OptionError("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built "
                           "yet (gpipe and 1f1b are)")
-    if cfg.dp_shard > 1:
-        raise OptionError(f"--parallel {cfg.describe()}: pipeline parallelism with FSDP (dp_shard) is not built "
-                          "yet (pp alone, with tp and with dp_replicate is)")
     split, names = _split(program, cfg.pp)
     m = cfg.num_microbatches
     orders = stage_orders(cfg.pp_schedule, cfg.pp, m)

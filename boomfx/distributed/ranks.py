@@ -102,6 +102,10 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
         tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
         stage_program = stage.program
+        if cfg.dp_shard > 1:  # fully_shard on each layer of the stage and the stage module
+            classes += _fsdp_stage_classes(stage, ranks, cfg, f"{tp}pipeline stage {stage.stage} of {cfg.pp} "
+                                           f"({layers}, {cfg.pp_schedule}, {cfg.num_microbatches} micro-batches)")
+            continue
         if cfg.dp_replicate > 1:  # PipelineStage syncs DDP's buckets in the last micro-batch's backward only
             stage_program = ddp_rank_program(stage_program, cfg.dp_replicate, cfg.bucket_cap_mb,
                                              ready=stage_program.gm.meta[META_GRAD_READY])
@@ -109,4 +113,30 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         classes.append(RankClass(ranks, stage_program,
                                  f"{tp}pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "
                                  f"{cfg.num_microbatches} micro-batches)"))
+    return classes
+
+
+def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, label: str) -> list[RankClass]:
+    """A stage's ranks grouped by the shard shapes they hold (``torch.chunk``), one program each."""
+    from boomfx.distributed.pp_fsdp import fsdp_stage_program
+
+    if cfg.dp_replicate > 1:
+        raise OptionError("--parallel pp with dp_shard and dp_replicate (HSDP stages) is not built yet")
+    if cfg.reshard_after_forward:
+        raise OptionError("--parallel pp with dp_shard needs --reshard-after-forward false (as torchtitan runs "
+                          "pipeline stages); resharding between micro-batches is not modelled yet")
+    program = stage.program
+    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, all_gather_scratch=cfg.backend == "gloo")
+    shapes = [list(n.meta["val"].shape) for n in program.graph.nodes
+              if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM]
+    by_signature: dict[tuple, list[int]] = {}
+    for rank in ranks:
+        shard = cfg.coords(rank)["dp_shard"]
+        key = tuple(tuple(local_shard_shape(s, cfg.dp_shard, shard)) for s in shapes)
+        by_signature.setdefault(key, []).append(rank)
+    classes = []
+    for members in by_signature.values():
+        shard = cfg.coords(members[0])["dp_shard"]
+        classes.append(RankClass(tuple(members), fsdp_stage_program(stage, spec, shard),
+                                 f"FSDP shard {shard} of {cfg.dp_shard} x {label}"))
     return classes

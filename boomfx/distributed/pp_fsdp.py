@@ -1,0 +1,154 @@
+"""FSDP2 inside a pipeline stage: a stage program (``pipeline_stages.py``) rewritten for one shard.
+
+As torch 2.13 runs a ``fully_shard``ed stage module under ``torch.distributed.pipelining``
+(``PipelineStage`` sets ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``
+before every backward; torchtitan uses ``reshard_after_forward=False`` with pp), per FSDP unit (each
+of the stage's layers, then the stage module as the root):
+
+- resident: each parameter's padded dim-0 shard, AdamW state of the local shard (``fsdp.py``);
+- the unit's parameters are all-gathered once, before the first micro-batch's first use (the root
+  at the stage's first forward op, its pre-forward), and stay unsharded through every micro-batch;
+  a flat all-gather buffer lives until the next unit's all-gather, the last until the first
+  forward action ends (the root's post-forward);
+- the gradients accumulate unsharded over the micro-batches (the stage program's ``.grad`` and
+  in-place adds); after the stage's last backward action (``perform_reduce_grad``), one
+  ``_chunk_cat`` + reduce-scatter per unit, root first, then the reshard; the divide by the
+  micro-batch count is FSDP's gradient divide factor, so ``scale_grads``' in-place divides go;
+- AdamW steps the shards.
+
+The gloo truth (``pp_fsdp`` rows of ``benchmarks/results/distributed_gloo.json``) runs the same
+collectives in that order (its reduce-scatter as an all_reduce of the ``[N x T]`` input).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+
+from boomfx.core.program import (
+    META_RUNTIME_USES,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    PHASE_OPTIMIZER,
+    ROLE_PARAM,
+    Program,
+)
+from boomfx.distributed.fsdp import (
+    ROOT,
+    ShardSpec,
+    _all_gather,
+    _copy_out,
+    _grad_nodes_by_param,
+    _reduce_scatter,
+    _shard_optimizer,
+    _Unit,
+    padded_shard_shape,
+)
+from boomfx.distributed.graph_edit import GraphEditor, meta_tensor
+from boomfx.distributed.p2p import is_p2p
+from boomfx.distributed.pipeline_stages import META_GRAD_READY, StageProgram
+
+aten = torch.ops.aten
+
+
+def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Program:
+    """The program shard ``rank`` of a ``spec.world``-way FSDP group of pipeline stage ``stage`` runs."""
+    program = stage.program
+    graph, _ = program.copied_graph()
+    phases = dict(program.phases)
+    edit = GraphEditor(graph, phases)
+    n = spec.world
+    params = [p for p in graph.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
+    units = {name: _Unit(name, [], [], []) for name in (ROOT,) + tuple(stage.layers)}
+    for p in params:
+        fqn = program.param_names.get(p.name, p.name)
+        owner = next((l for l in stage.layers if fqn.startswith(l + ".")), ROOT)
+        units[owner].params.append(p)
+    full_shapes = {p.name: list(p.meta["val"].shape) for p in params}
+    grad_of = _grad_nodes_by_param(program, graph)
+    for p in params:
+        val = p.meta["val"]
+        p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), val.dtype)
+    _shard_optimizer(program, graph, full_shapes, n, rank)
+
+    calls = [x for x in graph.nodes if x.op == "call_function"]
+    first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
+    first_action_end = _first_action_end(calls, phases)
+    # scale_grads' divides: FSDP divides in its reduce-scatter instead
+    grads = set(grad_of.values())
+    erased = set()
+    for x in [x for x in calls if x.target is aten.div_.Scalar and x.args[0] in grads and not x.users]:
+        erased.add(x.name)
+        graph.erase_node(x)
+    calls = [x for x in graph.nodes if x.op == "call_function"]
+    last_backward = [x for x in calls if phases.get(x.name) != PHASE_OPTIMIZER
+                     and x.target is not aten.cat.default][-1]  # the last action's end (before _merge_outputs)
+
+    order = [units[ROOT]] + [units[l] for l in stage.layers]
+    order = [u for u in order if u.params]
+    fulls_of: dict[str, list[torch.fx.Node]] = {}
+    previous_flat: Optional[torch.fx.Node] = None
+    for unit in order:
+        members = set(unit.params)
+        anchor = first_fwd if unit.name == ROOT else next(
+            x for x in graph.nodes if x.op == "call_function" and any(a in members for a in x.all_input_nodes)
+            and phases.get(x.name) != PHASE_OPTIMIZER)
+        flat, waited = _all_gather(edit, spec, rank, unit, anchor, PHASE_FORWARD)
+        if previous_flat is not None:
+            edit.keep_alive(waited, [previous_flat])
+        fulls = _copy_out(edit, n, full_shapes, unit, waited, anchor, PHASE_FORWARD)
+        created = set(fulls)
+        for p, full in zip(unit.params, fulls):
+            p.replace_all_uses_with(full, delete_user_cb=lambda user: phases.get(user.name) != PHASE_OPTIMIZER
+                                    and user not in created)
+        fulls_of[unit.name] = fulls
+        previous_flat = flat
+    if previous_flat is not None:
+        edit.keep_alive(first_action_end, [previous_flat])
+
+    new_grad_nodes: dict[str, str] = {}
+    anchor = last_backward
+    previous_input: Optional[torch.fx.Node] = None
+    for unit in order:
+        unit.bwd_end = anchor
+        unit_grads = [grad_of[p.name] for p in unit.params]
+        rs_in, sharded = _reduce_scatter(edit, unit, unit_grads, full_shapes, spec, rank)
+        if previous_input is not None:
+            edit.keep_alive(rs_in, [previous_input])
+        previous_input = rs_in
+        anchor = sharded[-1]
+        edit.keep_alive(anchor, fulls_of[unit.name])  # the reshard, after the reduce-scatter
+        for p, g, s in zip(unit.params, unit_grads, sharded):
+            g.replace_all_uses_with(s, delete_user_cb=lambda user: phases.get(user.name) == PHASE_OPTIMIZER)
+            new_grad_nodes[s.name] = program.param_names.get(p.name, p.name)
+    graph.lint()
+    uses: dict[str, tuple[str, ...]] = {}
+    for k, v in program.gm.meta.get(META_RUNTIME_USES, {}).items():  # the erased divides' moved to the end
+        key = last_backward.name if k in erased else k
+        uses[key] = tuple(dict.fromkeys(uses.get(key, ()) + tuple(a for a in v if a not in erased)))
+    for k, v in edit.extra_uses.items():
+        uses[k] = tuple(dict.fromkeys(tuple(uses.get(k, ())) + tuple(v)))
+    out = program.rewritten(graph, phases=phases, grad_nodes=new_grad_nodes)
+    out.gm.meta[META_RUNTIME_USES] = uses
+    out.gm.meta.pop(META_GRAD_READY, None)  # the reduce-scatters, not the accumulations, end the gradients
+    return out
+
+
+def _first_action_end(calls: list[torch.fx.Node], phases: dict[str, str]) -> torch.fx.Node:
+    """The last node of the first micro-batch's forward: before its send, or (last stage) before the
+    next receive or the first backward op."""
+    seen_recv = False
+    previous = calls[0]
+    for x in calls:
+        if is_p2p(x):
+            if x.target.__name__.startswith("send"):
+                return x
+            if seen_recv:
+                return previous
+            seen_recv = True
+        elif phases.get(x.name) == PHASE_BACKWARD:
+            return previous
+        previous = x
+    return previous
