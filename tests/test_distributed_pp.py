@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -163,8 +164,12 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "needs at least pp=2 micro-batches" in _bad(
         capsys, *base, "--parallel", "pp=2", "--microbatches", "1"
     )
-    assert "pipeline parallelism with FSDP (dp_shard) is not built yet" in _bad(
+    assert "pp with dp_shard needs --reshard-after-forward false" in _bad(
         capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2"
+    )
+    assert "HSDP stages" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_shard=2,dp_replicate=2", "--microbatches", "2",
+        "--reshard-after-forward", "false", "--gpus-per-node", "8"
     )
     assert "interleaved_1f1b" in _bad(
         capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
@@ -346,3 +351,101 @@ def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_run
             assert sorted((c["op"], c["numel"][0]) for c in real.collectives) == predicted
             assert real.collectives[-1 - after] == {"op": "all_reduce", "dtype": "float", "numel": [stage_params]}
             assert _resident(rc.program, "param") == real.start_param_bytes
+
+
+# -- pipeline x FSDP (4 ranks: pp=2 x dp_shard=2) ---------------------------------------------------
+PP_FSDP = [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=1)
+           for model in ("llama", "gpt")]
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP, ids=[c.name for c in PP_FSDP])
+def test_pp_fsdp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
+    """Each (stage, shard) of a real ``PipelineStage`` whose layers and stage module are ``fully_shard``ed
+    over the stage's dp group (``reshard_after_forward=False``, as torchtitan runs pp): parameters
+    gathered once and kept through the micro-batches, gradients accumulated unsharded."""
+    real = four_rank_gloo_runs[cfg.name]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
+    assert len(pred) == cfg.world == 4
+    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
+        assert r.peak_bytes > 0
+        assert (
+            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
+        ), f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP, ids=[c.name for c in PP_FSDP])
+def test_pp_fsdp_stage_holds_half_its_parameters_and_adamw_state(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """Each shard of a stage holds the real run's local shapes and storages, and exactly half of the
+    pp-alone stage's parameters and AdamW moments (every dim 0 of these models is even: no padding);
+    the step scalars are one 4 B fp32 per parameter either way."""
+    from boomfx.distributed.pipeline_stages import stage_programs
+    from boomfx.distributed.plan import ParallelConfig
+
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1), (2, 3)]
+    real = four_rank_gloo_runs[cfg.name].ranks
+    alone = stage_programs(program, ParallelConfig(pp=2, microbatches=cfg.microbatches))
+    for rc, stage in zip(classes, alone):
+        shapes = sorted(list(n.meta["val"].shape) for n in rc.program.graph.nodes
+                        if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
+        n_params = len(shapes)
+        assert 2 * _resident(rc.program, "param") == _resident(stage.program, "param")
+        assert 2 * (_resident(rc.program, "opt_state") - 4 * n_params) == _resident(stage.program, "opt_state") - 4 * n_params
+        for rank in rc.ranks:
+            assert shapes == sorted(p["shape"] for p in real[rank].local_params.values())
+            assert _resident(rc.program, "param") == real[rank].start_param_bytes
+            assert _resident(rc.program, "opt_state") == real[rank].start_optimizer_bytes
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP, ids=[c.name for c in PP_FSDP])
+def test_pp_fsdp_collectives_match_the_real_run(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """Every collective of each (stage, shard) program, in order, against what gloo ran: per unit (the
+    stage module as root, then its layer) one all-gather of the rank's flat shard in the first
+    forward; the 4 micro-batches' sends and receives; after the last backward one reduce-scatter per
+    unit, root first (gloo: an all_reduce of the whole [2 x T] input, twice the shard)."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    program, classes = pp_tp_classes(cfg)
+    bindings = micro_bindings(program, predict.parallel_config(cfg),
+                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
+                 "send": "send", "recv_": "recv"}
+    for rc in classes:
+        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                            .evaluator(bindings))
+        predicted = [(gloo_name[c.op], c.input_bytes // 4) for c in calls]
+        gathers = [n for op, n in predicted if op == "all_gather"]
+        reduces = [n for op, n in predicted if op == "all_reduce"]
+        assert len(gathers) == 2 and reduces == [2 * g for g in gathers]
+        assert sum(gathers) * 4 == _resident(rc.program, "param")  # the shards, gathered once each
+        assert [op for op, _ in predicted].count("send") == cfg.microbatches
+        assert [op for op, _ in predicted][-2:] == ["all_reduce", "all_reduce"]
+        for rank in rc.ranks:
+            assert predicted == [(c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives]
+
+
+def test_pp_fsdp_tp_composes() -> None:
+    """pp x dp_shard x tp (no truth run): TP first, then stages, then FSDP over each stage's TP-local
+    parameters: every shard holds half its pp x tp stage's parameters, and its all-gathers cover them."""
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.distributed.ranks import rank_programs
+    from boomfx.frontend.capture import capture
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    pp_tp = rank_programs(program, ParallelConfig(pp=2, tp=2, microbatches=2))
+    full = rank_programs(program, ParallelConfig(pp=2, tp=2, dp_shard=2, microbatches=2,
+                                                 reshard_after_forward=False))
+    # mesh pp x dp_shard x tp (pp outer, tp inner): stage 0 is ranks 0-3
+    assert [rc.ranks for rc in full] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    for rc, stage in zip(full, pp_tp):
+        assert 2 * _resident(rc.program, "param") == _resident(stage.program, "param")
+        gathered = [n for n in rc.program.graph.nodes
+                    if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default]
+        assert sum(n.args[0].meta["val"].numel() * 4 for n in gathered) == _resident(rc.program, "param")

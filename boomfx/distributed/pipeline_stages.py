@@ -37,22 +37,14 @@ Known limitations:
   is not replayed yet; its step time is simulated (``boomfx/simulate/pipeline.py``).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
   ties a parameter across stages (tied embeddings), is refused.
-- With FSDP (``dp_shard``) it is refused (OptionError). torch 2.13's ``PipelineStage`` sets
-  ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)`` before every
-  backward, so the unsharded parameters stay gathered and the gradients accumulate unsharded over
-  the micro-batches; ``perform_reduce_grad`` then runs each unit's ``post_backward`` (reduce-scatter,
-  reshard) once after the last backward. ``fsdp_rank_program`` places a reduce-scatter after each
-  unit's backward of a single step, which is not that. The gloo truth (``pp_fsdp`` rows of
-  ``benchmarks/results/distributed_gloo.md``, torchtitan's ``reshard_after_forward=False`` with pp)
-  shows it: one all-gather per unit in the first forward, one reduce-scatter (gloo: all_reduce) per
-  unit after the last backward, and a stage peak equal to the pp-alone peak plus the stage's
-  unsharded parameters (exactly for Llama's stages and GPT's first; GPT's last: 10,744 B under).
 
 Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
 (``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces; with
 ``dp_replicate`` each stage program is DDP-rewritten (``fsdp.ddp_rank_program``) with its gradients
 ready at ``gm.meta[META_GRAD_READY]``: the last micro-batch's accumulations, the only backward
-``PipelineStage`` runs outside ``DistributedDataParallel.no_sync``.
+``PipelineStage`` runs outside ``DistributedDataParallel.no_sync``; with ``dp_shard`` each stage
+program is FSDP-rewritten per shard (``pp_fsdp.fsdp_stage_program``: gathered once, gradients
+accumulated unsharded, reduce-scattered after the last backward).
 """
 
 from __future__ import annotations

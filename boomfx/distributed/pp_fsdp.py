@@ -12,8 +12,8 @@ of the stage's layers, then the stage module as the root):
   forward action ends (the root's post-forward);
 - the gradients accumulate unsharded over the micro-batches (the stage program's ``.grad`` and
   in-place adds); after the stage's last backward action (``perform_reduce_grad``), one
-  ``_chunk_cat`` + reduce-scatter per unit, root first, then the reshard; the divide by the
-  micro-batch count is FSDP's gradient divide factor, so ``scale_grads``' in-place divides go;
+  ``_chunk_cat`` + reduce-scatter per unit, root first, then the reshard; ``scale_grads``' in-place
+  divides by the micro-batch count follow, on the sharded gradients;
 - AdamW steps the shards.
 
 The gloo truth (``pp_fsdp`` rows of ``benchmarks/results/distributed_gloo.json``) runs the same
@@ -76,11 +76,12 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     calls = [x for x in graph.nodes if x.op == "call_function"]
     first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
     first_action_end = _first_action_end(calls, phases)
-    # scale_grads' divides: FSDP divides in its reduce-scatter instead
+    # scale_grads' divides run after FSDP's post-backward, on the sharded gradients: moved there
     grads = set(grad_of.values())
-    erased = set()
+    erased, divisors = set(), []
     for x in [x for x in calls if x.target is aten.div_.Scalar and x.args[0] in grads and not x.users]:
         erased.add(x.name)
+        divisors.append(x.args[1])
         graph.erase_node(x)
     calls = [x for x in graph.nodes if x.op == "call_function"]
     last_backward = [x for x in calls if phases.get(x.name) != PHASE_OPTIMIZER
@@ -109,6 +110,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         edit.keep_alive(first_action_end, [previous_flat])
 
     new_grad_nodes: dict[str, str] = {}
+    sharded_grads: list[torch.fx.Node] = []
     anchor = last_backward
     previous_input: Optional[torch.fx.Node] = None
     for unit in order:
@@ -123,6 +125,11 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         for p, g, s in zip(unit.params, unit_grads, sharded):
             g.replace_all_uses_with(s, delete_user_cb=lambda user: phases.get(user.name) == PHASE_OPTIMIZER)
             new_grad_nodes[s.name] = program.param_names.get(p.name, p.name)
+            sharded_grads.append(s)
+    if divisors:
+        for view in sharded_grads:
+            anchor = edit.call(anchor, aten.div_.Scalar, (view, divisors[0]), view.meta["val"], PHASE_BACKWARD,
+                               after=True, like=view)
     graph.lint()
     uses: dict[str, tuple[str, ...]] = {}
     for k, v in program.gm.meta.get(META_RUNTIME_USES, {}).items():  # the erased divides' moved to the end

@@ -8,7 +8,8 @@ Supported here: DDP (``dp_replicate``), FSDP2 (``dp_shard``), HSDP (both), tenso
 (``tp``, ``tensor_parallel.py``: every rank of a TP group runs the same program) and its
 combinations with them (FSDP / DDP rewrite the TP rank's program: FSDP shards the TP-local
 parameters over ``dp_shard``, as ``fully_shard`` of a ``parallelize_module``d model does), and
-pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``).
+pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``; with ``dp_shard`` one per
+(stage, shard shapes): ``pp_fsdp.py``).
 """
 
 from __future__ import annotations
