@@ -227,6 +227,8 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
                               f"({', '.join(sorted(a.name for a in crossing)[:4])}); one is modelled")
         (grad_in[s],) = crossing
     for s in range(pp):
+        # sizes the backward (checkpointing's recomputation) reads but the stage's forward does not
+        fwd[s] = _with_sizes_read_by(fwd[s], bwd[s], fwd_nodes)
         fwd_set = set(fwd[s]) | ({act_in[s]} if act_in[s] is not None else set())
         for n in bwd[s]:
             for a in n.all_input_nodes:
@@ -246,6 +248,25 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
     return _Split(fwd, bwd, act_in, grad_in, output, params), names
+
+
+def _with_sizes_read_by(stage_fwd: list[torch.fx.Node], readers: Sequence[torch.fx.Node],
+                        fwd_nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``stage_fwd`` plus the forward size computations (``sym_size``, their products) that ``readers``
+    use and the stage does not compute yet, with what they read, in graph order."""
+    members = set(stage_fwd)
+    forward = set(fwd_nodes)
+    extra: set[torch.fx.Node] = set()
+    stack = [a for n in readers for a in n.all_input_nodes if a in forward and a not in members and _is_size(a)]
+    while stack:
+        a = stack.pop()
+        if a in extra or a in members or a.op != "call_function":
+            continue
+        extra.add(a)
+        stack += list(a.all_input_nodes)
+    if not extra:
+        return stage_fwd
+    return [n for n in fwd_nodes if n in members or n in extra]
 
 
 def _reads_param(program: Program, node: torch.fx.Node) -> bool:
