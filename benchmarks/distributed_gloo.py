@@ -64,8 +64,8 @@ def _markdown(rows: list[dict], load: tuple[float, float, float], wall_s: float,
             )
     lines += [
         "",
-        "predicted '-': boomfx does not build that configuration's per-rank program yet (pipeline "
-        "parallelism); its measurement is recorded for when it does. Step times are wall-clock "
+        "predicted '-': boomfx does not build that configuration's per-rank program; its measurement "
+        "is recorded for when it does. Step times are wall-clock "
         "medians on a shared 2-core machine, for the collective time model (not predicted here).",
     ]
     return "\n".join(lines) + "\n"
