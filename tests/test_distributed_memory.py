@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
+from gloo_checks import assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.fsdp import local_shard_shape, padded_shard_shape  # noqa: E402
 
-TOLERANCE = 0.01
 # timed_steps=1: the tests read memory and collectives only (the benchmark records step times)
 TWO_RANKS = [
     truth.TruthConfig(model, parallel, 2, reshard_after_forward=reshard, timed_steps=1)
@@ -67,31 +67,9 @@ def predicted(tmp_path_factory: pytest.TempPathFactory):
 def test_rank_peak_matches_gloo(cfg: truth.TruthConfig, gloo_runs, predicted) -> None:
     real = gloo_runs[cfg.name]
     pred = predicted(cfg)
-    assert pred is not None and len(pred) == cfg.world
-    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
-        assert r.peak_bytes > 0
-        assert (
-            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
-        ), f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+    assert_peaks_match(cfg, pred, real)
 
 
-def _rank_program(cfg: truth.TruthConfig):
-    from boomfx.frontend.capture import capture
-    from boomfx.distributed.ranks import rank_programs
-    from boomfx.core.program import ProgramOptions
-
-    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
-    return program, rank_programs(program, predict.parallel_config(cfg))
-
-
-def _resident(program, role: str) -> int:
-    from boomfx.passes.liveness import _compute_nbytes
-
-    return sum(
-        int(_compute_nbytes(n.meta["val"]))
-        for n in program.graph.nodes
-        if n.op == "placeholder" and program.input_roles.get(n.name) == role
-    )
 
 
 @pytest.mark.parametrize(
@@ -100,15 +78,15 @@ def _resident(program, role: str) -> int:
 def test_fsdp_holds_one_nth_of_params_and_adamw_state(cfg, gloo_runs) -> None:
     """The rank's parameter storages (padded shards) and AdamW state (unpadded local shards) equal the
     real rank's, and are 1/N of the model's (the models' dims divide by 2: no padding here)."""
-    program, classes = _rank_program(cfg)
+    program, classes = rank_classes(cfg)
     (rc,) = classes
     real = gloo_runs[cfg.name].ranks[0]
-    full_params = _resident(program, "param")
-    assert _resident(rc.program, "param") == real.start_param_bytes == full_params // 2
+    full_params = resident_bytes(program, "param")
+    assert resident_bytes(rc.program, "param") == real.start_param_bytes == full_params // 2
     # AdamW: exp_avg + exp_avg_sq per parameter (2x the shard) + one fp32 step scalar per parameter
     steps = sum(1 for n in program.graph.nodes if n.op == "placeholder" and n.name.startswith("step_"))
     assert (
-        _resident(rc.program, "opt_state") == real.start_optimizer_bytes == 2 * full_params // 2 + 4 * steps
+        resident_bytes(rc.program, "opt_state") == real.start_optimizer_bytes == 2 * full_params // 2 + 4 * steps
     )
     for fqn, local in real.local_params.items():
         assert local["shape"] == local_shard_shape(_full_shape(program, fqn), 2, 0)
@@ -156,7 +134,7 @@ def test_collective_sizes_match_the_real_run(cfg, gloo_runs) -> None:
     from boomfx.distributed.analysis import collectives
     from boomfx.passes.evaluate import Evaluator
 
-    _, classes = _rank_program(cfg)
+    _, classes = rank_classes(cfg)
     predicted_calls = []
     for c in collectives(classes[0].program, Evaluator({})):
         gloo_op = {

@@ -23,11 +23,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
+from gloo_checks import assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
 
-TOLERANCE = 0.01
 CONFIGS = [
     truth.TruthConfig(model, "pp", 2, schedule=schedule, timed_steps=1)
     for model in ("llama", "gpt")
@@ -57,51 +57,29 @@ def pp_predicted(tmp_path_factory: pytest.TempPathFactory):
 def test_stage_peak_matches_gloo(cfg, pp_runs, pp_predicted) -> None:
     real = pp_runs[cfg.name]
     pred = pp_predicted(cfg)
-    assert pred is not None and len(pred) == cfg.world
-    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
-        assert r.peak_bytes > 0
-        assert (
-            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
-        ), f"{cfg.name} stage {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+    assert_peaks_match(cfg, pred, real)
 
 
-def _stages(cfg: truth.TruthConfig):
-    from boomfx.frontend.capture import capture
-    from boomfx.distributed.ranks import rank_programs
-    from boomfx.core.program import ProgramOptions
-
-    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
-    return program, rank_programs(program, predict.parallel_config(cfg))
-
-
-def _resident(program, role: str) -> int:
-    from boomfx.passes.liveness import _compute_nbytes
-
-    return sum(
-        int(_compute_nbytes(n.meta["val"]))
-        for n in program.graph.nodes
-        if n.op == "placeholder" and program.input_roles.get(n.name) == role
-    )
 
 
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.schedule == "1f1b"], ids=lambda c: c.name)
 def test_stage_parameters_and_adamw_state(cfg, pp_runs) -> None:
     """Each stage holds exactly the parameters (and AdamW state) of its module as the real stage does,
     and the stages together hold the model's: nothing lost, nothing duplicated."""
-    program, classes = _stages(cfg)
+    program, classes = rank_classes(cfg)
     assert [rc.ranks for rc in classes] == [(0,), (1,)]
     real = pp_runs[cfg.name].ranks
     for rc in classes:
         (rank,) = rc.ranks
-        assert _resident(rc.program, "param") == real[rank].start_param_bytes
+        assert resident_bytes(rc.program, "param") == real[rank].start_param_bytes
         # AdamW: exp_avg + exp_avg_sq of the stage's own parameters (2x) and one 4 B fp32 step scalar each
         n_params = len(rc.program.param_names)
         assert (
-            _resident(rc.program, "opt_state")
+            resident_bytes(rc.program, "opt_state")
             == real[rank].start_optimizer_bytes
             == 2 * real[rank].start_param_bytes + 4 * n_params
         )
-    assert sum(_resident(rc.program, "param") for rc in classes) == _resident(program, "param")
+    assert sum(resident_bytes(rc.program, "param") for rc in classes) == resident_bytes(program, "param")
     # the real stages' parameter names are the model's, split as stage_layer_ranges says
     (lo0, hi0), (lo1, hi1) = stage_layer_ranges(2, 2)
     assert (lo0, hi0, lo1, hi1) == (0, 1, 1, 2)
@@ -119,7 +97,7 @@ def test_send_recv_sizes_match_the_real_run(cfg, pp_runs) -> None:
     from boomfx.distributed.pipeline_stages import micro_bindings
     from boomfx.frontend.capture import resolve_bindings
 
-    program, classes = _stages(cfg)
+    program, classes = rank_classes(cfg)
     ev = Evaluator(micro_bindings(program, predict.parallel_config(cfg),
                                   resolve_bindings(program, {}, cfg.batch, cfg.seq)))
     for rc in classes:
@@ -230,7 +208,7 @@ def pp_tp_classes():
 
     def get(cfg: truth.TruthConfig):
         if cfg.name not in cache:
-            cache[cfg.name] = _stages(cfg)
+            cache[cfg.name] = rank_classes(cfg)
         return cache[cfg.name]
 
     return get
@@ -244,12 +222,7 @@ def test_pp_tp_and_pp_ddp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp
     real = four_rank_gloo_runs[cfg.name]
     db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
     pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
-    assert len(pred) == cfg.world == 4
-    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
-        assert r.peak_bytes > 0
-        assert (
-            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
-        ), f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+    assert_peaks_match(cfg, pred, real)
 
 
 @pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
@@ -267,12 +240,12 @@ def test_pp_tp_stage_holds_its_tp_shard(cfg, four_rank_gloo_runs, pp_tp_classes)
                         if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
         for rank in rc.ranks:
             assert shapes == sorted(p["shape"] for p in real[rank].local_params.values())
-            assert _resident(rc.program, "param") == real[rank].start_param_bytes
-            assert _resident(rc.program, "opt_state") == real[rank].start_optimizer_bytes
+            assert resident_bytes(rc.program, "param") == real[rank].start_param_bytes
+            assert resident_bytes(rc.program, "opt_state") == real[rank].start_optimizer_bytes
     tp_only = tp_rank_program(program, predict.parallel_config(cfg))
-    assert sum(_resident(rc.program, "param") for rc in classes) == _resident(tp_only, "param")
+    assert sum(resident_bytes(rc.program, "param") for rc in classes) == resident_bytes(tp_only, "param")
     # and TP really split them: half of each planned projection per rank (a smaller total than the model's)
-    assert _resident(tp_only, "param") < _resident(program, "param")
+    assert resident_bytes(tp_only, "param") < resident_bytes(program, "param")
 
 
 @pytest.mark.parametrize("cfg", PP_TP, ids=[c.name for c in PP_TP])
@@ -335,7 +308,7 @@ def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_run
         calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
                             .evaluator(bindings))
         reduces = [c for c in calls if c.op.startswith("all_reduce")]
-        stage_params = _resident(rc.program, "param") // 4  # fp32
+        stage_params = resident_bytes(rc.program, "param") // 4  # fp32
         assert [(c.group, c.input_bytes // 4) for c in reduces] == [("dp_replicate", stage_params)]
         # in the last backward, before that backward's send of the input gradient (stage 1) if any
         after = len(calls) - 1 - calls.index(reduces[0])
@@ -350,7 +323,7 @@ def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_run
             real = four_rank_gloo_runs[cfg.name].ranks[rank]
             assert sorted((c["op"], c["numel"][0]) for c in real.collectives) == predicted
             assert real.collectives[-1 - after] == {"op": "all_reduce", "dtype": "float", "numel": [stage_params]}
-            assert _resident(rc.program, "param") == real.start_param_bytes
+            assert resident_bytes(rc.program, "param") == real.start_param_bytes
 
 
 # -- pipeline x FSDP (4 ranks: pp=2 x dp_shard=2) ---------------------------------------------------
@@ -366,12 +339,7 @@ def test_pp_fsdp_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes,
     real = four_rank_gloo_runs[cfg.name]
     db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
     pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
-    assert len(pred) == cfg.world == 4
-    for rank, (p, r) in enumerate(zip(pred, real.ranks)):
-        assert r.peak_bytes > 0
-        assert (
-            abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes
-        ), f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})"
+    assert_peaks_match(cfg, pred, real)
 
 
 @pytest.mark.parametrize("cfg", PP_FSDP, ids=[c.name for c in PP_FSDP])
@@ -390,12 +358,12 @@ def test_pp_fsdp_stage_holds_half_its_parameters_and_adamw_state(cfg, four_rank_
         shapes = sorted(list(n.meta["val"].shape) for n in rc.program.graph.nodes
                         if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
         n_params = len(shapes)
-        assert 2 * _resident(rc.program, "param") == _resident(stage.program, "param")
-        assert 2 * (_resident(rc.program, "opt_state") - 4 * n_params) == _resident(stage.program, "opt_state") - 4 * n_params
+        assert 2 * resident_bytes(rc.program, "param") == resident_bytes(stage.program, "param")
+        assert 2 * (resident_bytes(rc.program, "opt_state") - 4 * n_params) == resident_bytes(stage.program, "opt_state") - 4 * n_params
         for rank in rc.ranks:
             assert shapes == sorted(p["shape"] for p in real[rank].local_params.values())
-            assert _resident(rc.program, "param") == real[rank].start_param_bytes
-            assert _resident(rc.program, "opt_state") == real[rank].start_optimizer_bytes
+            assert resident_bytes(rc.program, "param") == real[rank].start_param_bytes
+            assert resident_bytes(rc.program, "opt_state") == real[rank].start_optimizer_bytes
 
 
 @pytest.mark.parametrize("cfg", PP_FSDP, ids=[c.name for c in PP_FSDP])
@@ -423,7 +391,7 @@ def test_pp_fsdp_collectives_match_the_real_run(cfg, four_rank_gloo_runs, pp_tp_
         gathers = [n for op, n in predicted if op == "all_gather"]
         reduces = [n for op, n in predicted if op == "all_reduce"]
         assert len(gathers) == 2 and reduces == [2 * g for g in gathers]
-        assert sum(gathers) * 4 == _resident(rc.program, "param")  # the shards, gathered once each
+        assert sum(gathers) * 4 == resident_bytes(rc.program, "param")  # the shards, gathered once each
         assert [op for op, _ in predicted].count("send") == cfg.microbatches
         assert [op for op, _ in predicted][-2:] == ["all_reduce", "all_reduce"]
         for rank in rc.ranks:
@@ -445,7 +413,7 @@ def test_pp_fsdp_tp_composes() -> None:
     # mesh pp x dp_shard x tp (pp outer, tp inner): stage 0 is ranks 0-3
     assert [rc.ranks for rc in full] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     for rc, stage in zip(full, pp_tp):
-        assert 2 * _resident(rc.program, "param") == _resident(stage.program, "param")
+        assert 2 * resident_bytes(rc.program, "param") == resident_bytes(stage.program, "param")
         gathered = [n for n in rc.program.graph.nodes
                     if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default]
-        assert sum(n.args[0].meta["val"].numel() * 4 for n in gathered) == _resident(rc.program, "param")
+        assert sum(n.args[0].meta["val"].numel() * 4 for n in gathered) == resident_bytes(rc.program, "param")

@@ -1,0 +1,35 @@
+"""Checks the distributed tests share: a configuration's per-rank programs, the resident bytes of a role,
+and predicted per-rank peaks against a real gloo run of the same configuration."""
+from __future__ import annotations
+
+import distributed_predict as predict
+import distributed_truth as truth
+
+TOLERANCE = 0.01   # predicted peak within 1% of the profiler's (issue 17)
+
+
+def rank_classes(cfg: truth.TruthConfig):
+    """The single-device training program of ``cfg``'s model and its rank classes under ``cfg``."""
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.ranks import rank_programs
+    from boomfx.frontend.capture import capture
+
+    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    return program, rank_programs(program, predict.parallel_config(cfg))
+
+
+def resident_bytes(program, role: str) -> int:
+    """Bytes of the placeholders of ``role`` ("param", "opt_state", ...)."""
+    from boomfx.passes.liveness import _compute_nbytes
+
+    return sum(int(_compute_nbytes(n.meta["val"])) for n in program.graph.nodes
+               if n.op == "placeholder" and program.input_roles.get(n.name) == role)
+
+
+def assert_peaks_match(cfg: truth.TruthConfig, predicted: list[int], real: truth.ConfigTruth) -> None:
+    """Every rank's predicted peak within ``TOLERANCE`` of the gloo run's."""
+    assert predicted is not None and len(predicted) == cfg.world
+    for rank, (p, r) in enumerate(zip(predicted, real.ranks)):
+        assert r.peak_bytes > 0
+        assert abs(p - r.peak_bytes) <= TOLERANCE * r.peak_bytes, (
+            f"{cfg.name} rank {rank}: predicted {p} B vs gloo {r.peak_bytes} B ({p / r.peak_bytes - 1:+.2%})")
