@@ -292,9 +292,7 @@ def _all_gather(
         phase,
         kwargs={"out": flat},
     )
-    waited = edit.call(
-        anchor, c10d.wait_tensor.default, (gathered,), meta_tensor([n * total], dtype), phase
-    )
+    waited = edit.wait(anchor, gathered, phase)
     if scratch is not None:
         edit.keep_alive(gathered, [scratch])
     return flat, waited
@@ -456,15 +454,7 @@ def _reduce_scatter(
         after=True,
         like=anchor,
     )
-    waited = edit.call(
-        scattered,
-        c10d.wait_tensor.default,
-        (scattered,),
-        meta_tensor([total], dtype),
-        PHASE_BACKWARD,
-        after=True,
-        like=anchor,
-    )
+    waited = edit.wait(scattered, scattered, PHASE_BACKWARD, like=anchor, after=True)
     last = waited
     if spec.replicate_world > 1:  # HSDP: the shard's gradient summed over the replicas, in place
         reduced = edit.call(
@@ -476,15 +466,7 @@ def _reduce_scatter(
             after=True,
             like=anchor,
         )
-        last = edit.call(
-            reduced,
-            c10d.wait_tensor.default,
-            (reduced,),
-            meta_tensor([total], dtype),
-            PHASE_BACKWARD,
-            after=True,
-            like=anchor,
-        )
+        last = edit.wait(reduced, reduced, PHASE_BACKWARD, like=anchor, after=True)
     views, offset = [], 0
     for p, size in zip(unit.params, padded):
         local = local_shard_shape(full_shapes[p.name], n, rank)
@@ -585,14 +567,6 @@ def ddp_rank_program(
             PHASE_BACKWARD,
             after=True,
         )
-        edit.call(
-            reduced,
-            c10d.wait_tensor.default,
-            (reduced,),
-            meta_tensor([elems], dtype),
-            PHASE_BACKWARD,
-            after=True,
-            like=bucket[-1],
-        )
+        edit.wait(reduced, reduced, PHASE_BACKWARD, like=bucket[-1], after=True)
     graph.lint()
     return program.rewritten(graph, phases=phases, input_roles=roles)

@@ -66,6 +66,12 @@ class GraphEditor:
         self.phases[node.name] = phase
         return node
 
+    def wait(self, anchor: torch.fx.Node, collective: torch.fx.Node, phase: str,
+             like: Optional[torch.fx.Node] = None, after: bool = False) -> torch.fx.Node:
+        """The ``wait_tensor`` of ``collective`` (placed as ``call`` places nodes), holding its result."""
+        return self.call(anchor, torch.ops._c10d_functional.wait_tensor.default, (collective,),
+                         collective.meta["val"], phase, like=like, after=after)
+
     def keep_alive(self, at: torch.fx.Node, nodes: Iterable[torch.fx.Node]) -> None:
         """``at`` also keeps ``nodes`` alive: their storages are freed after ``at`` at the earliest."""
         names = self.extra_uses.setdefault(at.name, [])

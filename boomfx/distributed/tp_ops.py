@@ -164,7 +164,7 @@ def lower_tp_ops(program: Program, group: str = TP_GROUP, gather_scratch: bool =
             reduced = edit.call(
                 node, c10d.all_reduce.default, (node.args[0], "sum", group), val, phase, like=node
             )
-            waited = edit.call(node, c10d.wait_tensor.default, (reduced,), val, phase, like=node)
+            waited = edit.wait(node, reduced, phase, like=node)
             node.replace_all_uses_with(waited)
             graph.erase_node(node)
             phases.pop(node.name, None)
@@ -196,7 +196,7 @@ def _lower_all_gather(edit: GraphEditor, node: torch.fx.Node, phase: str, group:
     gathered = edit.call(node, c10d.all_gather_into_tensor.default, (x, world, group), stacked_val, phase, like=node)
     if scratch:  # (shaped like the output it copies through: empty_like keeps a symbolic batch out of the args)
         temp = edit.call(node, aten.empty_like.default, (gathered,), stacked_val, phase, like=node)
-    waited = edit.call(node, c10d.wait_tensor.default, (gathered,), stacked_val, phase, like=node)
+    waited = edit.wait(node, gathered, phase, like=node)
     if scratch:
         edit.keep_alive(waited, [temp])
     out = waited
@@ -228,5 +228,5 @@ def _lower_reduce_scatter(edit: GraphEditor, node: torch.fx.Node, phase: str, gr
         src = edit.call(node, aten.cat.default, (pieces, 0), torch.cat(chunks, 0), phase, like=node)
     out_val = node.meta["val"]
     scattered = edit.call(node, c10d.reduce_scatter_tensor.default, (src, "sum", world, group), out_val, phase, like=node)
-    waited = edit.call(node, c10d.wait_tensor.default, (scattered,), out_val, phase, like=node)
+    waited = edit.wait(node, scattered, phase, like=node)
     node.replace_all_uses_with(waited)
