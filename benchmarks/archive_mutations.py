@@ -54,12 +54,19 @@ def read_entries(archive: bytes) -> list[tuple[str, bytes]]:
         return [(info.filename, zf.read(info)) for info in zf.infolist()]
 
 
+_FIXED_TIME = (1980, 1, 1, 0, 0, 0)
+
+
 def write_entries(entries: list[tuple[str, bytes]]) -> bytes:
-    """A stored (uncompressed) zip of ``entries``, as ``torch.export.save`` writes."""
+    """A stored (uncompressed) zip of ``entries``, as ``torch.export.save`` writes.
+
+    Every entry carries one fixed timestamp: ``writestr`` with a bare name stamps the current time,
+    so two runs of the same seed a second apart would give different bytes.
+    """
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
         for name, content in entries:
-            zf.writestr(name, content)
+            zf.writestr(zipfile.ZipInfo(name, date_time=_FIXED_TIME), content)
     return out.getvalue()
 
 
