@@ -129,7 +129,7 @@ def _returned_linear(program: Program) -> Optional[str]:
     """The weight placeholder of the forward linear whose output the loss reads first (the head)."""
     aten = torch.ops.aten
     linears = [n for n in program.graph.nodes if n.op == "call_function" and n.target in (aten.linear.default, aten.mm.default, aten.addmm.default)
-               and program.phases.get(n.name) == PHASE_FORWARD]
+               and program.phases.get(n.name, PHASE_FORWARD) == PHASE_FORWARD]
     return None if not linears else _weight_placeholder(linears[-1])
 
 

@@ -110,8 +110,9 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     label = str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
     roles = export_roles(ep)
     symbols = symbols_of(ep, roles)
-    if not options.train and not options.amp:
-        return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label)
+    if not options.train and not options.amp:   # (the export kept: tensor-parallel serving shards it)
+        return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label,
+                       export=ep)
     refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
     program = program_from_traced(trace_step(ep, options), symbols, options, label)
     if options.train:   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
@@ -142,7 +143,7 @@ def trace_step(ep: Any, options: ProgramOptions) -> Any:
 
 
 def export_of(program: Program) -> Optional[ExportedProgram]:
-    """The export a training ``program`` was captured from (None for rewritten or compiled programs)."""
+    """The export a ``program`` was captured from (None for rewritten or compiled programs)."""
     return program.export
 
 

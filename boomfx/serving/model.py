@@ -31,6 +31,7 @@ Sliding windows are read from each layer's mask (``boomfx/serving/sliding_window
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,7 +53,11 @@ _LOGITS_MATMULS = frozenset({aten.linear, aten.mm, aten.addmm, aten.matmul, aten
 _LOGITS_TAIL_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous,
                               aten.clone, aten.slice, aten.alias, aten.squeeze, aten.unsqueeze,
                               aten._assert_tensor_metadata})
-_MAX_LOGITS_HOPS = 8
+# a tensor-parallel head's logits gathered to every rank (boomfx/serving/tensor_parallel.py): all-gather,
+# wait, then its shards cut apart and concatenated on the vocabulary
+_c10d = torch.ops._c10d_functional
+_LOGITS_GATHER_OPS = frozenset({_c10d.all_gather_into_tensor, _c10d.wait_tensor, aten.chunk, aten.cat})
+_MAX_LOGITS_HOPS = 12
 
 
 class ServingModelError(BoomfxError):
@@ -219,9 +224,17 @@ def _logits_nodes(graph: torch.fx.Graph) -> frozenset[str]:
         found.append(cur.name)
         if _packet(cur) in _LOGITS_MATMULS:
             return frozenset(found)
-        if _packet(cur) not in _LOGITS_TAIL_OPS or not cur.args or not isinstance(cur.args[0], torch.fx.Node):
+        head = cur.args[0] if cur.args else None
+        if _packet(cur) is aten.cat and isinstance(head, (list, tuple)) and head:
+            found += [p.name for p in head[1:] if isinstance(p, torch.fx.Node)]    # the other shards' pieces
+            head = head[0]
+        if cur.target is operator.getitem and isinstance(head, torch.fx.Node):
+            pass                                                                    # a piece of the chunk
+        elif _packet(cur) not in _LOGITS_TAIL_OPS | _LOGITS_GATHER_OPS:
             return frozenset()
-        cur = cur.args[0]
+        if not isinstance(head, torch.fx.Node):
+            return frozenset()
+        cur = head
     return frozenset()
 
 

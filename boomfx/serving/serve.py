@@ -25,6 +25,7 @@ from boomfx.serving.kv_groups import KVGroups, kv_groups
 from boomfx.serving.model import ServingModel, serving_model
 from boomfx.serving.report import ServeReport, StepRow, WorkloadReport, workload_report
 from boomfx.serving.steps import HostOverhead, Step, StepPricer, profile_activation_bytes
+from boomfx.serving.tensor_parallel import CollectiveTimes, tp_serving_program
 from boomfx.serving.workload import Workload, simulate_workload, sustainable
 
 MAX_RATE_PROBES = 7             # bisection steps of the highest-sustainable-rate search
@@ -43,6 +44,11 @@ class ServingSetup:
     kv_dtype: torch.dtype
     plan: MemoryPlan
     groups: Optional[KVGroups] = None
+    # tensor parallelism: the whole model (``model`` is then one rank's) and the rank's collectives,
+    # or why the rank's program could not be cut (step times then stay those of TP=1)
+    whole: Optional[ServingModel] = None
+    collectives: Optional[CollectiveTimes] = None
+    tp_not_split: str = ""
 
     def request_blocks(self, context: int) -> int:
         """Blocks one request of ``context`` tokens holds over all groups."""
@@ -53,7 +59,8 @@ class ServingSetup:
                host_overhead: Optional[HostOverhead] = None) -> StepPricer:
         return StepPricer(self.analysis, self.model, self.engine, self.config, self.kv_dtype,
                           self.kv.kv_heads_per_rank, kv_write=kv_write, bucket_tokens=bucket_tokens,
-                          interpolate=interpolate, host_overhead=host_overhead or HostOverhead())
+                          interpolate=interpolate, host_overhead=host_overhead or HostOverhead(),
+                          collectives=self.collectives)
 
 
 _KV_TORCH_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
@@ -98,6 +105,20 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
     kv_dtype = model.dtype if kv_cache_dtype == "auto" else _KV_TORCH_DTYPES[dtype_bytes]
     kv = KVSpec(model.num_layers, site.kv_heads, rules.kv_heads_per_rank(site.kv_heads, tensor_parallel_size),
                 site.head_dim, site.v_head_dim, dtype_bytes, config.block_size)
+    whole, collectives, not_split = None, None, ""
+    weights_per_rank = math.ceil(model.weights_bytes / tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        try:
+            if model.carries_cache:
+                raise OptionError("an export that carries its KV cache is not split (export the plain model)")
+            rank_program = tp_serving_program(program, tensor_parallel_size)
+        except OptionError as exc:
+            not_split = str(exc).splitlines()[0]
+        else:
+            whole, program = model, rank_program
+            model = serving_model(program)
+            weights_per_rank = model.weights_bytes
+            collectives = CollectiveTimes(program, device, tensor_parallel_size, db)
     analysis = Analysis(program, device, AnalyzeOptions(device.name, db=db, outside_memory=outside_memory))
     profile_tokens = config.max_num_batched_tokens
     activation = profile_activation_bytes(analysis, model, profile_tokens, min(config.max_num_seqs, profile_tokens))
@@ -112,10 +133,11 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
             graph_pool = profile_activation_bytes(analysis, model, sizes[-1], sizes[-1]) if sizes else 0
     hybrid = not disable_hybrid_kv_cache_manager
     plan = plan_memory(kv, device.memory_bytes, config.gpu_memory_utilization,
-                       math.ceil(model.weights_bytes / tensor_parallel_size), activation, non_torch, context,
+                       weights_per_rank, activation, non_torch, context,
                        graph_pool, max_model_len, windows=windows,
                        max_num_batched_tokens=config.max_num_batched_tokens, hybrid_kv_cache_manager=hybrid)
-    return ServingSetup(rules, analysis, model, config, kv, kv_dtype, plan, kv_groups(windows, hybrid))
+    return ServingSetup(rules, analysis, model, config, kv, kv_dtype, plan, kv_groups(windows, hybrid), whole,
+                        collectives, not_split)
 
 
 def layer_windows(sites: Any, sliding_window: Optional[int]) -> tuple[Optional[int], ...]:
@@ -218,11 +240,12 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
 
 def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
                  workload: Optional[WorkloadReport]) -> ServeReport:
-    site = s.model.uniform_site()
+    whole = s.whole or s.model
+    site = whole.uniform_site()
     warnings = []
-    if s.config.tensor_parallel_size > 1:
-        warnings.append("tensor parallelism: KV heads per rank and weights / TP follow the engine; step times are "
-                        "priced at TP=1 (no all-reduce)")
+    if s.config.tensor_parallel_size > 1 and s.collectives is None:
+        warnings.append(f"tensor parallelism: KV heads per rank and weights / TP follow the engine, but the rank's "
+                        f"program was not cut ({s.tp_not_split}): step times are priced at TP=1 (no all-reduce)")
     if s.model.carries_cache:
         warnings.append(f"the export carries a KV cache ({len(s.model.cache_input_names)} past K/V inputs, cached "
                         f"length {s.model.past.min_value} to {s.model.past.max_value}): KV shapes read from them; under {s.engine.name} rules "
@@ -233,7 +256,7 @@ def build_report(s: ServingSetup, device: DeviceSpec, rows: list[StepRow],
         source=s.model.program.source, device=device.name, engine=s.engine.label,
         model={"attention_layers": s.model.num_layers, "query_heads": site.q_heads, "kv_heads": site.kv_heads,
                "head_dim": site.head_dim, "v_head_dim": site.v_head_dim, "dtype": str(site.dtype).replace("torch.", ""),
-               "weights_bytes": s.model.weights_bytes, "exported_seq_range": [s.model.seq.min_value,
+               "weights_bytes": whole.weights_bytes, "exported_seq_range": [s.model.seq.min_value,
                                                                               s.model.seq.max_value],
                "carries_kv_cache": s.model.carries_cache,
                "cache_range": [s.model.past.min_value, s.model.past.max_value] if s.model.past is not None else None,

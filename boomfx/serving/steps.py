@@ -34,7 +34,8 @@ layer plus the eager attention calls), the step taking the longer of host issue 
 Known limitations:
 - NB: the engine's own per-step host work (scheduler, input preparation, detokenisation) is a
   ``HostOverhead`` given by the caller; zero unless measured (no vLLM values are known here).
-- NB: tensor parallelism is not priced (no all-reduce, weights not split): step times are TP=1.
+- Tensor parallelism: the rank's own program (``boomfx/serving/tensor_parallel.py``) is priced, its
+  collectives as a sixth part, ``tp_communication``, by the collective model.
 - NB: the decode call prices all sequences at their mean context; a paged kernel's split-KV
   imbalance between short and long sequences is not modelled.
 """
@@ -134,7 +135,8 @@ class StepPricer:
 
     def __init__(self, analysis: Analysis, model: ServingModel, engine: EngineRules, config: EngineConfig,
                  kv_dtype: torch.dtype, kv_heads_per_rank: int, kv_write: Optional[str] = None,
-                 bucket_tokens: int = 1, interpolate: bool = False, host_overhead: HostOverhead = HostOverhead()) -> None:
+                 bucket_tokens: int = 1, interpolate: bool = False, host_overhead: HostOverhead = HostOverhead(),
+                 collectives: Optional[Any] = None) -> None:
         self.analysis = analysis
         self.model = model
         self.engine = engine
@@ -143,6 +145,10 @@ class StepPricer:
         self.kv_heads = kv_heads_per_rank
         self.kv_write = kv_write or engine.kv_write
         self.host_overhead = host_overhead
+        # tensor parallelism (boomfx/serving/tensor_parallel.py: CollectiveTimes): the rank's collectives,
+        # priced by the collective model as their own part instead of by the bytes they touch
+        self.collectives = collectives
+        self._comm_cache: dict[tuple[int, int], PartTime] = {}
         self.site = model.uniform_site()
         self.cpu = analysis.device.kind == "cpu"
         self.graphs = (not self.cpu) and not config.enforce_eager
@@ -170,8 +176,9 @@ class StepPricer:
         chosen = self.model.logits_nodes
         device = host = 0.0
         sources: dict[str, None] = {}
+        comm = self.collectives or ()
         for k, span in zip(point.report.kernels, point.timeline.spans):
-            if k.node in skip or ((k.node in chosen) != logits):
+            if k.node in skip or ((k.node in chosen) != logits) or k.node in comm:
                 continue
             device += span.end_ns - span.start_ns
             host += k.host_ns
@@ -253,7 +260,7 @@ class StepPricer:
             ev = self.analysis.evaluator(self.model.bindings(1, n_sampled))
             total = PartTime()
             for name in self.model.logits_nodes:
-                if name not in self.analysis.costs.by_node:
+                if name not in self.analysis.costs.by_node or (self.collectives is not None and name in self.collectives):
                     continue
                 price = self.analysis.price_node(name, ev)
                 device = price.time_ns
@@ -261,6 +268,25 @@ class StepPricer:
                     device += price.host_ns
                 total = total + PartTime(device, price.host_ns, (str(getattr(price.source, "value", price.source)),))
             hit = self._logits_cache[n_sampled] = total
+        return hit
+
+    def communication_part(self, n_tokens: int, n_sampled: int) -> PartTime:
+        """The rank's TP collectives: the token-wise ones at ``n_tokens``, the logits' at ``n_sampled``."""
+        if self.collectives is None:
+            return PartTime()
+        key = (n_tokens, n_sampled)
+        hit = self._comm_cache.get(key)
+        if hit is None:
+            token_ev = self.analysis.evaluator(self.model.bindings(1, max(1, n_tokens)))
+            sampled_ev = self.analysis.evaluator(self.model.bindings(1, max(1, n_sampled)))
+            hit = PartTime()
+            for name in self.collectives.nodes:
+                in_logits = name in self.model.logits_nodes
+                if in_logits and n_sampled <= 0:
+                    continue
+                time_ns, source = self.collectives.time_ns(name, sampled_ev if in_logits else token_ev)
+                hit = hit + PartTime(time_ns, 0.0, (source,))
+            self._comm_cache[key] = hit
         return hit
 
     # -- parts priced as calls -------------------------------------------------------------------
@@ -438,6 +464,8 @@ class StepPricer:
             "logits": self.logits_part(step.num_sampled if padded is None else padded),
         }
         parts["sampler"] = self.sampler_part(step.num_sampled)
+        if self.collectives is not None:
+            parts["tp_communication"] = self.communication_part(n, step.num_sampled if padded is None else padded)
         device = sum(p.device_ns for p in parts.values())
         overhead = self.host_overhead.step_ns(self.model.module_calls)   # the framework's host work, before it launches anything
         parts["host_overhead"] = PartTime(overhead, overhead, (self.host_overhead.source,))
