@@ -564,7 +564,7 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     if program.options.compile:
         raise OptionError("--parallel tp with --compile is not modelled yet")
     ep = export_of(program)
-    if ep is None:
+    if ep is None or not program.options.train:
         raise OptionError("--parallel tp needs the training program captured from its export "
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
