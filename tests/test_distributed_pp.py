@@ -142,8 +142,8 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "needs at least pp=2 micro-batches" in _bad(
         capsys, *base, "--parallel", "pp=2", "--microbatches", "1"
     )
-    assert "pp with dp_shard needs --reshard-after-forward false" in _bad(
-        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2"
+    assert "pp with dp_shard and --reshard-after-forward true" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2", "--reshard-after-forward", "true"
     )
     assert "HSDP stages" in _bad(
         capsys, *base, "--parallel", "pp=2,dp_shard=2,dp_replicate=2", "--microbatches", "2",
@@ -417,3 +417,26 @@ def test_pp_fsdp_tp_composes() -> None:
         gathered = [n for n in rc.program.graph.nodes
                     if n.op == "call_function" and n.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default]
         assert sum(n.args[0].meta["val"].numel() * 4 for n in gathered) == resident_bytes(rc.program, "param")
+
+
+def test_reshard_after_forward_follows_torchtitans_default_policy() -> None:
+    """Not given, ``reshard_after_forward`` is torchtitan's "default" policy: on without pipeline
+    parallelism, off with it; the pipeline program built without the option is the one built with
+    ``False`` (same nodes, same all-gathers), and an explicit ``True`` with pp is refused before any work."""
+    from boomfx.core.errors import OptionError
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.distributed.ranks import rank_programs
+    from boomfx.frontend.capture import capture
+
+    assert ParallelConfig(dp_shard=2).reshards_after_forward is True
+    assert ParallelConfig(pp=2, dp_shard=2, microbatches=2).reshards_after_forward is False
+    assert ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True).not_modelled()
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    default = rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2))
+    given = rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=False))
+    assert [rc.ranks for rc in default] == [rc.ranks for rc in given]
+    for a, b in zip(default, given):
+        assert [(n.op, str(n.target)) for n in a.program.graph.nodes] == [(n.op, str(n.target)) for n in b.program.graph.nodes]
+    with pytest.raises(OptionError, match="resharding between micro-batches"):
+        rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True))

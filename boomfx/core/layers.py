@@ -23,8 +23,11 @@ def module_stack(node: torch.fx.Node) -> list[tuple[str, str]]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def clean_module_path(path: str) -> str:
-    """Export paths look like ``L['self'].h[0].attn`` in some versions and ``h.0.attn`` in others."""
+    """Export paths look like ``L['self'].h[0].attn`` in some versions and ``h.0.attn`` in others.
+
+    Cached: a graph has a few hundred distinct paths but the rewrites ask for them once per node and unit."""
     path = path.replace("L['self'].", "").replace("L['self']", "")
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)

@@ -148,7 +148,7 @@ class DistributedAnalysis:
                     row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,
                                bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i])
         point.report.parallel = ParallelReport(
-            config={k: v for k, v in asdict(self.cfg).items()},
+            config={**asdict(self.cfg), "reshard_after_forward": self.cfg.reshards_after_forward},
             world=self.cfg.world,
             batch_per_rank=batch,
             global_batch=self.cfg.global_batch(batch) if batch is not None else None,

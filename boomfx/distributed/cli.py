@@ -28,9 +28,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--reshard-after-forward",
-        default="true",
+        default=None,
         choices=("true", "false"),
-        help="FSDP2 reshard_after_forward for every unit (default true)",
+        help="FSDP2 reshard_after_forward for every unit (default: torchtitan's policy, true without pp "
+        "and false with pp)",
     )
     g.add_argument(
         "--fsdp-param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy param_dtype (bf16, fp32)"
@@ -54,6 +55,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def on_off(value: Optional[str]) -> Optional[bool]:
+    """``"true"``/``"false"`` -> the bool; not given -> None (the config's default policy)."""
+    return None if value is None else value == "true"
+
+
 def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
     if not args.parallel:
         if args.rank is not None:
@@ -72,7 +78,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         gpus_per_node=args.gpus_per_node,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
-        reshard_after_forward=args.reshard_after_forward == "true",
+        reshard_after_forward=on_off(args.reshard_after_forward),
         fsdp_param_dtype=args.fsdp_param_dtype,
         fsdp_reduce_dtype=args.fsdp_reduce_dtype,
         bucket_cap_mb=args.bucket_cap_mb,

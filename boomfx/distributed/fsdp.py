@@ -45,7 +45,7 @@ import torch.fx
 
 from boomfx.core.layers import module_path
 from boomfx.training.checkpointing import find_layer_list, layer_names
-from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, meta_tensor, numel
+from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, meta_tensor, numel, owning_layer
 from boomfx.core.errors import OptionError
 from boomfx.core.program import (
     META_RUNTIME_USES,
@@ -143,14 +143,8 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
 
 
 def _owning_layer(path: str, layers: set[str]) -> str:
-    """The layer whose module ``path`` is or is inside (``in_unit``), else the root: one set lookup per
-    prefix of the path instead of one module-path parse per layer (quadratic in depth on 80 layers)."""
-    parts = path.split(".")
-    for end in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:end])
-        if prefix in layers:
-            return prefix
-    return ROOT
+    """The layer whose module ``path`` is or is inside, else the root."""
+    return owning_layer(path, layers) or ROOT
 
 
 def _owned(node: torch.fx.Node, layers: Sequence[str]) -> bool:

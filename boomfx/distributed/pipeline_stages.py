@@ -68,7 +68,7 @@ from boomfx.core.program import (
     ROLE_PARAM,
     Program,
 )
-from boomfx.distributed.graph_edit import in_unit
+from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.p2p import p2p_ops
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
@@ -138,10 +138,8 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
     last = pp - 1
 
     def layer_stage(node: torch.fx.Node) -> Optional[int]:
-        for name, s in stage_of_layer.items():
-            if in_unit(node, name):
-                return s
-        return None
+        layer = owning_layer(module_path(node), stage_of_layer)
+        return None if layer is None else stage_of_layer[layer]
 
     calls = [n for n in graph.nodes if n.op == "call_function"]
     first_bwd = next(i for i, n in enumerate(calls) if program.phase_of(n) == PHASE_BACKWARD)
@@ -394,9 +392,9 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     """Every stage's training program (see the module docstring)."""
     if not program.options.train:
         raise OptionError("--parallel pp needs --train (pipeline stages split a training step)")
-    if cfg.pp_schedule == "interleaved_1f1b":
-        raise OptionError("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built "
-                          "yet (gpipe and 1f1b are)")
+    reason = cfg.not_modelled()
+    if reason:
+        raise OptionError(reason)
     split, names = _split(program, cfg.pp)
     m = cfg.num_microbatches
     orders = stage_orders(cfg.pp_schedule, cfg.pp, m)

@@ -51,7 +51,9 @@ class ParallelConfig:
     gpus_per_node: Optional[int] = None  # None: the product of the degrees on one node
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None  # None: one per stage (the minimum 1F1B needs)
-    reshard_after_forward: bool = True
+    # None: torchtitan's "default" policy, True without pipeline parallelism and False with it (a stage
+    # re-gathering its parameters for every micro-batch would multiply the all-gathers by the micro-batches)
+    reshard_after_forward: Optional[bool] = None
     fsdp_param_dtype: Optional[str] = None  # MixedPrecisionPolicy(param_dtype=...)
     fsdp_reduce_dtype: Optional[str] = None  # MixedPrecisionPolicy(reduce_dtype=...)
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -145,6 +147,32 @@ class ParallelConfig:
         for pattern, style in self.tp_plan:
             if style not in TP_STYLES:
                 raise OptionError(f"--tp-plan: {pattern}={style!r}: the style must be colwise or rowwise")
+        reason = self.not_modelled()
+        if reason:
+            raise OptionError(reason)
+
+    def not_modelled(self) -> Optional[str]:
+        """Why the per-rank programs of this combination are not built (None: they are). Asked before any
+        rewrite runs, so ``--search`` counts such plans without tracing anything."""
+        if self.is_single_device:
+            return None
+        if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
+            return "--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet"
+        if self.gradient_as_bucket_view:
+            return "--gradient-as-bucket-view: not modelled yet (the default, False, is)"
+        if self.pp == 1:
+            return None
+        if self.pp_schedule == "interleaved_1f1b":
+            return ("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built yet "
+                    "(gpipe and 1f1b are)")
+        if self.tp > 1 and (self.sp or self.vocab_parallel):
+            return "--parallel pp with sp or a vocabulary-parallel TP plan is not built yet (pp with the default TP plan is)"
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            return "--parallel pp with dp_shard and dp_replicate (HSDP stages) is not built yet"
+        if self.dp_shard > 1 and self.reshard_after_forward:
+            return ("--parallel pp with dp_shard and --reshard-after-forward true: resharding between "
+                    "micro-batches is not modelled yet (false, torchtitan's default with pp, is)")
+        return None
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -171,6 +199,13 @@ class ParallelConfig:
     @property
     def num_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else self.pp
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """``reshard_after_forward`` as given, else torchtitan's default policy: not with pp, else yes."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.pp == 1
 
     @property
     def is_single_device(self) -> bool:

@@ -193,7 +193,8 @@ class ParallelSearch:
             if unbound:
                 raise OptionError("--search: bind the other dimensions first: " + ", ".join(s.describe() for s in unbound))
             outside = analysis.outside.total_bytes if self.device.kind == "cuda" else 0
-            self._footprints[checkpoint] = ModelFootprint(analysis, batch, fixed, outside)
+            schedule = self.request.config_options.get("pp_schedule", "1f1b")
+            self._footprints[checkpoint] = ModelFootprint(analysis, batch, fixed, outside, schedule)
             self.outcome.evaluations["single_device_analyses"] += 1
         return self._footprints[checkpoint]
 

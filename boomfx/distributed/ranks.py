@@ -34,10 +34,9 @@ class RankClass:
 def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
-    if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
-        raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet")
-    if cfg.gradient_as_bucket_view:
-        raise OptionError("--gradient-as-bucket-view: not modelled yet (the default, False, is)")
+    reason = cfg.not_modelled()
+    if reason:
+        raise OptionError(reason)
     if cfg.pp > 1:
         return _pipeline_classes(program, cfg)
     tp_label = ""
@@ -55,7 +54,7 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         return [RankClass(tuple(world), rewritten, f"{label} rank (all {cfg.world})")]
     spec = ShardSpec(
         cfg.dp_shard,
-        reshard_after_forward=cfg.reshard_after_forward,
+        reshard_after_forward=cfg.reshards_after_forward,
         replicate_world=cfg.dp_replicate,
         all_gather_scratch=cfg.backend == "gloo",
     )
@@ -93,9 +92,6 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
 
-        if cfg.sp or cfg.vocab_parallel:
-            raise OptionError("--parallel pp with sp or a vocabulary-parallel TP plan is not built yet "
-                              "(pp with the default TP plan is)")
         program = tp_rank_program(program, cfg)
     classes = []
     for stage in stage_programs(program, cfg):
@@ -121,11 +117,6 @@ def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, labe
     """A stage's ranks grouped by the shard shapes they hold (``torch.chunk``), one program each."""
     from boomfx.distributed.pp_fsdp import fsdp_stage_program
 
-    if cfg.dp_replicate > 1:
-        raise OptionError("--parallel pp with dp_shard and dp_replicate (HSDP stages) is not built yet")
-    if cfg.reshard_after_forward:
-        raise OptionError("--parallel pp with dp_shard needs --reshard-after-forward false (as torchtitan runs "
-                          "pipeline stages); resharding between micro-batches is not modelled yet")
     program = stage.program
     spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, all_gather_scratch=cfg.backend == "gloo")
     shapes = [list(n.meta["val"].shape) for n in program.graph.nodes

@@ -26,19 +26,34 @@ plus the memory outside the caching allocator (CUDA context, cuBLAS workspace). 
   of them at once (same relative order, one micro-batch; more micro-batches in flight only add), so the
   stages' peaks sum to at least that peak and the heaviest is at least ``1/pp`` of it.
 
-``tests/test_search_bounds.py`` checks the bound against full evaluations (allocator replay included) of
-every data-parallel plan of small models.
+With ``pp > 1`` two more floors use the layer each storage and kernel belongs to (``layer_shares``):
+
+- memory: before stage ``s`` runs its first backward it has run the forward of ``f_s`` micro-batches and
+  holds what each saved for its backward (``f_s = m`` for GPipe, ``min(pp - s, m)`` for 1F1B, as
+  torch.distributed.pipelining's schedules run them), so it holds at least its layers' parameters and
+  optimizer state over ``dp_shard x tp`` plus ``f_s`` times its layers' saved activations over ``tp``;
+- time: stage ``s`` cannot start before micro-batch 1 passed the stages before it, runs ``m`` forwards and
+  backwards, and stage 0 cannot end before the last backward passed back, so the step is at least
+  ``sum_{r<s} c_r + m c_s`` for every ``s``, ``c_s`` the kernels of stage ``s``'s layers per micro-batch
+  over ``tp`` (the bubble: ``(m + pp - 1) c`` when stages are alike).
+
+``tests/test_parallel_search.py`` checks every bound against full evaluations (allocator replay included)
+of every modelled plan (data, tensor and pipeline parallel) of a small model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 import sympy
 
-from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE
+from boomfx.core.layers import module_path
+from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_OPT_STATE, ROLE_PARAM, Program
+from boomfx.distributed.graph_edit import owning_layer
+from boomfx.distributed.pipeline_stages import stage_layer_ranges
 from boomfx.distributed.search import Plan
-from boomfx.passes.liveness import Category, StorageInterval
+from boomfx.passes.liveness import Category, LivenessInfo, StorageInterval
+from boomfx.training.checkpointing import find_layer_list, layer_names
 
 # what a data-parallel rank holds at the single-device size (module docstring)
 _BATCH_CATEGORIES = frozenset({Category.ACT, Category.TEMP, Category.INPUT})
@@ -54,8 +69,12 @@ class ModelFootprint:
     batch_symbol: sympy.Symbol
     fixed: Mapping[sympy.Symbol, int]               # every other symbol's binding (seq, ...)
     outside_bytes: int                              # memory outside the allocator (CUDA: context, cuBLAS)
+    pp_schedule: str = "1f1b"
     _per_batch: dict[int, int] = field(default_factory=dict)
     _compute: dict[int, float] = field(default_factory=dict)
+    _layer_compute: dict[int, list[float]] = field(default_factory=dict)
+    _layer_saved: dict[int, list[int]] = field(default_factory=dict)
+    _shares: Optional["LayerShares"] = None
     _intervals: tuple[StorageInterval, ...] = ()
     _state: tuple[int, int] = (-1, -1)
 
@@ -105,10 +124,11 @@ class ModelFootprint:
         them (each repeated block's kernels priced once): what a data-parallel rank runs on its batch."""
         hit = self._compute.get(batch)
         if hit is None:
-            analysis, phases = self.analysis, self.analysis.program.phases
+            analysis, phases, shares = self.analysis, self.analysis.program.phases, self.shares()
             ev = analysis.evaluator(self._bindings(batch))
             prices: dict[str, float] = {}
             total = 0.0
+            per_layer = [0.0] * len(shares.layers)
             for node in analysis.program.graph.nodes:
                 if node.name not in analysis.costs.by_node or phases.get(node.name, PHASE_FORWARD) not in _BATCH_PHASES:
                     continue
@@ -116,8 +136,66 @@ class ModelFootprint:
                 if rep not in prices:
                     prices[rep] = analysis.price_node(rep, ev).time_ns
                 total += prices[rep]
+                layer = shares.node_layer.get(node.name)
+                if layer is not None:
+                    per_layer[layer] += prices[rep]
             hit = self._compute[batch] = total
+            self._layer_compute[batch] = per_layer
         return hit
+
+    def shares(self) -> "LayerShares":
+        if self._shares is None:
+            self._shares = layer_shares(self.analysis.program, self.analysis.liveness)
+        return self._shares
+
+    def layer_saved_bytes(self, batch: int) -> list[int]:
+        """Per layer, the bytes its forward leaves alive for the backward at ``batch``."""
+        hit = self._layer_saved.get(batch)
+        if hit is None:
+            ev = self.analysis.evaluator(self._bindings(batch))
+            shares = self.shares()
+            hit = [0] * len(shares.layers)
+            for layer, nbytes in shares.saved:
+                hit[layer] += int(ev(nbytes))
+            self._layer_saved[batch] = hit
+        return hit
+
+    def _inflight(self, plan: Plan, stage: int) -> int:
+        """Micro-batches stage ``stage`` has run the forward of before its first backward."""
+        if self.pp_schedule == "gpipe":
+            return plan.microbatches
+        return min(plan.pp - stage, plan.microbatches)
+
+    def _stage_ranges(self, plan: Plan) -> Sequence[tuple[int, int]]:
+        layers = len(self.shares().layers)
+        return stage_layer_ranges(layers, plan.pp) if layers >= plan.pp else ()
+
+    def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int) -> float:
+        """``max_s sum_{r<s} c_r + m c_s`` (module docstring); 0 without pp or layers."""
+        ranges = self._stage_ranges(plan)
+        if plan.pp == 1 or not ranges:
+            return 0.0
+        self.compute_ns(micro_batch)
+        per_layer = self._layer_compute[micro_batch]
+        stage = [sum(per_layer[lo:hi]) / plan.tp for lo, hi in ranges]
+        best = before = 0.0
+        for c in stage:
+            best = max(best, before + plan.microbatches * c)
+            before += c
+        return best
+
+    def pipeline_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
+        """The heaviest stage's floor at its first backward (module docstring); 0 without pp or layers."""
+        ranges = self._stage_ranges(plan)
+        if plan.pp == 1 or not ranges:
+            return 0
+        shares = self.shares()
+        saved = self.layer_saved_bytes(micro_batch)
+        best = 0.0
+        for s, (lo, hi) in enumerate(ranges):
+            state = sum(shares.state_bytes[lo:hi]) / (plan.dp_shard * plan.tp)
+            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / plan.tp)
+        return int(best)
 
     def step_lower_bound_ns(self, plan: Plan, micro_batch: int) -> float:
         """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
@@ -125,7 +203,8 @@ class ModelFootprint:
         single-device kernels on its batch; collectives and the sharded optimizer only add); for tensor and
         pipeline parallelism it assumes a kernel cut ``k`` ways takes at least ``1/k`` of its time (the cost
         model's efficiency never rises as kernels shrink)."""
-        return self.compute_ns(micro_batch) * plan.microbatches / (plan.tp * plan.pp)
+        share = self.compute_ns(micro_batch) * plan.microbatches / (plan.tp * plan.pp)
+        return max(share, self.pipeline_step_floor_ns(plan, micro_batch))
 
     def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
         """Any rank's device memory under ``plan`` is at least this (module docstring)."""
@@ -133,4 +212,68 @@ class ModelFootprint:
         state_split = plan.dp_shard * plan.tp * plan.pp
         at_optimizer = (resident + grads) / state_split
         at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (plan.tp * plan.pp)
-        return int(max(at_optimizer, at_activation_peak)) + self.outside_bytes
+        return int(max(at_optimizer, at_activation_peak, self.pipeline_bound_bytes(plan, micro_batch))) + self.outside_bytes
+
+
+@dataclass(frozen=True)
+class LayerShares:
+    """What of the single-device program belongs to each layer of its layer list."""
+
+    layers: tuple[str, ...]
+    node_layer: Mapping[str, int]                  # kernel node -> layer index (forward, recompute, backward)
+    state_bytes: tuple[int, ...]                   # parameters + optimizer state per layer
+    saved: tuple[tuple[int, sympy.Expr], ...]      # (layer, bytes) of each storage its forward saves for backward
+
+
+def layer_shares(program: Program, liveness: LivenessInfo) -> LayerShares:
+    """Each layer's kernels, parameters with their optimizer state, and saved activations: a storage counts
+    for a layer when a forward node of the layer creates it and it lives into the backward."""
+    graph = program.graph
+    prefix = find_layer_list(graph)
+    layers = tuple(layer_names(graph, prefix)) if prefix else ()
+    index = {name: i for i, name in enumerate(layers)}
+    node_layer: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            layer = owning_layer(module_path(node), index)
+            if layer is not None:
+                node_layer[node.name] = index[layer]
+    param_layer: dict[str, int] = {}
+    for name, fqn in program.param_names.items():
+        layer = owning_layer(fqn, index)
+        if layer is not None and program.input_roles.get(name) == ROLE_PARAM:
+            param_layer[name] = index[layer]
+    state = [0] * len(layers)
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        role = program.input_roles.get(node.name)
+        owner = param_layer.get(node.name) if role == ROLE_PARAM else (
+            _opt_state_owner(node.name, param_layer) if role == ROLE_OPT_STATE else None)
+        if owner is not None:
+            state[owner] += _concrete_nbytes(node)
+    phases = program.phases
+    first_backward = next((step for step, name in enumerate(liveness.order) if phases.get(name) == PHASE_BACKWARD),
+                          None)
+    saved = []
+    if first_backward is not None:
+        for iv in liveness.intervals:
+            layer = node_layer.get(iv.node)
+            if (layer is not None and iv.category == Category.ACT and not iv.resident
+                    and phases.get(iv.node) == PHASE_FORWARD and iv.end_step >= first_backward):
+                saved.append((layer, iv.nbytes))
+    return LayerShares(layers, node_layer, tuple(state), tuple(saved))
+
+
+def _opt_state_owner(name: str, param_layer: Mapping[str, int]) -> Optional[int]:
+    """The layer of the parameter an optimizer-state placeholder belongs to (``exp_avg_p_layers_0_q_weight``
+    holds state of ``p_layers_0_q_weight``): the longest suffix after an underscore that is a parameter."""
+    for i, ch in enumerate(name):
+        if ch == "_" and name[i + 1:] in param_layer:
+            return param_layer[name[i + 1:]]
+    return None
+
+
+def _concrete_nbytes(node: Any) -> int:
+    val = node.meta.get("val")
+    return int(val.numel() * val.element_size()) if val is not None else 0

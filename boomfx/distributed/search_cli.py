@@ -11,6 +11,7 @@ from boomfx.core.devices import DeviceSpec
 from boomfx.core.errors import OptionError
 from boomfx.core.program import ProgramOptions
 from boomfx.core.units import fmt_bytes, fmt_time
+from boomfx.distributed.cli import on_off
 from boomfx.distributed.plan_search import ParallelSearch, SearchOutcome, SearchRequest, parse_pinned, program_maker
 
 
@@ -52,7 +53,7 @@ def search_request(args: argparse.Namespace, dims: dict) -> SearchRequest:
         args.nodes, args.gpus_per_node, args.global_batch, args.seq, dims, args.top,
         (True,) if args.checkpoint else (False, True), parse_pinned(args.parallel), args.network,
         args.max_microbatches,
-        {"pp_schedule": args.pp_schedule, "reshard_after_forward": args.reshard_after_forward == "true",
+        {"pp_schedule": args.pp_schedule, "reshard_after_forward": on_off(args.reshard_after_forward),
          "fsdp_param_dtype": args.fsdp_param_dtype, "fsdp_reduce_dtype": args.fsdp_reduce_dtype,
          "bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
          "tp_plan": tp_plan})
