@@ -417,11 +417,11 @@ def _cpu_allocator_counts_every_thread():
     """Turn on c10's process-wide count of live CPU bytes for the ``with`` block.
 
     Without it the CPU allocator accounts a free only on a thread whose thread-local state carries the
-    profiler (``memoryProfilingEnabled()``): ProcessGroupGloo's worker drops its reference to a finished
-    Work (``workInProgress_[i].reset()`` in ``runLoop``) after ``AsyncWork::execute`` has restored the
-    thread's state, so when that reference is the last one (the main thread already dropped its own),
-    the block of the collective's tensors is freed there with no ``[memory]`` event and stays in the
-    allocator's count forever. With the flag, that free updates the count, and every later event's
+    profiler (``memoryProfilingEnabled()``). ProcessGroupGloo's worker carries it only while it runs a
+    collective (its allocations there have events) and drops its reference to the finished Work later
+    (``workInProgress_[i].reset()`` in ``runLoop``), so when that reference is the last one (the main
+    thread already dropped its own) the collective's tensors are freed there with no ``[memory]`` event
+    and stay in the allocator's count forever. With the flag, that free updates the count, and every later event's
     ``total_allocated`` shows it."""
     import ctypes
 
