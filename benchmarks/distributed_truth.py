@@ -2,11 +2,12 @@
 
 Each configuration (DDP, FSDP2, tensor parallel, pipeline parallel, HSDP, TP x FSDP) runs a few
 real AdamW training steps of a small model in 2 or 4 processes on 127.0.0.1 (one thread each).
-After two warm-up steps (AdamW creates its state on the first), one step runs under the profiler and
-each rank records:
+After two warm-up steps (AdamW creates its state on the first), MEASURED_STEPS steps run under the
+profiler and each rank records:
 
-- its peak live tensor memory above the step's starting point (the running sum of the profiler's
-  ``[memory]`` events, as ``boomfx.live_bytes.profiler_peak_bytes`` does for one process);
+- its peak live tensor memory above the step's starting point (the CPU allocator's count of live
+  bytes that each profiler ``[memory]`` event carries, counted on every thread: gloo's worker
+  thread frees collective tensors with no event of its own, see ``_profiled_steps``);
 - the bytes resident at the start of the step (its parameters as stored, optimizer state);
 - every collective the backend ran (the profiler's ``gloo:*`` events: name, dtype, element count of
   each input), in issue order;
@@ -44,6 +45,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -404,7 +406,113 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
 
 
 MEASURED_STEP = "boomfx_truth_measured_step"
-MEASURED_STEPS = 6   # gloo frees collective buffers on its own thread, late in some steps: the peak is the min
+MEASURED_STEPS = 6   # the peak is the min over these steps (see _profiled_steps)
+# c10's switch (``--caffe2_report_cpu_memory_usage``) that makes the CPU allocator count every block it
+# hands out and takes back, on every thread, not only on threads that carry the profiler's state
+_COUNT_EVERY_THREAD_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
+
+
+@contextlib.contextmanager
+def _cpu_allocator_counts_every_thread():
+    """Turn on c10's process-wide count of live CPU bytes for the ``with`` block.
+
+    Without it the CPU allocator accounts a free only on a thread whose thread-local state carries the
+    profiler (``memoryProfilingEnabled()``). ProcessGroupGloo's worker carries it only while it runs a
+    collective (its allocations there have events) and drops its reference to the finished Work later
+    (``workInProgress_[i].reset()`` in ``runLoop``), so when that reference is the last one (the main
+    thread already dropped its own) the collective's tensors are freed there with no ``[memory]`` event
+    and stay in the allocator's count forever. With the flag, that free updates the count, and every later event's
+    ``total_allocated`` shows it."""
+    import ctypes
+
+    libs = sorted((Path(torch.__file__).parent / "lib").glob("libc10.*"))
+    if not libs:
+        raise RuntimeError(f"libc10 not found next to {torch.__file__}: cannot count gloo's frees")
+    flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(libs[0])), _COUNT_EVERY_THREAD_FLAG)
+    old = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = old
+
+
+_SETTLE_LIMIT_S = 1.0   # a thread that stays runnable this long is not gloo finishing a Work: stop waiting
+
+
+def _other_threads_settled() -> None:
+    """Return once no other thread of this process is runnable (Linux ``/proc``; elsewhere at once).
+
+    gloo's worker marks a Work completed, which wakes the main thread, and only then drops its own
+    reference to it; woken, the main thread often takes the core, and the worker's free of the
+    Work's tensors lands milliseconds later, past the next peak (seen: a 147,968 B FSDP all-gather
+    output freed 2.5 ms after FSDP dropped it). A worker that has dropped it sleeps on its queue."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + _SETTLE_LIMIT_S
+    while time.monotonic() < deadline:
+        runnable = False
+        for task in tasks.iterdir():
+            if task.name == me:
+                continue
+            with contextlib.suppress(OSError):
+                runnable = runnable or (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+        if not runnable:
+            return
+        os.sched_yield()
+
+
+@contextlib.contextmanager
+def _waits_let_gloo_release():
+    """Every wait on a collective (``Work.wait``, functional collectives' ``wait_tensor``) also waits
+    for gloo's threads to settle (``_other_threads_settled``), so the tensors a finished Work held are
+    freed before the main thread goes on, in program order."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._C._distributed_c10d import Work
+
+    work_wait, wait_tensor = Work.wait, funcol.wait_tensor
+
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        out = work_wait(work, *args, **kwargs)
+        _other_threads_settled()
+        return out
+
+    def settled_wait_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        out = wait_tensor(tensor)
+        _other_threads_settled()
+        return out
+
+    Work.wait, funcol.wait_tensor = wait, settled_wait_tensor
+    try:
+        yield
+    finally:
+        Work.wait, funcol.wait_tensor = work_wait, wait_tensor
+
+
+def _events(tree: list) -> list:
+    """Every event of the profiler's event tree, parents and children."""
+    out, stack = [], list(tree)
+    while stack:
+        e = stack.pop()
+        out.append(e)
+        stack.extend(e.children)
+    return out
+
+
+def _window_peaks(windows: list[tuple[int, int]], allocations: list) -> list[int]:
+    """Each window's peak of the allocator's live bytes above the value just before its first event.
+
+    ``allocations`` are the profiler's allocation events sorted by time; each carries the allocator's
+    count of live bytes after it (``total_allocated``), which includes frees that had no event of
+    their own (a summed ``alloc_size`` would never take those back)."""
+    peaks = []
+    for lo, hi in windows:
+        inside = [a.extra_fields for a in allocations if lo <= a.start_time_ns <= hi]
+        start = inside[0].total_allocated - inside[0].alloc_size
+        peaks.append(max([start] + [a.total_allocated for a in inside]) - start)
+    return peaks
 
 
 def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
@@ -413,17 +521,33 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
     The profiler window holds one step before them: a block allocated before the window and freed
     inside it has no allocation event, so its free would be dropped (the profiler warns "Memory block
     of unknown size"); e.g. a pipeline stage keeps the previous step's outputs until the next step.
-    Several steps, because gloo releases a collective's buffers when its Work object dies, which can
-    happen on gloo's thread after the main thread moved on: a step's peak is then one buffer higher
-    (seen: +2 x 73,984 B, one layer's FSDP all-gather output, in about one run in four). The minimum
-    over the steps is the peak with every buffer released in program order.
+
+    Two ways gloo's worker thread made a step's peak one or more blocks too high, both because it
+    drops its reference to a finished Work (and so may free the Work's tensors: FSDP all-gather
+    outputs, functional all-gather outputs, gloo's reduce-scatter copies) after the main thread has
+    dropped its own:
+    - the free has no ``[memory]`` event (the thread no longer carries the profiler's state), so the
+      summed event sizes never took it back, often in every step of a run (seen: the address of a
+      147,968 B FSDP all-gather output handed out again with no free in between and the step ending
+      147,968 B above its start; +32 KiB blocks in Llama's sequence-parallel steps). The peak is now
+      the allocator's own count of live bytes, counted on every thread
+      (``_cpu_allocator_counts_every_thread``);
+    - the free comes milliseconds late, past the next peak, when the woken main thread took the core
+      (``_other_threads_settled``): every wait now also waits for gloo's threads to settle
+      (``_waits_let_gloo_release``), so the frees land in program order, as the prediction has them.
+    With both, every measured step of every 2-rank test configuration had the same peak in 10 runs
+    each; the minimum over the steps stays for a worker that sleeps on a lock before its release,
+    which a settled thread cannot be told apart from.
     """
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     gc.disable()  # a cyclic collection inside the step would free autograd cycles at random points
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+        with _cpu_allocator_counts_every_thread(), _waits_let_gloo_release(), profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
+        ) as prof:
             step()
             for _ in range(MEASURED_STEPS):
                 gc.collect()
@@ -432,32 +556,17 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
                     step()
     finally:
         gc.enable()
+    tree = _events(prof.profiler.kineto_results.experimental_event_tree())
+    windows = sorted((e.start_time_ns, e.end_time_ns) for e in tree if e.name == MEASURED_STEP)
+    allocations = sorted((e for e in tree if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    peaks = _window_peaks(windows, allocations)
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    windows = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == MEASURED_STEP)
-    peaks: list[int] = []
-    collectives: list[dict] = []
-    running = 0
-    window = start = peak = None
+    first = next(e for e in events if e.name() == MEASURED_STEP)
+    collectives = []
     for e in events:
-        t = e.start_ns()
-        if window is not None and t > windows[window][1]:
-            peaks.append(peak - start)
-            window = None
-        if window is None and len(peaks) < len(windows) and t >= windows[len(peaks)][0]:
-            window = len(peaks)
-            start = peak = running
-        name = e.name()
-        if name == "[memory]":
-            running += e.nbytes()
-            if window is not None:
-                peak = max(peak, running)
-        elif name.startswith("gloo:") and window == 0:
+        if e.name().startswith("gloo:") and first.start_ns() <= e.start_ns() <= first.end_ns():
             numels = [_numel(s) for s in e.shapes() if s]
-            collectives.append(
-                {"op": name[len("gloo:") :], "dtype": (e.dtypes() or [""])[0], "numel": numels}
-            )
-    if window is not None:
-        peaks.append(peak - start)
+            collectives.append({"op": e.name()[len("gloo:") :], "dtype": (e.dtypes() or [""])[0], "numel": numels})
     return peaks, collectives
 
 

@@ -72,6 +72,26 @@ def test_rank_peak_matches_gloo(cfg: truth.TruthConfig, gloo_runs, predicted) ->
 
 
 
+def test_truth_counts_a_free_on_a_thread_without_the_profiler() -> None:
+    """gloo's worker thread frees a collective's tensors when it drops the last reference to the Work,
+    outside the profiler's thread state: the profiler records no free. Here a plain thread frees a
+    1 MiB block, then the step allocates another 1 MiB: the live peak is one block (1,048,576 B), not the
+    two that the events' sizes sum to when the first free has no event."""
+    import threading
+
+    block_bytes = 1 << 20
+
+    def step() -> None:
+        held = [torch.empty(block_bytes, dtype=torch.uint8)]
+        freer = threading.Thread(target=held.clear)
+        freer.start()
+        freer.join()
+        torch.empty(block_bytes, dtype=torch.uint8)
+
+    peaks, _ = truth._profiled_steps(step)
+    assert peaks == [block_bytes] * truth.MEASURED_STEPS
+
+
 @pytest.mark.parametrize(
     "cfg", [c for c in TWO_RANKS if c.parallel == "fsdp" and c.reshard_after_forward], ids=lambda c: c.name
 )
