@@ -42,10 +42,14 @@ print(json.dumps(d))
 """
 
 
-def run_one(pt2: Path, global_batch: int) -> dict:
+def run_one(pt2: Path, global_batch: int, timeout_s: float) -> dict:
     load_before = os.getloadavg()
-    proc = subprocess.run([sys.executable, "-c", _ONE, str(pt2), str(NODES), str(GPUS), str(global_batch), str(SEQ),
-                           DEVICE], capture_output=True, text=True, cwd=ROOT)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ONE, str(pt2), str(NODES), str(GPUS), str(global_batch),
+                               str(SEQ), DEVICE], capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"global_batch": global_batch, "error": [f"did not finish in {timeout_s:.0f} s (stopped)"],
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     load_after = os.getloadavg()
     if proc.returncode != 0:
         return {"global_batch": global_batch, "error": proc.stderr.strip().splitlines()[-1:],
@@ -61,6 +65,7 @@ def run_one(pt2: Path, global_batch: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pt2", default=None)
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="stop a search after this long")
     args = parser.parse_args()
     if args.pt2:
         pt2 = Path(args.pt2)
@@ -71,7 +76,7 @@ def main() -> int:
     runs = []
     for gb in GLOBAL_BATCHES:
         t0 = time.perf_counter()
-        r = run_one(pt2, gb)
+        r = run_one(pt2, gb, args.timeout_s)
         r["wall_s"] = time.perf_counter() - t0
         runs.append(r)
         print(json.dumps({k: r.get(k) for k in ("global_batch", "seconds", "plans", "evaluations", "loadavg_after")}))
@@ -119,10 +124,11 @@ def render(payload: dict) -> str:
                          f"peak {row['peak_bytes'] / 2**30:.1f} GiB, MFU {row['mfu']:.1%}")
         if not r.get("ranked"):
             lines.append(f"- gb {r['global_batch']}: no modelled plan fits")
-    lines += ["", "Tensor and pipeline plans are counted 'not modelled' until their per-rank rewrites land; then "
-              "they are built and timed like the data-parallel ones (the time floor is what keeps their number of "
-              "builds small). Timings are disturbed by other agents on this machine (load averages above); the "
-              "plan and evaluation counts are not."]
+    lines += ["", "Tensor and pipeline plans are built and timed like the data-parallel ones; combinations whose "
+              "per-rank programs are not built (pp with HSDP, ...) are counted 'not modelled' before any rewrite runs. "
+              "A pipeline plan's stage programs hold one forward and backward per micro-batch, so its build grows with "
+              "the micro-batch count. Timings are disturbed by other agents on this machine (load averages above); "
+              "the plan and evaluation counts are not."]
     return "\n".join(lines) + "\n"
 
 

@@ -154,6 +154,19 @@ def _conv1d_weights(program: Program) -> set[str]:
     return {program.param_names[n] for n in names if n in program.param_names}
 
 
+def rowwise_outputs(program: Program) -> list[tuple[str, int, torch.dtype]]:
+    """(FQN, output features, weight dtype) of every rowwise projection of the derived TP plan: each one's
+    partial output is all-reduced in forward (``[tokens, output features]``)."""
+    conv1d = _conv1d_weights(program)
+    vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
+    out = []
+    for fqn, style in tp_plan(program).items():
+        if style == "rowwise" and vals.get(fqn) is not None:
+            val = vals[fqn]
+            out.append((fqn, int(val.shape[1 if fqn in conv1d else 0]), val.dtype))
+    return out
+
+
 def _embedding_weights(program: Program) -> set[str]:
     aten = torch.ops.aten
     names = {n.args[0].name for n in program.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default}

@@ -52,13 +52,14 @@ from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
 from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
-from boomfx.distributed.model_shape import _SDPA, model_shape
+from boomfx.distributed.model_shape import _SDPA, model_shape, rowwise_outputs
 from boomfx.distributed.plan import DEGREES, ParallelConfig
 from boomfx.distributed.rank_schedule import default_pricer, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
 from boomfx.distributed.search_bounds import ModelFootprint
 from boomfx.distributed.step_time import topology_of
 from boomfx.frontend.capture import capture, resolve_bindings, to_exported_program
+from boomfx.kernels_db.collective_model import ClusterTopology
 from boomfx.passes.specs import to_sympy
 
 DEFAULT_NETWORK = "ib-ndr"
@@ -235,9 +236,41 @@ class ParallelSearch:
     def _step_floor(self, plan: Plan) -> float:
         footprint = self.footprint(plan.checkpoint)
         before = len(footprint._compute)
-        floor = footprint.step_lower_bound_ns(plan, self._micro_batch(plan))
+        micro_batch = self._micro_batch(plan)
+        floor = footprint.step_lower_bound_ns(plan, micro_batch, self._tp_layer_comm_ns(plan, micro_batch))
         self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
         return floor
+
+    def _collectives(self) -> Any:
+        """The collective prices the rank schedules use (the ``--db``'s rows, else the model), read once."""
+        if not hasattr(self, "_pricer"):
+            self._pricer = default_pricer(self.footprint(self.request.checkpoint[0]).analysis)
+        return self._pricer
+
+    def _tp_layer_comm_ns(self, plan: Plan, micro_batch: int) -> float:
+        """Per layer and micro-batch, the forward all-reduces of the rowwise projections' partial outputs
+        (``[tokens, out features]`` in the activation dtype) over the plan's tp group, as the rank schedule
+        prices them: the next op reads each at once, so the compute stream waits them out."""
+        if plan.tp == 1:
+            return 0.0
+        footprint = self.footprint(plan.checkpoint)
+        layers = len(footprint.shares().layers)
+        if not layers:
+            return 0.0
+        program = footprint.analysis.program
+        if not hasattr(self, "_rowwise"):
+            self._rowwise = rowwise_outputs(program)
+        amp = _training_dtype(program)
+        tokens = micro_batch * _tokens_per_sample(program, footprint.analysis.evaluator(footprint._bindings(micro_batch)))
+        topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
+        degrees = {name: int(getattr(plan, name)) for name in MESH_ORDER}
+        group = mesh_groups(degrees, 0, topology)["tp"]
+        total = 0.0
+        for _, features, dtype in self._rowwise:
+            act = amp if amp != torch.float32 else dtype
+            nbytes = tokens * features * torch.empty((), dtype=act).element_size()
+            total += self._collectives().price("all_reduce", nbytes, group, str(act).replace("torch.", "")).time_ns
+        return total / layers
 
     def _consider(self, plan: Plan) -> None:
         """Stages 2-5 for one plan, its floor below the slowest of the ``top`` found so far."""
@@ -333,14 +366,12 @@ class ParallelSearch:
         if c.plan.pp > 1:
             report = c.dist.evaluate(c.bindings, replay_allocator=False).report
             return max(row["step_time_ns"] for row in report.parallel["classes"])
-        if not hasattr(self, "_pricer"):
-            self._pricer = default_pricer(c.dist.analyses[0])
         topology = topology_of(c.dist.cfg, self.request.network)
         degrees = {name: int(getattr(c.dist.cfg, name)) for name in MESH_ORDER}
         worst = 0.0
         for rc, analysis in zip(c.dist.classes, c.dist.analyses):
             point = analysis.evaluate(c.bindings, replay_allocator=False)
-            step = schedule_rank(analysis, c.bindings, mesh_groups(degrees, rc.ranks[0], topology), self._pricer,
+            step = schedule_rank(analysis, c.bindings, mesh_groups(degrees, rc.ranks[0], topology), self._collectives(),
                                  point=point)
             worst = max(worst, step.step_ns)
         return worst

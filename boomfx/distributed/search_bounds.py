@@ -170,14 +170,14 @@ class ModelFootprint:
         layers = len(self.shares().layers)
         return stage_layer_ranges(layers, plan.pp) if layers >= plan.pp else ()
 
-    def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int) -> float:
+    def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
         """``max_s sum_{r<s} c_r + m c_s`` (module docstring); 0 without pp or layers."""
         ranges = self._stage_ranges(plan)
         if plan.pp == 1 or not ranges:
             return 0.0
         self.compute_ns(micro_batch)
         per_layer = self._layer_compute[micro_batch]
-        stage = [sum(per_layer[lo:hi]) / plan.tp for lo, hi in ranges]
+        stage = [sum(per_layer[lo:hi]) / plan.tp + (hi - lo) * layer_comm_ns for lo, hi in ranges]
         best = before = 0.0
         for c in stage:
             best = max(best, before + plan.microbatches * c)
@@ -197,14 +197,17 @@ class ModelFootprint:
             best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / plan.tp)
         return int(best)
 
-    def step_lower_bound_ns(self, plan: Plan, micro_batch: int) -> float:
+    def step_lower_bound_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
         """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
         at least the rank's share of the model's kernels. Exact for data parallelism (the rank runs the
         single-device kernels on its batch; collectives and the sharded optimizer only add); for tensor and
         pipeline parallelism it assumes a kernel cut ``k`` ways takes at least ``1/k`` of its time (the cost
-        model's efficiency never rises as kernels shrink)."""
-        share = self.compute_ns(micro_batch) * plan.microbatches / (plan.tp * plan.pp)
-        return max(share, self.pipeline_step_floor_ns(plan, micro_batch))
+        model's efficiency never rises as kernels shrink). ``layer_comm_ns``: the collectives each layer's
+        forward waits on at once per micro-batch (tensor parallelism's rowwise all-reduces), which the
+        compute stream sits idle for."""
+        layers = len(self.shares().layers)
+        share = (self.compute_ns(micro_batch) / plan.tp + layers * layer_comm_ns) * plan.microbatches / plan.pp
+        return max(share, self.pipeline_step_floor_ns(plan, micro_batch, layer_comm_ns))
 
     def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
         """Any rank's device memory under ``plan`` is at least this (module docstring)."""
