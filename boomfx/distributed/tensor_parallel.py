@@ -155,7 +155,7 @@ class _Sharder:
         if style == "rowwise" and val.dim() == 1:
             return None  # a rowwise bias stays whole
         if _is_embedding_weight(node):
-            if style == "colwise":
+            if style == "colwise" and not _is_linear_weight(node):
                 raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
                                   "built (rowwise, the vocabulary-parallel one, is)")
             dim = 0  # rowwise embedding: rows of the vocabulary
@@ -230,6 +230,8 @@ class _Sharder:
     def linear(self, node: fx.Node) -> Split:
         x, w = node.args[0], node.args[1]
         style = self.style.get(w.name) if isinstance(w, fx.Node) else None
+        if style is not None and _is_embedding_weight(w):
+            style = "colwise"  # a head tied to the embedding: its weight is split on the vocabulary rows
         d = self.of(x)
         nd = _ndim(node)
         if style is None:
@@ -459,6 +461,30 @@ def _is_embedding_weight(node: fx.Node) -> bool:
     return any(u.target is aten.embedding.default and u.args[0] is node for u in node.users)
 
 
+def _is_linear_weight(node: fx.Node) -> bool:
+    return any(u.target is aten.linear.default and u.args[1] is node for u in node.users)
+
+
+def _plan_over_ties(ep: Any, plan: Mapping[str, str]) -> dict[str, str]:
+    """The plan with every name of a tied weight planned alike. The program merges a tie under one
+    name (GPT-2's ``transformer.wte.weight``) while the export reads another (``lm_head.weight``, for
+    the embedding and the head); planned by one name only, the read weight would stay whole. A tied
+    embedding and head (Megatron's shared embedding, vLLM's tied ``ParallelLMHead``) both split the
+    vocabulary rows: the embedding is vocabulary-parallel, the head colwise."""
+    from boomfx.frontend.ties import find_ties
+
+    planned = dict(plan)
+    for group in find_ties(ep):
+        styles = {plan[fqn] for fqn in group if fqn in plan}
+        if len(styles) > 1:
+            raise OptionError(f"--tp-plan: the tied weights {', '.join(group)} are planned differently "
+                              f"({', '.join(sorted(styles))}); plan them as one")
+        if styles:
+            style = styles.pop()
+            planned.update({fqn: style for fqn in group})
+    return planned
+
+
 def _group(ins: list[sympy.Expr], outs: list[sympy.Expr], d: int) -> tuple[Optional[list[int]], list[int]]:
     """(input dims, output dims) of the view group holding input dim ``d`` (groups: the shortest runs
     of dims whose size products agree); None when ``d`` is not the group's first non-unit input
@@ -501,7 +527,7 @@ def shard_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool = False) ->
 
     gm = fx.GraphModule(ep.graph_module, _copy_graph(ep.graph))
     params = export_param_names(ep)
-    sharder = _Sharder(gm.graph, plan, params, tp, _sequence_length(gm.graph, ep) if sp else None)
+    sharder = _Sharder(gm.graph, _plan_over_ties(ep, plan), params, tp, _sequence_length(gm.graph, ep) if sp else None)
     sharder.run()
     gm.graph.lint()
     gm.recompile()
