@@ -203,6 +203,7 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         (act_in[s],) = crossing
         if act_in[s] not in set(fwd[s - 1]):
             raise OptionError(f"pipeline stage {s}: its input {act_in[s].name} is not stage {s - 1}'s output")
+    _refuse_weights_shared_across_stages(program, graph, fwd)
     # backward: a layer's ops to its stage; the head's and norm's before any layer's to the last stage,
     # the embedding's after them to the first; ops of no module to the stage of the op before them
     bwd: list[list[torch.fx.Node]] = [[] for _ in range(pp)]
@@ -574,3 +575,17 @@ def carried_bytes(program: Program, ev: object) -> int:
 
     names = set(program.gm.meta.get(META_CARRIED, ()))
     return sum(int(ev(_compute_nbytes(n.meta["val"]))) for n in program.graph.nodes if n.name in names)
+
+
+def _refuse_weights_shared_across_stages(program: Program, graph: torch.fx.Graph,
+                                         fwd: list[list[torch.fx.Node]]) -> None:
+    """A weight read by the forwards of two stages (a tied embedding and head) is refused by name
+    before the backward is cut (there its gradient would cross stages as a second tensor)."""
+    stage_of = {n: s for s, nodes in enumerate(fwd) for n in nodes}
+    for p in graph.nodes:
+        if p.op != "placeholder" or program.input_roles.get(p.name) != ROLE_PARAM:
+            continue
+        stages = sorted({stage_of[u] for u in p.users if u in stage_of})
+        if len(stages) > 1:
+            raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
+                              f"used by stages {stages[0]} and {stages[-1]} (tied weights are not modelled)")
