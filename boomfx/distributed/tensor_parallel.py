@@ -57,6 +57,7 @@ import torch
 import torch.fx as fx
 
 from boomfx.core.errors import OptionError
+from boomfx.core.layers import module_path
 from boomfx.core.program import Program
 from boomfx.distributed import tp_ops
 from boomfx.distributed.plan import ParallelConfig
@@ -83,7 +84,8 @@ _IGNORED = {aten._assert_tensor_metadata.default, aten.sym_size.int}
 
 
 def _fail(node: fx.Node, why: str) -> OptionError:
-    return OptionError(f"--parallel tp: cannot split {node.name} ({node.target}): {why}")
+    where = module_path(node)
+    return OptionError(f"--parallel tp: cannot split {node.name} ({node.target}{' in ' + where if where else ''}): {why}")
 
 
 def _ndim(node: Any) -> int:
@@ -252,6 +254,10 @@ class _Sharder:
             node.replace_input_with(x, entered)
             self.split[entered] = None
             return nd - 1
+        if d is None:
+            raise _fail(node, "a rowwise linear reads a replicated input: the projection feeding it is not split "
+                        "(a fused one, such as qkv_proj or gate_up_proj, stays replicated); give a --tp-plan "
+                        "that leaves both replicated")
         if d != nd - 1:
             raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
         return self.reduce_partial(node)
