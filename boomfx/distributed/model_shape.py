@@ -93,7 +93,19 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
             plan[fqn] = "rowwise"
     if not explicit:
         _pair_gpt2_mlp_projection(plan, program)
+        _keep_routers_replicated(plan)
     return plan
+
+
+def _keep_routers_replicated(plan: dict[str, str]) -> None:
+    """A ``gate`` with no rowwise linear beside it is a mixture-of-experts router (Mixtral's and
+    Qwen-MoE's ``mlp.gate``: hidden -> experts, then a softmax over the experts), not a gated MLP's
+    input projection; split, its expert scores would be cut across ranks. It stays replicated."""
+    rowwise_parents = {fqn[: -len(".weight")].rpartition(".")[0] for fqn, s in plan.items() if s == "rowwise"}
+    for fqn, style in list(plan.items()):
+        parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
+        if leaf == "gate" and style == "colwise" and parent not in rowwise_parents:
+            del plan[fqn]
 
 
 def _pair_gpt2_mlp_projection(plan: dict[str, str], program: Program) -> None:

@@ -21,6 +21,8 @@ Known limitations:
   instead of NCCL for most decode steps) is priced as NCCL's; it is faster for small messages.
 - NB: KV heads fewer than ``tp`` (vLLM replicates them) cannot be split by the walk: such models keep
   TP=1 step times, with a warning (``tp_serving_program`` raises, ``serve.setup`` says why).
+- NB: mixture-of-experts models (stacked ``[experts, out, in]`` weights, split by vLLM's ``FusedMoE``)
+  are not cut either: TP=1 step times with the same warning.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def tp_serving_program(program: Program, tp: int) -> Program:
     if ep is None:
         raise OptionError("--tensor-parallel-size: the rank's program is cut from the export; capture the "
                           "program from a .pt2 file or an ExportedProgram")
+    _refuse_stacked_experts(program)
     cfg = ParallelConfig(tp=tp, vocab_parallel=True, gpus_per_node=tp)
     check_against_model(cfg, model_shape(program, cfg))
     sharded = shard_export(ep, module_plan(program, cfg), tp)
@@ -64,6 +67,21 @@ def tp_serving_program(program: Program, tp: int) -> Program:
     local = Program(sharded.graph_module, program.symbols, program.input_roles, program.options,
                     param_names=program.param_names, source=program.source)
     return tp_ops.lower_tp_ops(local)
+
+
+def _refuse_stacked_experts(program: Program) -> None:
+    """vLLM's ``FusedMoE`` splits every expert's intermediate dimension over the TP ranks; the walk
+    keeps a mixture-of-experts' stacked ``[experts, out, in]`` weights whole (and its router
+    replicated), which would price each rank with all the experts' work and weights."""
+    from boomfx.core.program import ROLE_PARAM
+
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op == "placeholder" and program.input_roles.get(node.name) == ROLE_PARAM
+                and isinstance(val, torch.Tensor) and val.dim() == 3):
+            name = program.param_names.get(node.name, node.name)
+            raise OptionError(f"--tensor-parallel-size: the experts' stacked weight {name} {list(val.shape)} is not "
+                              "split the way vLLM's FusedMoE splits it (each expert's intermediate over the ranks)")
 
 
 class CollectiveTimes:
