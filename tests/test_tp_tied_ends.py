@@ -92,3 +92,20 @@ def test_tied_weights_planned_two_ways_are_refused(tied_program) -> None:
     with pytest.raises(OptionError, match="are planned differently"):
         _plan_over_ties(ep, {"embed.weight": "rowwise", "head.weight": "colwise"})
     assert _plan_over_ties(ep, {"embed.weight": "colwise"}) == {"embed.weight": "colwise", "head.weight": "colwise"}
+
+
+def test_serving_splits_the_tied_ends() -> None:
+    """``serve --tensor-parallel-size 2`` on a tied model: vLLM's VocabParallelEmbedding and tied
+    ParallelLMHead. The rank's forward holds 128 of the 256 rows, all-reduces the lookup's partial
+    output and all-gathers the logits (before the fix the walk refused the tie and serving fell back
+    to TP=1 step times). The export is on the CPU, as people export: the walk's split weights are
+    then made fake CPU tensors like the rest (before: a device-mismatch traceback)."""
+    from boomfx.serving.tensor_parallel import _COLLECTIVES, tp_serving_program
+
+    program = capture(_tied_export(), options=ProgramOptions(target_kind="cpu"))
+    rank = tp_serving_program(program, 2)
+    weights = [list(n.meta["val"].shape) for n in rank.graph.nodes
+               if n.op == "placeholder" and rank.input_roles.get(n.name) == ROLE_PARAM]
+    assert [VOCAB // 2, D] in weights and [VOCAB, D] not in weights
+    assert sorted(_COLLECTIVES[n.target] for n in rank.graph.nodes if n.target in _COLLECTIVES) == [
+        "all_gather", "all_reduce"]

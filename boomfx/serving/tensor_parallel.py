@@ -46,6 +46,7 @@ def tp_serving_program(program: Program, tp: int) -> Program:
     """The inference program of one of ``tp`` ranks (module docstring); OptionError when the model's
     heads, KV heads or widths do not split ``tp`` ways or an op's split cannot be followed."""
     from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     from boomfx.distributed import tp_ops
@@ -62,8 +63,17 @@ def tp_serving_program(program: Program, tp: int) -> Program:
     check_against_model(cfg, model_shape(program, cfg))
     sharded = shard_export(ep, module_plan(program, cfg), tp)
     placeholders = [n for n in sharded.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([n.meta["val"] for n in placeholders])
+    # the walk's split weights are plain meta tensors; an export on the CPU holds fake CPU ones
+    device = {n.name: n.meta["val"].device for n in ep.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    for n in placeholders:
+        val = n.meta["val"]
+        if isinstance(val, torch.Tensor) and not isinstance(val, FakeTensor) and n.name in device:
+            with mode:
+                n.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device=device[n.name])
     values = [n.meta["val"] for n in placeholders]
-    FakeTensorProp(sharded.graph_module, detect_fake_mode(values)).propagate_dont_convert_inputs(*values)
+    FakeTensorProp(sharded.graph_module, mode).propagate_dont_convert_inputs(*values)
     local = Program(sharded.graph_module, program.symbols, program.input_roles, program.options,
                     param_names=program.param_names, source=program.source)
     return tp_ops.lower_tp_ops(local)
