@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.export import Dim
 
 from boomfx.cli.main import main
 from boomfx.core.errors import OptionError
@@ -17,6 +16,7 @@ from boomfx.distributed.model_shape import tp_plan
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.ranks import rank_programs
 from boomfx.frontend.capture import capture
+from layer_stack import export_stack
 
 D, HEADS = 32, 4
 
@@ -34,21 +34,8 @@ class _FusedAttention(torch.nn.Module):
         return x + self.o_proj(y.transpose(1, 2).reshape(b, t, D))
 
 
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_FusedAttention() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _export() -> torch.export.ExportedProgram:
-    torch.manual_seed(0)
-    dims = {"x": {0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=64)}}
-    return torch.export.export(_Model(), (torch.randn(2, 8, D),), dynamic_shapes=dims, strict=False)
+    return export_stack(_FusedAttention, D)
 
 
 def test_the_fused_projection_stays_out_of_the_plan_and_its_output_projection_is_refused() -> None:

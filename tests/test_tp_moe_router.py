@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.export import Dim
 
 from boomfx.core.errors import OptionError
 from boomfx.core.program import ROLE_PARAM, ProgramOptions
@@ -18,6 +17,7 @@ from boomfx.distributed.model_shape import tp_plan
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.ranks import rank_programs
 from boomfx.frontend.capture import capture
+from layer_stack import export_stack
 from boomfx.serving.tensor_parallel import tp_serving_program
 
 D, EXPERTS = 16, 4
@@ -53,21 +53,8 @@ class _Layer(torch.nn.Module):
         return x + self.moe(x) + self.mlp(x)
 
 
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_Layer() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _export() -> torch.export.ExportedProgram:
-    torch.manual_seed(0)
-    dims = {"x": {0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=64)}}
-    return torch.export.export(_Model(), (torch.randn(2, 8, D),), dynamic_shapes=dims, strict=False)
+    return export_stack(_Layer, D)
 
 
 def test_the_router_stays_replicated_and_the_gated_mlp_is_split() -> None:

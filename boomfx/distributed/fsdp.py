@@ -257,27 +257,17 @@ def _all_gather(
     n = spec.world
     dtype = unit.params[0].meta["val"].dtype
     total = sum(numel(p.meta["val"].shape) for p in unit.params)
-    flat = edit.call(
-        anchor,
-        aten.empty.memory_format,
-        ([n * total],),
-        meta_tensor([n * total], dtype),
-        phase,
-        kwargs={"dtype": dtype, "device": torch.device("cpu")},
-    )
+    def gathered_sized() -> torch.fx.Node:
+        return edit.call(anchor, aten.empty.memory_format, ([n * total],), meta_tensor([n * total], dtype), phase,
+                         kwargs={"dtype": dtype, "device": torch.device("cpu")})
+
+    flat = gathered_sized()
     own = edit.call(
         anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
     )
     scratch = None
     if spec.all_gather_scratch:
-        scratch = edit.call(
-            anchor,
-            aten.empty.memory_format,
-            ([n * total],),
-            meta_tensor([n * total], dtype),
-            phase,
-            kwargs={"dtype": dtype, "device": torch.device("cpu")},
-        )
+        scratch = gathered_sized()   # gloo's output-sized temporary
     gathered = edit.call(
         anchor,
         c10d.all_gather_into_tensor_out.default,

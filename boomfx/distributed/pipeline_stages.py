@@ -181,16 +181,7 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         fwd[s] = [n for n in fwd_nodes if n in extra or n in members]
     # sizes (SymInt ops such as ``sym_size(idx, 0)``) are read off the stage's own inputs: copied
     for s in range(pp):
-        members = set(fwd[s])
-        extra = set()
-        stack = [a for n in fwd[s] for a in n.all_input_nodes if a not in members and _is_size(a)]
-        while stack:
-            a = stack.pop()
-            if a in extra or a in members or a.op != "call_function":
-                continue
-            extra.add(a)
-            stack += list(a.all_input_nodes)
-        fwd[s] = [n for n in fwd_nodes if n in extra or n in members]
+        fwd[s] = _with_sizes_read_by(fwd[s], fwd[s], fwd_nodes)
     act_in: list[Optional[torch.fx.Node]] = [None] * pp
     for s in range(1, pp):
         members = set(fwd[s])

@@ -258,18 +258,24 @@ class ParallelSearch:
         if not layers:
             return 0.0
         program = footprint.analysis.program
-        if not hasattr(self, "_rowwise"):
-            self._rowwise = rowwise_outputs(program)
+        if not hasattr(self, "_rowwise"):      # (out features, dtype) -> how many rowwise projections
+            self._rowwise = Counter((features, dtype) for _, features, dtype in rowwise_outputs(program))
+            self._comm_prices: dict[tuple, float] = {}
         amp = _training_dtype(program)
         tokens = micro_batch * _tokens_per_sample(program, footprint.analysis.evaluator(footprint._bindings(micro_batch)))
-        topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
-        degrees = {name: int(getattr(plan, name)) for name in MESH_ORDER}
-        group = mesh_groups(degrees, 0, topology)["tp"]
+        group_key = (plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp)
         total = 0.0
-        for _, features, dtype in self._rowwise:
+        for (features, dtype), count in self._rowwise.items():
             act = amp if amp != torch.float32 else dtype
-            nbytes = tokens * features * torch.empty((), dtype=act).element_size()
-            total += self._collectives().price("all_reduce", nbytes, group, str(act).replace("torch.", "")).time_ns
+            nbytes = tokens * features * act.itemsize
+            key = (group_key, nbytes, act)
+            if key not in self._comm_prices:
+                topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
+                degrees = {name: int(getattr(plan, name)) for name in MESH_ORDER}
+                group = mesh_groups(degrees, 0, topology)["tp"]
+                self._comm_prices[key] = self._collectives().price("all_reduce", nbytes, group,
+                                                                   str(act).replace("torch.", "")).time_ns
+            total += count * self._comm_prices[key]
         return total / layers
 
     def _consider(self, plan: Plan) -> None:

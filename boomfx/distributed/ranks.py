@@ -15,6 +15,7 @@ pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``; with ``dp_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from boomfx.distributed.fsdp import ShardSpec, ddp_rank_program, fsdp_rank_program, local_shard_shape
 from boomfx.distributed.plan import ParallelConfig
@@ -58,18 +59,8 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         replicate_world=cfg.dp_replicate,
         all_gather_scratch=cfg.backend == "gloo",
     )
-    shapes = [
-        list(n.meta["val"].shape)
-        for n in program.graph.nodes
-        if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM
-    ]
-    by_signature: dict[tuple, list[int]] = {}
-    for rank in world:
-        shard = cfg.coords(rank)["dp_shard"]
-        key = tuple(tuple(local_shard_shape(s, cfg.dp_shard, shard)) for s in shapes)
-        by_signature.setdefault(key, []).append(rank)
     classes = []
-    for ranks in by_signature.values():
+    for ranks in _by_shard_shapes(program, world, cfg):
         shard = cfg.coords(ranks[0])["dp_shard"]
         label = ("HSDP" if cfg.dp_replicate > 1 else "FSDP") + (f" x {tp_label}" if tp_label else "")
         classes.append(
@@ -119,6 +110,17 @@ def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, labe
 
     program = stage.program
     spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, all_gather_scratch=cfg.backend == "gloo")
+    classes = []
+    for members in _by_shard_shapes(program, ranks, cfg):
+        shard = cfg.coords(members[0])["dp_shard"]
+        classes.append(RankClass(tuple(members), fsdp_stage_program(stage, spec, shard),
+                                 f"FSDP shard {shard} of {cfg.dp_shard} x {label}"))
+    return classes
+
+
+def _by_shard_shapes(program: Program, ranks: Sequence[int], cfg: ParallelConfig) -> list[list[int]]:
+    """``ranks`` grouped by the shapes of the parameter shards they hold (``torch.chunk`` over dp_shard:
+    ranks holding fewer rows of some parameter run a program of their own)."""
     shapes = [list(n.meta["val"].shape) for n in program.graph.nodes
               if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM]
     by_signature: dict[tuple, list[int]] = {}
@@ -126,9 +128,4 @@ def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, labe
         shard = cfg.coords(rank)["dp_shard"]
         key = tuple(tuple(local_shard_shape(s, cfg.dp_shard, shard)) for s in shapes)
         by_signature.setdefault(key, []).append(rank)
-    classes = []
-    for members in by_signature.values():
-        shard = cfg.coords(members[0])["dp_shard"]
-        classes.append(RankClass(tuple(members), fsdp_stage_program(stage, spec, shard),
-                                 f"FSDP shard {shard} of {cfg.dp_shard} x {label}"))
-    return classes
+    return list(by_signature.values())

@@ -303,12 +303,7 @@ class _Sharder:
             return 1
         if d != 1:
             raise _fail(node, "a rowwise Conv1D reads an input not split on its last dimension")
-        with self.graph.inserting_after(node):
-            reduced = self.graph.call_function(tp_ops.ALL_REDUCE, (node,))
-        reduced.meta.update({k: v for k, v in node.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
-        self.split[reduced] = None
-        return "partial"
+        return self.reduce_partial(node)
 
     def vocab_embedding(self, node: fx.Node) -> Split:
         """RowwiseParallel on an embedding (token ids replicated): as DTensor's ``MaskPartial``, the

@@ -107,10 +107,10 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
                 site.head_dim, site.v_head_dim, dtype_bytes, config.block_size)
     whole, collectives, not_split = None, None, ""
     weights_per_rank = math.ceil(model.weights_bytes / tensor_parallel_size)
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and model.carries_cache:
+        not_split = "an export that carries its KV cache is not split (export the plain model)"
+    elif tensor_parallel_size > 1:
         try:
-            if model.carries_cache:
-                raise OptionError("an export that carries its KV cache is not split (export the plain model)")
             rank_program = tp_serving_program(program, tensor_parallel_size)
         except OptionError as exc:
             not_split = str(exc).splitlines()[0]

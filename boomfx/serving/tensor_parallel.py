@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import sympy
 import torch
 import torch.fx as fx
 
 from boomfx.core.errors import OptionError
 from boomfx.core.program import Program
+from boomfx.passes.specs import to_sympy
 
 c10d = torch.ops._c10d_functional
 _COLLECTIVES = {
@@ -108,7 +108,6 @@ class CollectiveTimes:
         self._group = CollectiveGroup(tuple(range(tp)), ClusterTopology(1, tp))
         self.nodes: dict[str, fx.Node] = {n.name: n for n in program.graph.nodes
                                           if n.op == "call_function" and n.target in _COLLECTIVES}
-        self._seen: dict[tuple[str, int], float] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.nodes
@@ -116,10 +115,7 @@ class CollectiveTimes:
     def message_bytes(self, name: str, ev: Any) -> int:
         """The collective's whole buffer (nccl-tests' size): the reduced tensor, or the gathered output."""
         val = self.nodes[name].meta["val"]
-        numel = sympy.Integer(1)
-        for d in val.shape:
-            numel *= _expr(d)
-        return int(ev(numel)) * val.element_size()
+        return int(ev(to_sympy(val.numel()))) * val.element_size()
 
     def time_ns(self, name: str, ev: Any) -> tuple[float, str]:
         """(time, provenance) of collective ``name`` with the sizes ``ev`` binds."""
@@ -128,8 +124,3 @@ class CollectiveTimes:
         price = self._pricer.price(op, nbytes, self._group, str(self.nodes[name].meta["val"].dtype).replace("torch.", ""))
         return price.time_ns, f"collective {price.source.value}"
 
-
-def _expr(d: Any) -> sympy.Expr:
-    from boomfx.passes.specs import to_sympy
-
-    return to_sympy(d)
