@@ -64,6 +64,9 @@ VOCAB = 256
 MODEL_DIMS = {
     "llama": dict(vocab=VOCAB, d=64, layers=2, heads=4, kv_heads=2, hidden=128),
     "gpt": dict(vocab=VOCAB, d=64, layers=2, heads=4, max_seq=64),
+    # 4 layers: interleaved 1F1B's 2 ranks x 2 chunks of one layer each
+    "llama4": dict(vocab=VOCAB, d=64, layers=4, heads=4, kv_heads=2, hidden=128),
+    "gpt4": dict(vocab=VOCAB, d=64, layers=4, heads=4, max_seq=64),
 }
 TP_PLANS = {  # module-name suffix inside each layer -> "colwise" | "rowwise"
     "llama": {
@@ -144,7 +147,7 @@ def build_model(name: str) -> torch.nn.Module:
     from models import GPT, Llama
 
     torch.manual_seed(0)
-    return Llama(**MODEL_DIMS["llama"]) if name == "llama" else GPT(**MODEL_DIMS["gpt"])
+    return Llama(**MODEL_DIMS[name]) if name.startswith("llama") else GPT(**MODEL_DIMS[name])
 
 
 def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -155,7 +158,7 @@ def _tp_plan(model_name: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {module: styles[style]() for module, style in TP_PLANS[model_name].items()}
+    return {module: styles[style]() for module, style in TP_PLANS[model_name.rstrip("4")].items()}
 
 
 def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
@@ -314,6 +317,8 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
+    if cfg.parallel == "pp" and cfg.schedule == "interleaved_1f1b":
+        return _interleaved_step(cfg, model, rank)
     if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -406,6 +411,40 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         opt.zero_grad(set_to_none=True)
 
     return step, opt, dict(model.named_parameters())
+
+
+STAGES_PER_RANK = 2  # interleaved 1F1B's chunks per rank (boomfx's default --pp-stages-per-rank)
+
+
+def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tuple[Any, Any, dict]:
+    """``ScheduleInterleaved1F1B`` over ``world`` ranks holding ``STAGES_PER_RANK`` chunks each: rank r
+    runs virtual stages r, r + world, ... of the ``world x STAGES_PER_RANK``-stage split."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    total = cfg.world * STAGES_PER_RANK
+    ranges = stage_layer_ranges(len(layer_list(model)), total)
+    chunks = [c * cfg.world + rank for c in range(STAGES_PER_RANK)]
+    modules = [_Stage(model, *ranges[k], k == 0, k == total - 1) for k in chunks]
+    stages = [PipelineStage(mod, k, total, torch.device("cpu")) for mod, k in zip(modules, chunks)]
+    schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=_mean_loss)
+    params = [p for mod in modules for p in mod.parameters()]
+    opt = torch.optim.AdamW(params, foreach=True)
+    named = {f"chunk{k}.{n}": p for mod, k in zip(modules, chunks) for n, p in mod.named_parameters()}
+    idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+    target = torch.zeros(cfg.batch, 1)
+    holds_first, holds_last = 0 in chunks, total - 1 in chunks
+
+    def step() -> None:
+        if holds_first:
+            schedule.step(idx)
+        elif holds_last:
+            schedule.step(target=target, losses=[])
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, opt, named
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:

@@ -48,6 +48,7 @@ Known limitations:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 from dataclasses import dataclass
@@ -229,7 +230,6 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
     """``other`` in the canonical order of ``ref`` if the two are isomorphic (WL hash, then VF2 and the
     exact key), else None."""
     import networkx as nx
-    from networkx.algorithms import isomorphism
 
     if len(ref) != len(other):
         return None
@@ -239,14 +239,59 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
         wl = nx.weisfeiler_lehman_graph_hash
         if wl(g_ref, node_attr="label", edge_attr="pos") != wl(g_other, node_attr="label", edge_attr="pos"):
             return None
-    matcher = isomorphism.DiGraphMatcher(g_ref, g_other, node_match=lambda a, b: a["label"] == b["label"],
-                                         edge_match=lambda a, b: a["pos"] == b["pos"])
-    for mapping in matcher.isomorphisms_iter():
-        ordered = [mapping[n] for n in ref]
-        if desc.key(ordered) == ref_key:
-            return ordered
-        break  # NB: only the first mapping is tried; layers are rigid enough in practice
+    matcher = _BudgetedMatcher(g_ref, g_other, VF2_STEPS_PER_NODE * len(ref))
+    try:
+        for mapping in matcher.isomorphisms_iter():
+            ordered = [mapping[n] for n in ref]
+            if desc.key(ordered) == ref_key:
+                return ordered
+            break  # NB: only the first mapping is tried; layers are rigid enough in practice
+    except _OutOfSteps:
+        return None   # not merged: priced separately, never wrongly
     return None
+
+
+# VF2's search is exponential in the worst case: instances made of many identical copies (a pipeline
+# stage's layer holds one forward and backward per micro-batch, interleaved with its other chunks')
+# have so many partial matchings that the first isomorphism took minutes. A layer's rigid structure
+# is matched in about one feasibility check per node; past this many per node the pair is given up.
+VF2_STEPS_PER_NODE = 20
+
+
+class _OutOfSteps(Exception):
+    pass
+
+
+def _label_match(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a["label"] == b["label"]
+
+
+def _pos_match(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a["pos"] == b["pos"]
+
+
+@functools.lru_cache(maxsize=None)
+def _budgeted_matcher_class() -> type:
+    from networkx.algorithms import isomorphism   # (networkx imported on first use, as above)
+
+    class Matcher(isomorphism.DiGraphMatcher):
+        """VF2 that gives up (``_OutOfSteps``) after ``steps`` feasibility checks."""
+
+        def __init__(self, g1: Any, g2: Any, steps: int) -> None:
+            super().__init__(g1, g2, node_match=_label_match, edge_match=_pos_match)
+            self.steps_left = steps
+
+        def semantic_feasibility(self, g1_node: Any, g2_node: Any) -> bool:
+            self.steps_left -= 1
+            if self.steps_left < 0:
+                raise _OutOfSteps
+            return super().semantic_feasibility(g1_node, g2_node)
+
+    return Matcher
+
+
+def _BudgetedMatcher(g1: Any, g2: Any, steps: int) -> Any:
+    return _budgeted_matcher_class()(g1, g2, steps)
 
 
 def _group(desc: _Describer, candidates: Sequence[Candidate]

@@ -27,6 +27,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)"
     )
     g.add_argument(
+        "--pp-stages-per-rank", type=int, default=None,
+        help="interleaved 1F1B: model chunks per pipeline rank (ScheduleInterleaved1F1B's local stages; default 2)"
+    )
+    g.add_argument(
         "--reshard-after-forward",
         default=None,
         choices=("true", "false"),
@@ -78,6 +82,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         gpus_per_node=args.gpus_per_node,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
+        pp_stages_per_rank=args.pp_stages_per_rank,
         reshard_after_forward=on_off(args.reshard_after_forward),
         fsdp_param_dtype=args.fsdp_param_dtype,
         fsdp_reduce_dtype=args.fsdp_reduce_dtype,

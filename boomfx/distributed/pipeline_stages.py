@@ -32,9 +32,17 @@ recomputes them. A stage's program, as ``torch.distributed.pipelining`` (torch 2
 Batch: the stage programs are per micro-batch (``micro_bindings``: the batch symbol bound to
 ``batch / M``).
 
+Interleaved 1F1B (``ScheduleInterleaved1F1B``, ``--pp-stages-per-rank v``, default 2): the layers are
+cut into ``pp x v`` virtual stages; rank s holds s, s + pp, ... (its chunks), with each chunk's
+receive buffers, and runs its chunks' forwards and backwards in the order
+``_get_1f1b_rank_ops`` gives (``(v - 1) pp + 2 (pp - 1 - s)`` warm-up forwards, micro-batches in
+rounds of pp through the chunks, backwards through them in reverse; ``stage_orders("interleaved")``).
+It runs on ``_PipelineScheduleRuntime``, which keeps every send's ``Work`` in ``send_ops`` until the
+step ends: each sent activation and input gradient lives to the end of the step. Every node
+carries its chunk (``META_CHUNK``), so the step's time is priced per virtual stage.
+
 Known limitations:
-- Interleaved 1F1B (several virtual stages per rank) is refused (OptionError): its per-rank memory
-  is not replayed yet; its step time is simulated (``boomfx/simulate/pipeline.py``).
+- Interleaved 1F1B with data parallelism (dp_shard, dp_replicate) is refused (OptionError).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
   ties a parameter across stages (tied embeddings), is refused.
 
@@ -79,6 +87,7 @@ _getitem = operator.getitem
 ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
 META_GRAD_READY = "boomfx.pp_grad_ready"  # node name -> parameter: its .grad final (the last backward)
+META_CHUNK = "boomfx.pp_chunk"  # a stage program node's virtual stage (its model chunk, interleaved 1F1B)
 PP_GROUP = "pp"
 _SEQ_STRIDE = 1_000_000  # each micro-batch's backward nodes get their own autograd seq_nr range
 
@@ -387,31 +396,41 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
     reason = cfg.not_modelled()
     if reason:
         raise OptionError(reason)
-    split, names = _split(program, cfg.pp)
+    v = cfg.stages_per_rank
+    split, names = _split(program, cfg.pp * v)
     m = cfg.num_microbatches
-    orders = stage_orders(cfg.pp_schedule, cfg.pp, m)
-    return [StageProgram(s, names[s], _stage_program(program, split, s, cfg.pp, m,
-                                                     [(p.kind, p.microbatch) for p in orders[s]],
-                                                     cfg.pp_schedule == "gpipe"))
-            for s in range(cfg.pp)]
+    interleaved = cfg.pp_schedule == "interleaved_1f1b"
+    orders = stage_orders("interleaved" if interleaved else cfg.pp_schedule, cfg.pp, m, v)
+    releases = "runtime" if interleaved else cfg.pp_schedule
+    out = []
+    for s in range(cfg.pp):
+        chunks = [c * cfg.pp + s for c in range(v)]   # ScheduleInterleaved1F1B: rank s holds s, s + pp, ...
+        order = [(p.kind, p.microbatch, p.virtual_stage) for p in orders[s]]
+        layers = tuple(layer for k in chunks for layer in names[k])
+        out.append(StageProgram(s, layers, _stage_program(program, split, s, cfg.pp, chunks, m, order, releases)))
+    return out
 
 
-def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
-                   order: Sequence[tuple[str, int]], schedule_gpipe: bool) -> Program:
+def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Sequence[int], m: int,
+                   order: Sequence[tuple[str, int, int]], releases: str) -> Program:
+    """Rank ``s``'s program: its ``chunks`` (virtual stages; one unless interleaved) replayed in
+    ``order`` ((kind, micro-batch, virtual stage) actions); ``releases``: whose rules keep sent tensors
+    (``send_releases``: "gpipe", "1f1b", or "runtime", interleaved's, which waits on every send at
+    the end of the step)."""
     ops = p2p_ops()
-    last = pp - 1
+    last = len(split.fwd) - 1   # the last virtual stage
     src = program.graph
     graph = torch.fx.Graph()
     phases: dict[str, str] = {}
     roles: dict[str, str] = {}
     extra_uses: dict[str, list[str]] = {}
     all_params = [p for p in src.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
-    keep = [all_params.index(p) for p in split.params[s]]
+    keep = sorted(all_params.index(p) for k in chunks for p in split.params[k])
     opt_nodes, opt_args = _optimizer_plan(program, keep, all_params)
 
     used: set[torch.fx.Node] = set()
-    for group in (split.fwd[s], split.bwd[s]):
-        for n in group:
+    for k in chunks:
+        for n in split.fwd[k] + split.bwd[k]:
             used.update(a for a in n.all_input_nodes if a.op == "placeholder")
     for n in opt_nodes:
         a, k = opt_args[n]
@@ -430,17 +449,18 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
             new.meta = dict(x.meta)
             static[x] = new
 
-    def buffers(kind: str, like: Optional[torch.fx.Node]) -> list[torch.fx.Node]:
+    def buffers(kind: str, like: Optional[torch.fx.Node], k: int) -> list[torch.fx.Node]:
         out = []
         for i in range(m):
-            b = graph.placeholder(f"pp_{kind}_buffer_{i}")
+            b = graph.placeholder(f"pp_{kind}_buffer_{i}" if len(chunks) == 1 else f"pp_{kind}_buffer_s{k}_{i}")
             b.meta["val"] = like.meta["val"]
             roles[b.name] = ROLE_COMM_BUFFER
             out.append(b)
         return out
 
-    act_bufs = buffers("recv_act", split.act_in[s]) if s > 0 else []
-    grad_bufs = buffers("recv_grad", split.grad_in[s]) if s < last else []
+    # each stage's receive buffers, one per micro-batch (PipelineStage's, kept from the first step)
+    act_bufs = {k: buffers("recv_act", split.act_in[k], k) for k in chunks if k > 0}
+    grad_bufs = {k: buffers("recv_grad", split.grad_in[k], k) for k in chunks if k < last}
 
     def call(target: object, args: tuple, val: object, phase: str, like: torch.fx.Node) -> torch.fx.Node:
         node = graph.call_function(target, args)
@@ -452,13 +472,14 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
         return node
 
     def copy(nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, torch.fx.Node], seq_offset: int,
-             accumulated: Optional[dict[torch.fx.Node, torch.fx.Node]] = None) -> None:
+             chunk: int, accumulated: Optional[dict[torch.fx.Node, torch.fx.Node]] = None) -> None:
         """``nodes`` again with ``env``; a parameter's gradient becomes its ``.grad`` (the first
         micro-batch's) or is added into it in place right away (AccumulateGrad)."""
         for n in nodes:
             new = graph.node_copy(n, lambda a: env[a] if a in env else static[a])
             if seq_offset and "seq_nr" in new.meta:
                 new.meta["seq_nr"] = new.meta["seq_nr"] + seq_offset
+            new.meta[META_CHUNK] = chunk
             phases[new.name] = program.phase_of(n)
             env[n] = new
             if accumulated is None or n not in grad_node_of:
@@ -471,50 +492,57 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
 
     by_name = {n.name: n for n in src.nodes}
     grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}
-    stage_bwd = set(split.bwd[s])
+    stage_bwd = {n for k in chunks for n in split.bwd[k]}
     accumulated: dict[torch.fx.Node, torch.fx.Node] = {}  # original grad node -> this stage's .grad
     ready: dict[torch.fx.Node, torch.fx.Node] = {}  # ... -> its last accumulation so far
-    envs: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
+    envs: dict[tuple[int, int], dict[torch.fx.Node, torch.fx.Node]] = {}
     kept: list[torch.fx.Node] = []  # alive to the step's end
     carried: list[torch.fx.Node] = []  # ... and into the next step
     out_chunks: list[torch.fx.Node] = []
-    peer_prev, peer_next = s - 1, s + 1
     action_end: list[torch.fx.Node] = []
-    sent_tensor: dict[tuple[str, int], torch.fx.Node] = {}
-    for kind, i in order:
+    sent_tensor: dict[tuple[str, int, int], torch.fx.Node] = {}
+    for kind, i, k in order:
+        # the pipeline rank of the virtual stage before and after k (ranks hold k % pp)
+        peer_prev, peer_next = (k - 1) % pp, (k + 1) % pp
         if kind == FORWARD:
             env: dict[torch.fx.Node, torch.fx.Node] = {}
-            if s > 0:
-                like = split.fwd[s][0]
-                env[split.act_in[s]] = call(ops.recv_.default, (act_bufs[i], peer_prev, PP_GROUP),
-                                            act_bufs[i].meta["val"], PHASE_FORWARD, like)
-            copy(split.fwd[s], env, 0)
-            envs[i] = env
-            if s < last:
-                out = env[split.act_in[s + 1]]
-                sent_tensor[(kind, i)] = out
+            if k > 0:
+                like = split.fwd[k][0]
+                buf = act_bufs[k][i]
+                env[split.act_in[k]] = call(ops.recv_.default, (buf, peer_prev, PP_GROUP), buf.meta["val"],
+                                            PHASE_FORWARD, like)
+                env[split.act_in[k]].meta[META_CHUNK] = k
+            copy(split.fwd[k], env, 0, k)
+            envs[(k, i)] = env
+            if k < last:
+                out = env[split.act_in[k + 1]]
+                sent_tensor[(kind, i, k)] = out
                 action_end.append(call(ops.send.default, (out, peer_next, PP_GROUP), None, PHASE_FORWARD,
-                                       split.act_in[s + 1]))
+                                       split.act_in[k + 1]))
+                action_end[-1].meta[META_CHUNK] = k
             else:
                 action_end.append(list(graph.nodes)[-1])
                 chunk = env[split.output]
                 out_chunks.append(chunk)
-                kept.append(env[split.fwd[s][-1]])  # the loss, in the schedule's list until the step ends
+                kept.append(env[split.fwd[k][-1]])  # the loss, in the schedule's list until the step ends
             continue
-        env = envs.pop(i)
-        if s < last:
-            like = split.bwd[s][0]
-            env[split.grad_in[s]] = call(ops.recv_.default, (grad_bufs[i], peer_next, PP_GROUP),
-                                         grad_bufs[i].meta["val"], PHASE_BACKWARD, like)
-        copy(split.bwd[s], env, (i + 1) * _SEQ_STRIDE, accumulated)
-        end = env[split.bwd[s][-1]]
-        if s < last:  # fwd_cache holds the stage's output until its backward is done
-            extra_uses.setdefault(end.name, []).append(env[split.act_in[s + 1]].name)
-        if s > 0:
-            grad = env[split.grad_in[s - 1]]
-            sent_tensor[(kind, i)] = grad  # stage_backward drops the input's .grad: the send holds it
+        env = envs.pop((k, i))
+        if k < last:
+            like = split.bwd[k][0]
+            buf = grad_bufs[k][i]
+            env[split.grad_in[k]] = call(ops.recv_.default, (buf, peer_next, PP_GROUP), buf.meta["val"],
+                                         PHASE_BACKWARD, like)
+            env[split.grad_in[k]].meta[META_CHUNK] = k
+        copy(split.bwd[k], env, (i + 1) * _SEQ_STRIDE, k, accumulated)
+        end = env[split.bwd[k][-1]]
+        if k < last:  # fwd_cache holds the stage's output until its backward is done
+            extra_uses.setdefault(end.name, []).append(env[split.act_in[k + 1]].name)
+        if k > 0:
+            grad = env[split.grad_in[k - 1]]
+            sent_tensor[(kind, i, k)] = grad  # stage_backward drops the input's .grad: the send holds it
             action_end.append(call(ops.send.default, (grad, peer_prev, PP_GROUP), None, PHASE_BACKWARD,
-                                   split.grad_in[s - 1]))
+                                   split.grad_in[k - 1]))
+            action_end[-1].meta[META_CHUNK] = k
         else:
             action_end.append(list(graph.nodes)[-1])
     missing = [grad_node_of[g] for g in grad_node_of if g in stage_bwd and g not in accumulated]
@@ -523,14 +551,18 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
     # scale_grads: every .grad divided by the number of micro-batches, in place
     for orig, g in accumulated.items():
         call(aten.div_.Scalar, (g, m), g.meta["val"], PHASE_BACKWARD, orig)
-    if s == last:
+    if last in chunks:
         cat_val = torch.cat([c.meta["val"] for c in out_chunks], dim=0)
         call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output)  # _merge_outputs
         kept += out_chunks
         carried += out_chunks
     pipeline_end = list(graph.nodes)[-1]
-    schedule = "gpipe" if schedule_gpipe else "1f1b"
-    for key, at in send_releases(schedule, order, s, pp, m).items():
+    if releases == "runtime":  # _PipelineScheduleRuntime waits on its send_ops when the step ends
+        held = {key: END for key in sent_tensor}
+    else:
+        held = {(kind, i, s): at for (kind, i), at in
+                send_releases(releases, [(kind, i) for kind, i, _ in order], s, pp, m).items()}
+    for key, at in held.items():
         anchor = pipeline_end if at == END else action_end[at]
         extra_uses.setdefault(anchor.name, []).append(sent_tensor[key].name)
     # AdamW on the stage's parameters, its gradients the accumulated .grad
@@ -547,7 +579,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, m: int,
         opt_env[n] = new
     graph.output(tuple(dict.fromkeys(kept)))
     grad_nodes = {accumulated[orig].name: fqn for orig, fqn in grad_node_of.items() if orig in accumulated}
-    param_names = {static[p].name: program.param_names.get(p.name, p.name) for p in split.params[s]}
+    param_names = {static[p].name: program.param_names.get(p.name, p.name) for k in chunks for p in split.params[k]}
     for p in static:
         if program.input_roles.get(p.name) != ROLE_PARAM and p.name in program.param_names:
             param_names[static[p].name] = program.param_names[p.name]

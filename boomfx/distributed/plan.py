@@ -51,6 +51,9 @@ class ParallelConfig:
     gpus_per_node: Optional[int] = None  # None: the product of the degrees on one node
     pp_schedule: str = "1f1b"
     microbatches: Optional[int] = None  # None: one per stage (the minimum 1F1B needs)
+    # interleaved 1F1B: model chunks (virtual stages) per rank, ``ScheduleInterleaved1F1B``'s local
+    # stages; rank s holds chunks s, s + pp, ... of the pp x N-stage split (None: 2)
+    pp_stages_per_rank: Optional[int] = None
     # None: torchtitan's "default" policy, True without pipeline parallelism and False with it (a stage
     # re-gathering its parameters for every micro-batch would multiply the all-gathers by the micro-batches)
     reshard_after_forward: Optional[bool] = None
@@ -134,6 +137,14 @@ class ParallelConfig:
                 f"--pp-schedule {self.pp_schedule} needs at least pp={self.pp} micro-batches, "
                 f"got {self.num_microbatches}"
             )
+        if self.pp_stages_per_rank is not None and self.pp_stages_per_rank < 1:
+            raise OptionError(f"--pp-stages-per-rank must be at least 1, got {self.pp_stages_per_rank}")
+        if self.pp_stages_per_rank not in (None, 1) and self.pp_schedule != "interleaved_1f1b":
+            raise OptionError(f"--pp-stages-per-rank {self.pp_stages_per_rank}: more than one stage per rank needs "
+                              f"--pp-schedule interleaved_1f1b")
+        if self.pp > 1 and self.pp_schedule == "interleaved_1f1b" and self.num_microbatches % self.pp:
+            raise OptionError(f"--pp-schedule interleaved_1f1b needs micro-batches in whole rounds of pp={self.pp}, "
+                              f"got {self.num_microbatches}")
         if self.vocab_parallel and self.tp == 1:
             raise OptionError(f"--tp-plan {TP_PRESET} needs tp > 1")
         if self.sp and self.tp == 1:
@@ -166,9 +177,9 @@ class ParallelConfig:
         if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
             return ("--parallel pp with FSDP mixed precision is not modelled yet (micro-batches accumulate "
                     "unsharded gradients in the reduce dtype)")
-        if self.pp_schedule == "interleaved_1f1b":
-            return ("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built yet "
-                    "(gpipe and 1f1b are)")
+        if self.pp_schedule == "interleaved_1f1b" and self.dp > 1:
+            return ("--pp-schedule interleaved_1f1b with data parallelism (dp_shard / dp_replicate) is not built yet "
+                    "(with pp and tp it is; gpipe and 1f1b with data parallelism are)")
         if self.tp > 1 and (self.sp or self.vocab_parallel):
             return "--parallel pp with sp or a vocabulary-parallel TP plan is not built yet (pp with the default TP plan is)"
         if self.dp_shard > 1 and self.dp_replicate > 1:
@@ -203,6 +214,13 @@ class ParallelConfig:
     @property
     def num_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds: 1, or ``pp_stages_per_rank`` (2) for interleaved 1F1B."""
+        if self.pp_schedule != "interleaved_1f1b":
+            return 1
+        return self.pp_stages_per_rank if self.pp_stages_per_rank is not None else 2
 
     @property
     def reshards_after_forward(self) -> bool:

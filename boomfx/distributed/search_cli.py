@@ -53,7 +53,8 @@ def search_request(args: argparse.Namespace, dims: dict) -> SearchRequest:
         args.nodes, args.gpus_per_node, args.global_batch, args.seq, dims, args.top,
         (True,) if args.checkpoint else (False, True), parse_pinned(args.parallel), args.network,
         args.max_microbatches,
-        {"pp_schedule": args.pp_schedule, "reshard_after_forward": on_off(args.reshard_after_forward),
+        {"pp_schedule": args.pp_schedule, "pp_stages_per_rank": args.pp_stages_per_rank,
+         "reshard_after_forward": on_off(args.reshard_after_forward),
          "fsdp_param_dtype": args.fsdp_param_dtype, "fsdp_reduce_dtype": args.fsdp_reduce_dtype,
          "bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
          "tp_plan": tp_plan})
