@@ -158,8 +158,6 @@ class ParallelConfig:
             return None
         if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
             return "--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet"
-        if self.gradient_as_bucket_view:
-            return "--gradient-as-bucket-view: not modelled yet (the default, False, is)"
         if self.pp == 1:
             return None
         if self.pp_schedule == "interleaved_1f1b":
