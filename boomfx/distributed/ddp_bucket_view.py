@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.fx
 
-from boomfx.core.program import PHASE_BACKWARD
+from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD
 from boomfx.distributed.graph_edit import GraphEditor, meta_tensor, numel
 
 aten = torch.ops.aten
@@ -51,21 +51,32 @@ def copy_into_bucket(
 ) -> list[torch.fx.Node]:
     """For each gradient of ``bucket`` (in bucket order), ``mul.Scalar_out(grad, 1 / world,
     out=view(narrow(bucket, 0, offset, numel), shape))`` right after its hook point; returns, per
-    gradient, the copy node (an alias of the bucket's view: what ``.grad`` is from then on)."""
+    gradient, the copy node (an alias of the bucket's view: what ``.grad`` is from then on).
+
+    The views are made once, right after the bucket (the reducer's ``bucket_views_in``, built with
+    the buckets) and belong to no module: a layer's copies then differ from another layer's only in
+    which outside view they write, so the layers stay one repeated block."""
     dtype = bucket.meta["val"].dtype
     anchors = [hook_point(g, edit.phases).next for g in grads]   # fixed before anything is inserted
+    at_bucket = bucket.next
     copies, offset = [], 0
     for g, anchor in zip(grads, anchors):
         shape = [int(s) for s in g.meta["val"].shape]
         size = numel(shape)
-        part = edit.call(anchor, aten.narrow.default, (bucket, 0, offset, size), meta_tensor([size], dtype),
-                         PHASE_BACKWARD, like=g)
-        view = edit.call(anchor, aten.view.default, (part, shape), meta_tensor(shape, dtype), PHASE_BACKWARD,
-                         like=g)
+        part = _moduleless(edit.call(at_bucket, aten.narrow.default, (bucket, 0, offset, size),
+                                     meta_tensor([size], dtype), PHASE_FORWARD))
+        view = _moduleless(edit.call(at_bucket, aten.view.default, (part, shape), meta_tensor(shape, dtype),
+                                     PHASE_FORWARD))
         copies.append(edit.call(anchor, aten.mul.Scalar_out, (g, 1.0 / world), meta_tensor(shape, dtype),
                                 PHASE_BACKWARD, kwargs={"out": view}, like=g))
         offset += size
     return copies
+
+
+def _moduleless(node: torch.fx.Node) -> torch.fx.Node:
+    for key in ("nn_module_stack", "stack_trace"):
+        node.meta.pop(key, None)
+    return node
 
 
 def read_bucket_views(
