@@ -22,16 +22,23 @@ torchtitan's wrapping), as ``torch/distributed/fsdp/_fully_shard`` runs it (torc
   in-place ``all_reduce`` of that output over the replicate group. The root's input is freed at the
   final callback.
 
-DDP (``DistributedDataParallel``, ``gradient_as_bucket_view=False``): the gradient buckets are
-resident flat buffers (``bucket_cap_mb``, filled in the order gradients are produced); when a bucket's
-last gradient is produced it is ``all_reduce``d in place. Nothing else changes: autograd's gradients
-are copied into the buckets and back.
+DDP (``DistributedDataParallel``): the gradient buckets are resident flat buffers (``bucket_cap_mb``,
+filled in the order gradients are produced); when a bucket's last gradient is produced it is
+``all_reduce``d in place. With ``gradient_as_bucket_view=False`` (the default) nothing else changes:
+autograd's gradients are copied into the buckets and back, both held. With ``True`` each gradient is
+copied into its bucket view when ready (a ``mul.Scalar_out`` node after the autograd node producing
+it) and ``.grad`` is that view from then on: the produced gradient is freed at the copy and the
+optimizer reads the bucket (``ddp_bucket_view.py``).
 
 Known limitations:
-- Mixed precision (``--fsdp-param-dtype``) and the DDP bucket-view option are not rewritten yet
-  (OptionError); NCCL's internal buffers are not in the program (see rank analysis); gloo's all-gather
-  temporary is, with ``all_gather_scratch`` (the ground truth's backend).
+- Mixed precision (``--fsdp-param-dtype``) is not rewritten yet (OptionError); NCCL's internal buffers
+  are not in the program (see rank analysis); gloo's all-gather temporary is, with
+  ``all_gather_scratch`` (the ground truth's backend).
 - Tied parameters in different units are not modelled.
+- DDP: buckets are not split by dtype (DDP keeps one bucket list per dtype) and the first bucket is not
+  capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (DDP's default configuration; the buckets' total, the
+  gradients' bytes, is the same, only where the all-reduces start moves); without the bucket view
+  the copy of each gradient into its bucket (and back) is not a node, so its time is not priced.
 """
 
 from __future__ import annotations
