@@ -132,6 +132,32 @@ def test_bucket_view_frees_each_gradient_at_its_copy(model, gloo_runs, predicted
     assert real_drop == predicted_drop == [grad_bytes] * 2
 
 
+def test_gradient_as_bucket_view_on_the_command_line(capsys, tmp_path) -> None:
+    """``--gradient-as-bucket-view`` reaches the DDP rewrite from ``analyze --parallel`` (the same rank peak as
+    the Python API's option, below the default's) and from ``--search`` (its request carries it)."""
+    import json
+
+    import boomfx
+    from boomfx.cli.main import build_parser
+    from boomfx.distributed.search_cli import search_request
+
+    tiny = str(ROOT / "examples" / "llama_tiny.pt2")
+    out = tmp_path / "r.json"
+    base = ["analyze", tiny, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
+    assert main(base + ["--parallel", "dp_replicate=2", "--gradient-as-bucket-view", "--json", str(out)]) == 0
+    capsys.readouterr()
+    parallel = json.loads(out.read_text())["parallel"]
+    assert parallel["config"]["gradient_as_bucket_view"] is True
+    api = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=2, seq=16,
+                         parallel={"dp_replicate": 2, "gradient_as_bucket_view": True})
+    default = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=2, seq=16, parallel="dp_replicate=2")
+    peaks = [r.parallel["classes"][0]["peak_live_bytes"] for r in (api, default)]
+    assert parallel["classes"][0]["peak_live_bytes"] == peaks[0] < peaks[1]
+    args = build_parser().parse_args(base[:2] + ["--train", "--search", "--nodes", "1", "--gpus-per-node", "2",
+                                                 "--global-batch", "4", "--gradient-as-bucket-view"])
+    assert search_request(args, {}).config_options["gradient_as_bucket_view"] is True
+
+
 def test_truth_counts_a_free_on_a_thread_without_the_profiler() -> None:
     """gloo's worker thread frees a collective's tensors when it drops the last reference to the Work,
     outside the profiler's thread state: the profiler records no free. Here a plain thread frees a
