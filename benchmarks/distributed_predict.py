@@ -41,6 +41,8 @@ def parallel_config(cfg: truth.TruthConfig):
         microbatches=cfg.microbatches,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        fsdp_param_dtype=cfg.param_dtype,
+        fsdp_reduce_dtype=cfg.reduce_dtype,
         backend="gloo",
     )
 
@@ -93,7 +95,12 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
             for c in Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
             if c.op.namespace == "aten"
         ]
-        collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)   # the ranks' thread count: oneDNN's bf16 GEMM scratch depends on it
+        try:
+            collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+        finally:
+            torch.set_num_threads(threads)
         analysis = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db=db))
         memory = analysis.evaluate(bindings, memory_only=True).report.memory
         # a pipeline stage starts its step with the last step's output chunks / input gradients alive

@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -96,6 +96,9 @@ class TruthConfig:
     bucket_cap_mb: float = 25.0
     timed_steps: int = 3
     gradient_as_bucket_view: bool = False  # DDP's option ("ddp", "pp_ddp")
+    # FSDP2 MixedPrecisionPolicy(param_dtype, reduce_dtype) as torch dtype names ("bfloat16"); None: off
+    param_dtype: Optional[str] = None
+    reduce_dtype: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -106,6 +109,8 @@ class TruthConfig:
             extra += f"-{self.schedule}-mb{self.microbatches}"
         if self.gradient_as_bucket_view:
             extra += "-bucketview"
+        if self.param_dtype or self.reduce_dtype:
+            extra += f"-mp-{self.param_dtype or 'same'}-{self.reduce_dtype or 'same'}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
 
@@ -216,13 +221,24 @@ def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
     )
 
 
-def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool) -> None:
+def _mixed_precision(cfg: "TruthConfig") -> Any:
+    """The configuration's ``MixedPrecisionPolicy`` (defaults when no dtype is given)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def dtype(name: Optional[str]) -> Optional[torch.dtype]:
+        return getattr(torch, name) if name else None
+
+    return MixedPrecisionPolicy(param_dtype=dtype(cfg.param_dtype), reduce_dtype=dtype(cfg.reduce_dtype))
+
+
+def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool, mp_policy: Any = None) -> None:
     """torchtitan's wrapping: each layer is a unit, then the root (embeddings, final norm, head)."""
     from torch.distributed.fsdp import fully_shard
 
+    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in layer_list(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **extra)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **extra)
 
 
 class _Stage(torch.nn.Module):
@@ -363,7 +379,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
                                         gradient_as_bucket_view=cfg.gradient_as_bucket_view)
     elif cfg.parallel == "fsdp":
-        _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward)
+        _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward, _mixed_precision(cfg))
     elif cfg.parallel == "tp_sp":
         _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)))
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
@@ -375,11 +391,11 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel == "hsdp":
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
-        _apply_fsdp(model, mesh, cfg.reshard_after_forward)
+        _apply_fsdp(model, mesh, cfg.reshard_after_forward, _mixed_precision(cfg))
     elif cfg.parallel == "tp_fsdp":
         mesh = init_device_mesh("cpu", (cfg.world // 2, 2), mesh_dim_names=("dp", "tp"))
         _apply_tp(model, cfg.model, mesh["tp"])
-        _apply_fsdp(model, mesh["dp"], cfg.reshard_after_forward)
+        _apply_fsdp(model, mesh["dp"], cfg.reshard_after_forward, _mixed_precision(cfg))
         dp_rank = mesh["dp"].get_local_rank()
         idx = torch.randint(
             0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(1000 + dp_rank)
@@ -677,5 +693,12 @@ def default_configs() -> list[TruthConfig]:
             # optimizer step (all gradients alive without the option) is the peak, so the option shows
             *[TruthConfig(model, parallel, world, batch=batch, seq=8, gradient_as_bucket_view=view)
               for parallel, world, batch in (("ddp", 2, 2), ("pp_ddp", 4, 4)) for view in (False, True)],
+            # FSDP2 MixedPrecisionPolicy: bf16 parameters, fp32 (torchtitan's default) or bf16 reduction
+            TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="float32"),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=False, param_dtype="bfloat16",
+                        reduce_dtype="float32"),
+            TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="bfloat16"),
+            TruthConfig(model, "hsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
+            TruthConfig(model, "tp_fsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
         ]
     return configs

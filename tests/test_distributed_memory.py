@@ -47,7 +47,16 @@ BUCKET_VIEW = [
     for view in (False, True)
 ]
 TWO_RANKS += BUCKET_VIEW
-FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
+# FSDP2 MixedPrecisionPolicy: bf16 parameters, fp32 (torchtitan's default) or bf16 gradient reduction
+MIXED_PRECISION = [
+    truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32"),
+    truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, param_dtype="bfloat16", reduce_dtype="bfloat16"),
+    truth.TruthConfig("gpt", "fsdp", 2, reshard_after_forward=False, timed_steps=1, param_dtype="bfloat16",
+                      reduce_dtype="float32"),
+]
+TWO_RANKS += MIXED_PRECISION
+FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=1) for model in ("llama", "gpt")] + [
+    truth.TruthConfig("llama", "hsdp", 4, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
 
 
@@ -248,10 +257,13 @@ def test_collective_sizes_match_the_real_run(cfg, gloo_runs) -> None:
             "reduce_scatter_tensor": "all_reduce",
             "all_reduce_": "all_reduce",
         }[c.op]
-        predicted_calls.append((gloo_op, c.input_bytes // 4))
-    real = [(c["op"], c["numel"][0]) for c in gloo_runs[cfg.name].ranks[0].collectives]
+        itemsize = getattr(torch, c.dtype).itemsize
+        predicted_calls.append((gloo_op, c.dtype, c.input_bytes // itemsize))
+    # the profiler's dtype names for gloo's tensors
+    dtypes = {"float": "float32", "c10::BFloat16": "bfloat16", "c10::Half": "float16"}
+    real = [(c["op"], dtypes[c["dtype"]], c["numel"][0]) for c in gloo_runs[cfg.name].ranks[0].collectives]
     assert sorted(predicted_calls) == sorted(real)
-    assert [op for op, _ in predicted_calls] == [op for op, _ in real] or cfg.parallel == "hsdp"
+    assert [op for op, *_ in predicted_calls] == [op for op, *_ in real] or cfg.parallel == "hsdp"
 
 
 def _bad(capsys, *argv: str) -> str:

@@ -161,7 +161,17 @@ class Analysis:
         workspace_at: dict[int, int] = {}
         point_prices: dict[str, Any] = {}
         suspects: dict[str, tuple[float, float, str]] = {}   # node -> (rooflines, time_ns, op) of implausible rows
-        if not memory_only:
+        if memory_only:
+            # no schedule, but each kernel's scratch (a measured workspace, a CPU convolution's blocked
+            # copies) is memory all the same: a peak inside a kernel is a peak (--max-batch, --search)
+            for step, node in enumerate(self._nodes):
+                if node.name in self.costs.by_node:
+                    rep = self._reps.get(node.name, node.name)
+                    hit = point_prices.get(rep)
+                    if hit is None:
+                        hit = point_prices[rep] = self._price_node(rep, ev)
+                    workspace_at[step] = int(hit[0].workspace_bytes or 0)
+        else:
             for step, node in enumerate(self._nodes):
                 if node.name not in self.costs.by_node:
                     continue

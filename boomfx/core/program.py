@@ -66,6 +66,9 @@ class ProgramOptions:
     # with train: every .grad stays allocated between steps (zero_grad(set_to_none=False), gradient
     # accumulation) instead of PyTorch's default set_to_none=True (allocated in backward, freed after the step)
     resident_grads: bool = False
+    # with train: the parameters compute in this dtype ("bfloat16"), no autocast: FSDP2's
+    # MixedPrecisionPolicy(param_dtype=...); set by the FSDP rewrite's re-trace (boomfx/distributed)
+    param_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         # lists/one string from the API become a tuple, so options stay hashable

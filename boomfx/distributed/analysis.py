@@ -44,6 +44,7 @@ class CollectiveReport:
     output_bytes: int
     phase: str
     module: str
+    dtype: str = ""  # the input's ("bfloat16": FSDP mixed precision's all-gathers)
 
 
 @dataclass
@@ -224,6 +225,7 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
                 int(out_bytes),
                 program.phase_of(node),
                 module_path(node),
+                str(inp.meta["val"].dtype).removeprefix("torch.") if isinstance(inp, torch.fx.Node) else "",
             )
         )
     return out

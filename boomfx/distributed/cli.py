@@ -100,6 +100,10 @@ def render_parallel(parallel: dict[str, Any]) -> str:
         lines.append(
             f"  batch {batch} per data-parallel rank (global batch {parallel['global_batch']}{extra})"
         )
+    if cfg.fsdp_param_dtype or cfg.fsdp_reduce_dtype:
+        lines.append(f"  FSDP mixed precision: parameters computed in {cfg.fsdp_param_dtype or 'their dtype'}, "
+                     f"gradients reduced in {cfg.fsdp_reduce_dtype or 'the compute dtype'}; "
+                     f"shards and optimizer state in the parameters' own dtype")
     header = [
         "ranks",
         "program",

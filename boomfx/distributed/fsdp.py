@@ -30,10 +30,15 @@ copied into its bucket view when ready (a ``mul.Scalar_out`` node after the auto
 it) and ``.grad`` is that view from then on: the produced gradient is freed at the copy and the
 optimizer reads the bucket (``ddp_bucket_view.py``).
 
+Mixed precision (``MixedPrecisionPolicy``, ``ShardSpec.master_dtype`` / ``reduce_dtype``; the program
+traced with bf16 parameters by mixed_precision.py): the resident shards and the optimizer keep the
+master dtype, each unit's shards are cast into a flat ``[T]`` input held until the all-gather is
+issued, the all-gather and copy-out run in the compute dtype, the reduce-scatter input and output
+in ``reduce_dtype``, then cast to the master dtype for the sharded gradients.
+
 Known limitations:
-- Mixed precision (``--fsdp-param-dtype``) is not rewritten yet (OptionError); NCCL's internal buffers
-  are not in the program (see rank analysis); gloo's all-gather temporary is, with
-  ``all_gather_scratch`` (the ground truth's backend).
+- NCCL's internal buffers are not in the program (see rank analysis); gloo's all-gather temporary is,
+  with ``all_gather_scratch`` (the ground truth's backend).
 - Tied parameters in different units are not modelled.
 - DDP: buckets are not split by dtype (DDP keeps one bucket list per dtype) and the first bucket is not
   capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (DDP's default configuration; the buckets' total, the
@@ -100,6 +105,12 @@ class ShardSpec:
     # (measured on the gloo ground truth: an ``aten::empty`` of [N x T] inside ``c10d::_allgather_base_``,
     # freed when it returns); NCCL writes into the output directly
     all_gather_scratch: bool = False
+    # MixedPrecisionPolicy, clamped as FSDPParam does: the program was traced with the parameters in
+    # ``param_dtype`` (ProgramOptions.param_dtype), the resident shards and the optimizer keep
+    # ``master_dtype``; gradients are reduce-scattered in ``reduce_dtype`` (None: the gradients' dtype)
+    # and cast to ``master_dtype`` when that differs
+    master_dtype: Optional[torch.dtype] = None   # None: no mixed precision (shards as traced)
+    reduce_dtype: Optional[torch.dtype] = None
 
 
 @dataclass
@@ -150,6 +161,15 @@ def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
     return [units[ROOT]] + [units[l] for l in layers]
 
 
+def _post_forward(unit: _Unit) -> torch.fx.Node:
+    """The last forward op before ``unit``'s post-forward hook: the root's forward returns before the
+    loss is computed on its output (the loss's ops, traced outside the model, carry no module stack;
+    a loss kernel's scratch, bf16 ``mean``'s fp32 copy, must not see the last unit's buffers)."""
+    if unit.name != ROOT:
+        return unit.fwd[-1]
+    return next((n for n in reversed(unit.fwd) if "nn_module_stack" in n.meta), unit.fwd[-1])
+
+
 def _owning_layer(path: str, layers: set[str]) -> str:
     """The layer whose module ``path`` is or is inside, else the root."""
     return owning_layer(path, layers) or ROOT
@@ -174,21 +194,23 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
     n = spec.world
     grad_of = _grad_nodes_by_param(program, graph)
     full_shapes = {p.name: list(p.meta["val"].shape) for u in units for p in u.params}
+    # the dtype each unit computes in (param_dtype under mixed precision), before the shards take theirs
+    compute_dtype = {u.name: u.params[0].meta["val"].dtype for u in units if u.params}
     layers = units[1:]
     root = units[0]
 
-    # resident shards
+    # resident shards (in the master dtype under mixed precision: fp32 shards, bf16 all-gathers)
     for unit in units:
         for p in unit.params:
             val = p.meta["val"]
-            p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), val.dtype)
-    _shard_optimizer(program, graph, full_shapes, n, rank)
+            p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), _master(val.dtype, spec))
+    _shard_optimizer(program, graph, full_shapes, n, rank, spec)
 
     def all_gather(unit: _Unit, anchor: torch.fx.Node, phase: str) -> tuple[torch.fx.Node, torch.fx.Node]:
-        return _all_gather(edit, spec, rank, unit, anchor, phase)
+        return _all_gather(edit, spec, rank, unit, anchor, phase, compute_dtype[unit.name])
 
     def copy_out(unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str) -> list[torch.fx.Node]:
-        return _copy_out(edit, n, full_shapes, unit, waited, anchor, phase)
+        return _copy_out(edit, n, full_shapes, unit, waited, anchor, phase, compute_dtype[unit.name])
 
     def use(unit: _Unit, fulls: list[torch.fx.Node], nodes: Sequence[torch.fx.Node]) -> None:
         members = set(nodes)
@@ -210,9 +232,9 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
         fwd_full[unit.name] = fulls
         previous_flat = flat
         if spec.reshard_after_forward:
-            edit.keep_alive(unit.fwd[-1], fulls)
+            edit.keep_alive(_post_forward(unit), fulls)
     if previous_flat is not None:
-        edit.keep_alive(root.fwd[-1], [previous_flat])
+        edit.keep_alive(_post_forward(root), [previous_flat])
 
     # backward: resharded units are all-gathered again, each (but the root, first in backward)
     # prefetched at the pre-backward of the unit that runs before it in backward
@@ -259,23 +281,27 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
 
 
 def _all_gather(
-    edit: GraphEditor, spec: ShardSpec, rank: int, unit: _Unit, anchor: torch.fx.Node, phase: str
+    edit: GraphEditor, spec: ShardSpec, rank: int, unit: _Unit, anchor: torch.fx.Node, phase: str,
+    dtype: torch.dtype,
 ) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(flat buffer, waited all-gather) of ``unit``'s shards, inserted before ``anchor``."""
+    """(flat buffer, waited all-gather) of ``unit``'s shards in ``dtype`` (the traced parameters'),
+    inserted before ``anchor``."""
     n = spec.world
-    dtype = unit.params[0].meta["val"].dtype
     total = sum(numel(p.meta["val"].shape) for p in unit.params)
-    def gathered_sized() -> torch.fx.Node:
-        return edit.call(anchor, aten.empty.memory_format, ([n * total],), meta_tensor([n * total], dtype), phase,
+    def sized(elems: int) -> torch.fx.Node:
+        return edit.call(anchor, aten.empty.memory_format, ([elems],), meta_tensor([elems], dtype), phase,
                          kwargs={"dtype": dtype, "device": torch.device("cpu")})
 
-    flat = gathered_sized()
+    # mixed precision: the shards are first cast into one flat [T] input (``_get_param_all_gather_inputs``'
+    # foreach copy), held until the all-gather is issued
+    cast_input = sized(total) if dtype != unit.params[0].meta["val"].dtype else None
+    flat = sized(n * total)
     own = edit.call(
         anchor, aten.narrow.default, (flat, 0, rank * total, total), meta_tensor([total], dtype), phase
     )
     scratch = None
     if spec.all_gather_scratch:
-        scratch = gathered_sized()   # gloo's output-sized temporary
+        scratch = sized(n * total)   # gloo's output-sized temporary
     gathered = edit.call(
         anchor,
         c10d.all_gather_into_tensor_out.default,
@@ -287,7 +313,16 @@ def _all_gather(
     waited = edit.wait(anchor, gathered, phase)
     if scratch is not None:
         edit.keep_alive(gathered, [scratch])
+    if cast_input is not None:
+        edit.keep_alive(gathered, [cast_input])
     return flat, waited
+
+
+def _master(traced: torch.dtype, spec: ShardSpec) -> torch.dtype:
+    """A parameter's resident (sharded) dtype: the master dtype for floating parameters under mixed
+    precision, else as traced."""
+    return spec.master_dtype if spec.master_dtype is not None and traced.is_floating_point else traced
+
 
 def _copy_out(
     edit: GraphEditor,
@@ -297,9 +332,10 @@ def _copy_out(
     waited: torch.fx.Node,
     anchor: torch.fx.Node,
     phase: str,
+    dtype: torch.dtype,
 ) -> list[torch.fx.Node]:
-    """Per-parameter unsharded tensors (views of their ``[N x padded]`` buffers) before ``anchor``."""
-    dtype = unit.params[0].meta["val"].dtype
+    """Per-parameter unsharded tensors (views of their ``[N x padded]`` buffers, in ``dtype``) before
+    ``anchor``."""
     sizes = [numel(p.meta["val"].shape) for p in unit.params]
     total = sum(sizes)
     outs, views = [], []
@@ -417,7 +453,9 @@ def _reduce_scatter(
     """``_chunk_cat`` + ``reduce_scatter_tensor`` after ``unit``'s post-backward; the sharded grads."""
     n = spec.world
     anchor = unit.bwd_end
-    dtype = grads[0].meta["val"].dtype
+    # foreach_reduce: the reduce-scatter runs in reduce_dtype (else the gradients'); _chunk_cat casts
+    dtype = spec.reduce_dtype or grads[0].meta["val"].dtype
+    master = _master(grads[0].meta["val"].dtype, spec)
     padded = [numel(padded_shard_shape(full_shapes[p.name], n)) for p in unit.params]
     total = sum(padded)
     # inserted after ``anchor`` in reverse, so they run in program order
@@ -459,6 +497,18 @@ def _reduce_scatter(
             like=anchor,
         )
         last = edit.wait(reduced, reduced, PHASE_BACKWARD, like=anchor, after=True)
+    if master != dtype:  # _to_dtype_if_needed(reduce_output, orig_dtype): the sharded grads' own buffer
+        last = edit.call(
+            last,
+            aten._to_copy.default,
+            (last,),
+            meta_tensor([total], master),
+            PHASE_BACKWARD,
+            after=True,
+            like=anchor,
+            kwargs={"dtype": master},
+        )
+    dtype = master
     views, offset = [], 0
     for p, size in zip(unit.params, padded):
         local = local_shard_shape(full_shapes[p.name], n, rank)
@@ -496,14 +546,16 @@ def _grad_nodes_by_param(program: Program, graph: torch.fx.Graph) -> dict[str, t
 
 
 def _shard_optimizer(
-    program: Program, graph: torch.fx.Graph, full_shapes: Mapping[str, list[int]], n: int, rank: int
+    program: Program, graph: torch.fx.Graph, full_shapes: Mapping[str, list[int]], n: int, rank: int,
+    spec: ShardSpec,
 ) -> None:
-    """Optimizer state and every optimizer tensor of a parameter's full shape take the rank's local shape."""
+    """Optimizer state and every optimizer tensor of a parameter's full shape take the rank's local
+    shape (and the master dtype under mixed precision: the optimizer steps the fp32 shards)."""
     local = {tuple(s): local_shard_shape(s, n, rank) for s in full_shapes.values()}
 
     def shard(val: object) -> object:
         if isinstance(val, torch.Tensor) and tuple(val.shape) in local and val.dim() > 0:
-            return meta_tensor(local[tuple(val.shape)], val.dtype)
+            return meta_tensor(local[tuple(val.shape)], _master(val.dtype, spec))
         if isinstance(val, (list, tuple)):
             return type(val)(shard(v) for v in val)
         return val
@@ -572,10 +624,9 @@ def ddp_rank_program(
         edit.wait(reduced, reduced, PHASE_BACKWARD, like=bucket[-1], after=True)
     grad_nodes = dict(program.grad_nodes)
     if gradient_as_bucket_view:
-        grad_of = {by_name[name]: by_name[name] for name in grad_nodes}   # the .grad nodes themselves
+        # each ready node's ``.grad``: itself, or in a pipeline stage the gradient it accumulates into
         dot_grad = {fqn: by_name[name] for name, fqn in grad_nodes.items()}
-        grad_of.update({g: dot_grad[ready[g.name]] for g in copies if ready[g.name] in dot_grad})
-        read_bucket_views(graph, grad_of, copies)
+        read_bucket_views(graph, {g: dot_grad.get(ready[g.name], g) for g in copies}, copies)
         # ``.grad`` is the bucket's view: the gradient category moves to it (the old one is a temporary)
         grad_nodes = {copies[g].name: ready[g.name] for g in copies}
     graph.lint()

@@ -147,6 +147,9 @@ class ParallelConfig:
         for pattern, style in self.tp_plan:
             if style not in TP_STYLES:
                 raise OptionError(f"--tp-plan: {pattern}={style!r}: the style must be colwise or rowwise")
+        if (self.fsdp_param_dtype or self.fsdp_reduce_dtype) and self.dp_shard == 1:
+            raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP's mixed precision needs dp_shard > 1 "
+                              "(use --amp for autocast)")
         reason = self.not_modelled()
         if reason:
             raise OptionError(reason)
@@ -156,10 +159,11 @@ class ParallelConfig:
         rewrite runs, so ``--search`` counts such plans without tracing anything."""
         if self.is_single_device:
             return None
-        if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
-            return "--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP mixed precision is not modelled yet"
         if self.pp == 1:
             return None
+        if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
+            return ("--parallel pp with FSDP mixed precision is not modelled yet (micro-batches accumulate "
+                    "unsharded gradients in the reduce dtype)")
         if self.pp_schedule == "interleaved_1f1b":
             return ("--pp-schedule interleaved_1f1b: per-stage memory of interleaved stages is not built yet "
                     "(gpipe and 1f1b are)")

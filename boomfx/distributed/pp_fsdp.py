@@ -71,7 +71,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     for p in params:
         val = p.meta["val"]
         p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), val.dtype)
-    _shard_optimizer(program, graph, full_shapes, n, rank)
+    _shard_optimizer(program, graph, full_shapes, n, rank, spec)
 
     calls = [x for x in graph.nodes if x.op == "call_function"]
     first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
@@ -96,10 +96,11 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         anchor = first_fwd if unit.name == ROOT else next(
             x for x in graph.nodes if x.op == "call_function" and any(a in members for a in x.all_input_nodes)
             and phases.get(x.name) != PHASE_OPTIMIZER)
-        flat, waited = _all_gather(edit, spec, rank, unit, anchor, PHASE_FORWARD)
+        dtype = unit.params[0].meta["val"].dtype   # no mixed precision with pp (plan.not_modelled)
+        flat, waited = _all_gather(edit, spec, rank, unit, anchor, PHASE_FORWARD, dtype)
         if previous_flat is not None:
             edit.keep_alive(waited, [previous_flat])
-        fulls = _copy_out(edit, n, full_shapes, unit, waited, anchor, PHASE_FORWARD)
+        fulls = _copy_out(edit, n, full_shapes, unit, waited, anchor, PHASE_FORWARD, dtype)
         created = set(fulls)
         for p, full in zip(unit.params, fulls):
             p.replace_all_uses_with(full, delete_user_cb=lambda user: phases.get(user.name) != PHASE_OPTIMIZER

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from boomfx.distributed import mixed_precision
 from boomfx.distributed.fsdp import ShardSpec, ddp_rank_program, fsdp_rank_program, local_shard_shape
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.core.errors import OptionError
@@ -40,6 +41,8 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         raise OptionError(reason)
     if cfg.pp > 1:
         return _pipeline_classes(program, cfg)
+    mp = mixed_precision.policy(program, cfg)
+    program = mixed_precision.compute_program(program, mp)   # bf16 parameters: the step re-traced
     tp_label = ""
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
@@ -59,6 +62,8 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         reshard_after_forward=cfg.reshards_after_forward,
         replicate_world=cfg.dp_replicate,
         all_gather_scratch=cfg.backend == "gloo",
+        master_dtype=mp.master,
+        reduce_dtype=mp.reduce,
     )
     classes = []
     for ranks in _by_shard_shapes(program, world, cfg):

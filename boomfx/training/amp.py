@@ -137,6 +137,38 @@ class CastPolicy:
         return {**kwargs, "dtype": torch.float32}
 
 
+class ComputeDtypePolicy:
+    """Parameters held in a lower compute dtype without autocast, as FSDP2's ``MixedPrecisionPolicy(
+    param_dtype=...)`` runs a model: the unsharded parameters are ``param_dtype`` tensors, so the
+    forward and backward compute in it. Buffers stay in their dtype (FSDP casts parameters only).
+
+    The export was traced in fp32, so the model's own casts back to the compute dtype (``x.to(
+    input_dtype)`` after an fp32 norm or rotary table, ``.to(query.dtype)`` after an fp32 softmax) are
+    no-ops there and absent from the graph; FSDP casts every unit's floating inputs
+    (``cast_forward_inputs``). Both are reproduced by one rule: an op whose floating inputs (of one or
+    more dimensions) mix dtypes gets them in ``param_dtype``. Ops that write their inputs are left
+    alone (a cast would redirect the write)."""
+
+    def __init__(self, param_dtype: torch.dtype) -> None:
+        self.param_dtype = param_dtype
+        self.low_dtype = param_dtype   # the runner's test for "dtypes differ from the fp32 trace"
+
+    def clear_cache(self) -> None:
+        """No weight cache: the parameters already are ``param_dtype`` tensors."""
+
+    def apply(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
+            return args, kwargs
+        dtypes = {t.dtype for t in pytree.tree_leaves((args, kwargs)) if _eligible(t) and t.dim() > 0}
+        if len(dtypes) < 2:
+            return args, kwargs
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.param_dtype) if _eligible(t) and t.dim() > 0 else t
+
+        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
 def _flash_ok(q: torch.Tensor, attn_mask: torch.Tensor | None, enable_gqa: bool) -> bool:
     # sdp_utils.cpp can_use_flash_attention: fp16/bf16, no attn_mask, head_dim <= 256 and a
     # multiple of 8 (NB: simplified; the real check also looks at the sm version and strides).

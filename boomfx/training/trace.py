@@ -235,20 +235,38 @@ class _PhaseRecorder:
         return None
 
 
-def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str) -> torch.Tensor:
+def _compute_dtype(param_dtype: str | None) -> torch.dtype | None:
+    """``"bfloat16"``/``"float16"`` -> the dtype parameters compute in; None or fp32: as exported."""
+    if param_dtype is None:
+        return None
+    dtype = getattr(torch, param_dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"param_dtype must be a floating torch dtype name, got {param_dtype!r}")
+    return None if dtype == torch.float32 else dtype
+
+
+def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str, upcast: bool = False) -> torch.Tensor:
+    """The step's loss. ``upcast``: low-precision logits go to fp32 for cross-entropy first, as
+    transformers' ``ForCausalLMLoss`` and torchtitan's loss do."""
     first = next(o for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point())
     if loss == "output" or (loss == "auto" and first.dim() == 0):
         return first
     if loss == "cross_entropy" or (loss == "auto" and labels is not None):
         assert labels is not None
-        return F.cross_entropy(first.flatten(0, -2), labels.flatten())
+        logits = first.float() if upcast else first
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
     return first.mean()
 
 
 def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs: dict[str, Any],
            amp: str | None, checkpoint: bool, loss: str, fused_attention: bool,
-           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False) -> TracedProgram:
+           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False,
+           param_dtype: str | None = None) -> TracedProgram:
     low_dtype = amp_policy.parse_amp(amp)
+    compute_dtype = _compute_dtype(param_dtype)
+    if compute_dtype is not None and low_dtype is not None:
+        raise ValueError("param_dtype (FSDP mixed precision) and amp (autocast) are two ways of the same thing; "
+                         "give one")
     device = _FAKE_DEVICE
     inputs = _export_inputs(ep)
     user_outputs = [i for i, s in enumerate(ep.graph_signature.output_specs)
@@ -262,7 +280,9 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
     def make(i: _Input) -> Any:
         if isinstance(i.value, torch.Tensor):
             grad = train and i.role == ROLE_PARAM
-            return fake.tensor(i.value, device, requires_grad=grad)
+            # param_dtype: the parameters the step computes with (FSDP's unsharded parameters)
+            low = compute_dtype if i.role == ROLE_PARAM and i.value.is_floating_point() else None
+            return fake.tensor(i.value, device, requires_grad=grad, dtype=low)
         return fake.sym(i.value)
 
     # Tied weights (GPT-2's lm_head = wte) are one placeholder per name in the export but one tensor in
@@ -338,7 +358,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
         segments = checkpoint_segments(ep.graph, checkpoint_layers)
 
     recorder = _PhaseRecorder()
-    policy = amp_policy.CastPolicy(low_dtype)
+    policy: Any = (amp_policy.ComputeDtypePolicy(compute_dtype) if compute_dtype is not None
+                   else amp_policy.CastPolicy(low_dtype))
     runner = GraphRunner(ep.graph_module, device, policy, fused_attention, segments, recorder.segment)
     n_graph = len(unique)
     grad_names: list[str | None] = []
@@ -354,7 +375,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             return outs
         if labels is None and "labels" in names[:n_graph]:
             labels = g_args[names.index("labels")]
-        loss_val = _loss_of(outs, labels, loss)
+        loss_val = _loss_of(outs, labels, loss, upcast=compute_dtype is not None)
         policy.clear_cache()  # the forward autocast region ends here
         grad_bufs = list(flat[n_graph + n_labels: n_graph + n_labels + len(grad_args)])
         opt_state = list(flat[n_graph + n_labels + len(grad_args):])
@@ -541,7 +562,8 @@ def _copy_module_stacks(graph: fx.Graph, phases: dict[str, str]) -> None:
 def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: str | None = None,
                            checkpoint: bool = False, loss: str = "auto", *, fused_attention: bool = True,
                            optimizer_kwargs: dict[str, Any] | None = None,
-                           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False) -> TracedProgram:
+                           checkpoint_layers: Sequence[str] = (), resident_grads: bool = False,
+                           param_dtype: str | None = None) -> TracedProgram:
     """Trace forward + loss + backward + ``torch.optim`` step of ``ep`` on fake tensors.
 
     Args:
@@ -564,6 +586,9 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
             backward adds each new gradient into it in place (``add_``) right after producing it,
             the optimizer reads it and a foreach zero ends the step. ``grad_nodes`` then names
             the new gradients (temporaries freed by their ``add_``).
+        param_dtype: ``"bfloat16"``/``"float16"``: the parameters are traced in this dtype without
+            autocast (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, amp.ComputeDtypePolicy);
+            the optimizer then runs on them too, and the FSDP rewrite gives it the fp32 shards.
 
     Returns:
         TracedProgram whose placeholders are named like the export's (``p_...``), plus
@@ -576,7 +601,8 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         raise ValueError(f"unknown loss {loss!r}")
     return _trace(ep, train=True, optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
                   amp=amp, checkpoint=checkpoint, loss=loss, fused_attention=fused_attention,
-                  checkpoint_layers=tuple(checkpoint_layers or ()), resident_grads=resident_grads)
+                  checkpoint_layers=tuple(checkpoint_layers or ()), resident_grads=resident_grads,
+                  param_dtype=param_dtype)
 
 
 def build_inference_program(ep: ExportedProgram, amp: str | None = None, *,
