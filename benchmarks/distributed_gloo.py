@@ -1,8 +1,8 @@
 """Real distributed training steps on gloo (CPU): per-rank peak memory, collectives and step time.
 
 Runs every configuration of ``distributed_truth.default_configs()`` (DDP, FSDP2 with and without
-reshard after forward, TP, PP with 1F1B and GPipe on 2 ranks; HSDP and TP x FSDP on 4 ranks; a
-Llama-style and a GPT-2-style model), and, where boomfx predicts the configuration, its per-rank
+reshard after forward, TP, PP with 1F1B and GPipe on 2 ranks; HSDP and TP x FSDP on 4 ranks; DDP and
+PP x DDP with and without ``gradient_as_bucket_view`` at seq 8; a Llama-style and a GPT-2-style model), and, where boomfx predicts the configuration, its per-rank
 prediction next to the measurement. Writes ``benchmarks/results/distributed_gloo.{json,md}``.
 
 The same script is the template for a GPU cluster run: the harness only needs another backend and

@@ -40,6 +40,7 @@ def parallel_config(cfg: truth.TruthConfig):
         pp_schedule=cfg.schedule,
         microbatches=cfg.microbatches,
         bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         fsdp_param_dtype=cfg.param_dtype,
         fsdp_reduce_dtype=cfg.reduce_dtype,
         backend="gloo",

@@ -98,6 +98,7 @@ class TruthConfig:
     microbatches: int = 4
     bucket_cap_mb: float = 25.0
     timed_steps: int = 3
+    gradient_as_bucket_view: bool = False  # DDP's option ("ddp", "pp_ddp")
     # FSDP2 MixedPrecisionPolicy(param_dtype, reduce_dtype) as torch dtype names ("bfloat16"); None: off
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
@@ -109,6 +110,8 @@ class TruthConfig:
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
         if self.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
             extra += f"-{self.schedule}-mb{self.microbatches}"
+        if self.gradient_as_bucket_view:
+            extra += "-bucketview"
         if self.param_dtype or self.reduce_dtype:
             extra += f"-mp-{self.param_dtype or 'same'}-{self.reduce_dtype or 'same'}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
@@ -354,7 +357,8 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         if cfg.parallel == "pp_ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            module = DistributedDataParallel(module, process_group=inner.get_group(), bucket_cap_mb=cfg.bucket_cap_mb)
+            module = DistributedDataParallel(module, process_group=inner.get_group(), bucket_cap_mb=cfg.bucket_cap_mb,
+                                             gradient_as_bucket_view=cfg.gradient_as_bucket_view)
         stage = PipelineStage(module, stage_id, stages, torch.device("cpu"), group=group)
         cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
         schedule = cls(stage, cfg.microbatches, loss_fn=_mean_loss)
@@ -377,7 +381,8 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     if cfg.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+        model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
+                                        gradient_as_bucket_view=cfg.gradient_as_bucket_view)
     elif cfg.parallel == "fsdp":
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward, _mixed_precision(cfg))
     elif cfg.parallel == "tp_sp":
@@ -723,6 +728,10 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "pp_tp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False),
+            # DDP's gradient_as_bucket_view, each next to the default at the same shapes: at seq 8 the
+            # optimizer step (all gradients alive without the option) is the peak, so the option shows
+            *[TruthConfig(model, parallel, world, batch=batch, seq=8, gradient_as_bucket_view=view)
+              for parallel, world, batch in (("ddp", 2, 2), ("pp_ddp", 4, 4)) for view in (False, True)],
             # FSDP2 MixedPrecisionPolicy: bf16 parameters, fp32 (torchtitan's default) or bf16 reduction
             TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="float32"),
             TruthConfig(model, "fsdp", 2, reshard_after_forward=False, param_dtype="bfloat16",

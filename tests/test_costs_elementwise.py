@@ -34,6 +34,12 @@ def test_add_broadcast_reads_each_input_at_its_own_size():
     assert cost == Cost(32, (32 + 8) * F32, 32 * F32)  # 4*8 adds; 2 reads (bias once) + 1 write
 
 
+def test_out_variant_writes_out_without_reading_it():
+    # DDP's copy into its bucket: mul.Scalar_out(grad, 1/world, out=view); 32 multiplies, read grad, write the view
+    cost = price(aten.mul.Scalar_out, spec(4, 8), 0.5, out=spec(4, 8), outputs=(spec(4, 8),))
+    assert cost == Cost(32, 32 * F32, 32 * F32)
+
+
 def test_expanded_input_counts_stride_zero_dims_once():
     expanded = spec(4, 8, stride=(0, 1))  # x.expand(4, 8) of an [8] tensor
     cost = price(aten.mul.Tensor, spec(4, 8), expanded, outputs=(spec(4, 8),))

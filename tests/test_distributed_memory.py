@@ -39,6 +39,14 @@ TWO_RANKS = [
     for model in ("llama", "gpt")
     for parallel, reshard in (("ddp", True), ("fsdp", True), ("fsdp", False))
 ]
+# DDP's gradient_as_bucket_view next to the default at the same shapes: at seq 8 the optimizer step,
+# where every gradient is alive without the option, is the peak, so the option changes it
+BUCKET_VIEW = [
+    truth.TruthConfig(model, "ddp", 2, batch=2, seq=8, gradient_as_bucket_view=view, timed_steps=1)
+    for model in ("llama", "gpt")
+    for view in (False, True)
+]
+TWO_RANKS += BUCKET_VIEW
 # FSDP2 MixedPrecisionPolicy: bf16 parameters, fp32 (torchtitan's default) or bf16 gradient reduction
 MIXED_PRECISION = [
     truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32"),
@@ -79,6 +87,84 @@ def test_rank_peak_matches_gloo(cfg: truth.TruthConfig, gloo_runs, predicted) ->
     assert_peaks_match(cfg, pred, real)
 
 
+
+
+@pytest.mark.parametrize("model", ("llama", "gpt"))
+def test_bucket_view_frees_each_gradient_at_its_copy(model, gloo_runs, predicted) -> None:
+    """With ``gradient_as_bucket_view`` each gradient is copied into the resident bucket when ready and
+    freed there (``.grad`` is the bucket's view), so the step holds the bucket but no gradient:
+
+    - the bucket holds every gradient: its bytes are the parameters' fp32 bytes (sum of numel x 4), and
+      gloo all-reduced exactly that many elements;
+    - in the liveness no storage is a gradient, and the storage each copy reads ends at that copy (in
+      the default program the same storage is held by ``.grad`` to the optimizer's last op);
+    - at seq 8 the peak is the optimizer step, where the default holds every gradient on top of the
+      bucket: the real run's peak drops by exactly the gradient bytes, and so does the prediction."""
+    from boomfx.frontend.capture import resolve_bindings
+    from boomfx.passes.evaluate import Evaluator
+    from boomfx.passes.liveness import Category, _compute_nbytes, step_liveness_pass
+
+    default, view = (c for c in BUCKET_VIEW if c.model == model)
+    program, (rc,) = rank_classes(view)
+    _, (rc_default,) = rank_classes(default)
+    grad_bytes = sum(
+        math.prod(n.meta["val"].shape) * 4
+        for n in program.graph.nodes
+        if n.op == "placeholder" and program.input_roles.get(n.name) == "param"
+    )
+    assert resident_bytes(rc.program, "comm_buffer") == resident_bytes(rc_default.program, "comm_buffer") == grad_bytes
+    for rank in gloo_runs[view.name].ranks:
+        assert [c["numel"] for c in rank.collectives if c["op"] == "all_reduce"] == [[grad_bytes // 4]]
+
+    copies = [n for n in rc.program.graph.nodes if n.target is torch.ops.aten.mul.Scalar_out]
+    assert len(copies) == len(rc.program.grad_nodes) == len(program.grad_nodes)
+    for prog, held_to_optimizer_end in ((rc.program, False), (rc_default.program, True)):
+        info = step_liveness_pass(prog)
+        ev = Evaluator(resolve_bindings(prog, {}, view.batch, view.seq))
+        step_of = {name: i for i, name in enumerate(info.order)}
+        ends = {}
+        for iv in info.intervals:
+            if not iv.resident:
+                ends.setdefault(iv.end_step, []).append(int(ev(iv.nbytes)))
+        grads = [iv for iv in info.intervals if iv.category == Category.GRAD and not iv.resident]
+        if held_to_optimizer_end:
+            assert sum(int(ev(iv.nbytes)) for iv in grads) == grad_bytes
+            last_opt = max(i for i, name in enumerate(info.order) if prog.phases.get(name) == "optimizer")
+            assert {iv.end_step for iv in grads} == {last_opt}
+        else:
+            assert grads == []
+            for c in copies:   # a storage of the gradient's size ends at its copy
+                assert int(ev(_compute_nbytes(c.args[0].meta["val"]))) in ends.get(step_of[c.name], [])
+
+    real_drop = [d.peak_bytes - v.peak_bytes for d, v in zip(gloo_runs[default.name].ranks, gloo_runs[view.name].ranks)]
+    predicted_drop = [d - v for d, v in zip(predicted(default), predicted(view))]
+    assert real_drop == predicted_drop == [grad_bytes] * 2
+
+
+def test_gradient_as_bucket_view_on_the_command_line(capsys, tmp_path) -> None:
+    """``--gradient-as-bucket-view`` reaches the DDP rewrite from ``analyze --parallel`` (the same rank peak as
+    the Python API's option, below the default's) and from ``--search`` (its request carries it)."""
+    import json
+
+    import boomfx
+    from boomfx.cli.main import build_parser
+    from boomfx.distributed.search_cli import search_request
+
+    tiny = str(ROOT / "examples" / "llama_tiny.pt2")
+    out = tmp_path / "r.json"
+    base = ["analyze", tiny, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
+    assert main(base + ["--parallel", "dp_replicate=2", "--gradient-as-bucket-view", "--json", str(out)]) == 0
+    capsys.readouterr()
+    parallel = json.loads(out.read_text())["parallel"]
+    assert parallel["config"]["gradient_as_bucket_view"] is True
+    api = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=2, seq=16,
+                         parallel={"dp_replicate": 2, "gradient_as_bucket_view": True})
+    default = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=2, seq=16, parallel="dp_replicate=2")
+    peaks = [r.parallel["classes"][0]["peak_live_bytes"] for r in (api, default)]
+    assert parallel["classes"][0]["peak_live_bytes"] == peaks[0] < peaks[1]
+    args = build_parser().parse_args(base[:2] + ["--train", "--search", "--nodes", "1", "--gpus-per-node", "2",
+                                                 "--global-batch", "4", "--gradient-as-bucket-view"])
+    assert search_request(args, {}).config_options["gradient_as_bucket_view"] is True
 
 
 def test_truth_counts_a_free_on_a_thread_without_the_profiler() -> None:

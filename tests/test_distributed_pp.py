@@ -200,6 +200,9 @@ def test_max_batch_walks_micro_batches() -> None:
 # -- pipeline x tensor parallelism (4 ranks: pp=2 x tp=2) -------------------------------------------
 PP_TP = [truth.TruthConfig(model, "pp_tp", 4, timed_steps=1) for model in ("llama", "gpt")]
 PP_DDP = [truth.TruthConfig(model, "pp_ddp", 4, timed_steps=1) for model in ("llama", "gpt")]
+# DDP's gradient_as_bucket_view: at seq 8 the optimizer step, where the default holds every gradient, is the peak
+PP_DDP += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=1)
+           for model in ("llama", "gpt")]
 
 
 @pytest.fixture(scope="session")
@@ -317,6 +320,10 @@ def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_run
                    if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "comm_buffer"
                    and n.name.startswith("ddp_bucket")]
         assert [b.numel() for b in buckets] == [stage_params]  # resident, as DDP's reducer allocates it
+        if cfg.gradient_as_bucket_view:  # scale_grads (after the last backward) divides .grad = the bucket's view
+            scaled = [n for n in rc.program.graph.nodes if n.target is torch.ops.aten.div_.Scalar]
+            assert len(scaled) == len(rc.program.grad_nodes) > 0
+            assert all(n.args[0].target is torch.ops.aten.mul.Scalar_out for n in scaled)
         predicted = sorted(("all_reduce" if c.op.startswith("all_reduce") else c.op.rstrip("_"),
                             c.input_bytes // 4) for c in calls)
         for rank in rc.ranks:

@@ -11,9 +11,9 @@ Batch: the bindings are per rank (``--batch`` is each data-parallel rank's batch
 is ``batch x dp_replicate x dp_shard``.
 
 Known limitations:
-- Collective time is the pricer's byte-based fallback, not a network model (issue 18).
-- Memory a communication library holds outside the caching allocator (NCCL's channel buffers) is
-  not added. gloo's output-sized temporary inside an all-gather is (``backend="gloo"``: an
+- NCCL's channel buffers outside the caching allocator are a measured-typical amount per
+  communicator the rank joins (nccl_memory.py; ``--outside-memory nccl=`` replaces it). gloo's
+  output-sized temporary inside an all-gather is (``backend="gloo"``: an
   ``aten.empty`` held during each FSDP all-gather, fsdp.py ``ShardSpec.all_gather_scratch``).
 """
 
@@ -98,6 +98,12 @@ class DistributedAnalysis:
 
         check_against_model(cfg, model_shape(program, cfg))
         self.classes: list[RankClass] = rank_programs(program, cfg)
+        if device.kind == "cuda":   # every communicator's channel buffers, outside the allocator
+            from dataclasses import replace
+
+            from boomfx.distributed.nccl_memory import with_nccl_memory
+
+            options = replace(options, outside_memory=with_nccl_memory(options.outside_memory, cfg))
         self.analyses = [
             Analysis(rc.program, device, options, reuse_blocks=reuse_blocks) for rc in self.classes
         ]

@@ -22,10 +22,13 @@ torchtitan's wrapping), as ``torch/distributed/fsdp/_fully_shard`` runs it (torc
   in-place ``all_reduce`` of that output over the replicate group. The root's input is freed at the
   final callback.
 
-DDP (``DistributedDataParallel``, ``gradient_as_bucket_view=False``): the gradient buckets are
-resident flat buffers (``bucket_cap_mb``, filled in the order gradients are produced); when a bucket's
-last gradient is produced it is ``all_reduce``d in place. Nothing else changes: autograd's gradients
-are copied into the buckets and back.
+DDP (``DistributedDataParallel``): the gradient buckets are resident flat buffers (``bucket_cap_mb``,
+filled in the order gradients are produced); when a bucket's last gradient is produced it is
+``all_reduce``d in place. With ``gradient_as_bucket_view=False`` (the default) nothing else changes:
+autograd's gradients are copied into the buckets and back, both held. With ``True`` each gradient is
+copied into its bucket view when ready (a ``mul.Scalar_out`` node after the autograd node producing
+it) and ``.grad`` is that view from then on: the produced gradient is freed at the copy and the
+optimizer reads the bucket (``ddp_bucket_view.py``).
 
 Mixed precision (``MixedPrecisionPolicy``, ``ShardSpec.master_dtype`` / ``reduce_dtype``; the program
 traced with bf16 parameters by mixed_precision.py): the resident shards and the optimizer keep the
@@ -34,9 +37,13 @@ issued, the all-gather and copy-out run in the compute dtype, the reduce-scatter
 in ``reduce_dtype``, then cast to the master dtype for the sharded gradients.
 
 Known limitations:
-- The DDP bucket-view option is not rewritten yet (OptionError); NCCL's internal buffers are not in the program (see rank analysis); gloo's all-gather
-  temporary is, with ``all_gather_scratch`` (the ground truth's backend).
+- NCCL's internal buffers are not in the program (see rank analysis); gloo's all-gather temporary is,
+  with ``all_gather_scratch`` (the ground truth's backend).
 - Tied parameters in different units are not modelled.
+- DDP: buckets are not split by dtype (DDP keeps one bucket list per dtype) and the first bucket is not
+  capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (DDP's default configuration; the buckets' total, the
+  gradients' bytes, is the same, only where the all-reduces start moves); without the bucket view
+  the copy of each gradient into its bucket (and back) is not a node, so its time is not priced.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import torch.fx
 
 from boomfx.core.layers import module_path
 from boomfx.training.checkpointing import find_layer_list, layer_names
+from boomfx.distributed.ddp_bucket_view import copy_into_bucket, read_bucket_views
 from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, meta_tensor, numel, owning_layer
 from boomfx.core.errors import OptionError
 from boomfx.core.program import (
@@ -562,11 +570,13 @@ def _shard_optimizer(
 # -- DDP ----------------------------------------------------------------------------------------
 def ddp_rank_program(
     program: Program, world: int, bucket_cap_mb: float, group: str = "dp_replicate",
-    ready: Optional[Mapping[str, str]] = None,
+    ready: Optional[Mapping[str, str]] = None, gradient_as_bucket_view: bool = False,
 ) -> Program:
     """The program of one DDP rank: resident gradient buckets, each all-reduced in place when full.
     ``ready``: the nodes after which each gradient is final (default ``program.grad_nodes``; a
-    pipeline stage's are its last micro-batch's accumulations, the only backward DDP syncs)."""
+    pipeline stage's are its last micro-batch's accumulations, the only backward DDP syncs).
+    ``gradient_as_bucket_view``: each gradient is copied into its bucket when ready and ``.grad`` is
+    the bucket's view from then on (``ddp_bucket_view.py``)."""
     if not program.options.train:
         raise OptionError("--parallel dp_replicate needs --train (DDP replicates a training step)")
     graph, _ = program.copied_graph()
@@ -574,7 +584,8 @@ def ddp_rank_program(
     roles = dict(program.input_roles)
     edit = GraphEditor(graph, phases)
     by_name = {node.name: node for node in graph.nodes}
-    grads = [by_name[name] for name in (program.grad_nodes if ready is None else ready) if name in by_name]
+    ready = program.grad_nodes if ready is None else ready
+    grads = [by_name[name] for name in ready if name in by_name]
     order = {node: i for i, node in enumerate(graph.nodes)}
     grads.sort(key=order.__getitem__)
     cap_bytes = bucket_cap_mb * 1024 * 1024
@@ -588,6 +599,7 @@ def ddp_rank_program(
         buckets[-1].append(g)
         size += nbytes
     first_input = next(n for n in graph.nodes if n.op != "placeholder")
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}   # ready gradient -> its copy into the bucket
     for i, bucket in enumerate(b for b in buckets if b):
         dtype = bucket[0].meta["val"].dtype
         elems = sum(numel(g.meta["val"].shape) for g in bucket)
@@ -595,14 +607,27 @@ def ddp_rank_program(
             buf = graph.placeholder(f"ddp_bucket_{i}")
         buf.meta["val"] = meta_tensor([elems], dtype)
         roles[buf.name] = ROLE_COMM_BUFFER
+        last = bucket[-1]
+        if gradient_as_bucket_view:
+            copied = copy_into_bucket(edit, buf, bucket, world)
+            copies.update(zip(bucket, copied))
+            last = copied[-1]
         reduced = edit.call(
-            bucket[-1],
+            last,
             c10d.all_reduce_.default,
             (buf, "sum", group),
             meta_tensor([elems], dtype),
             PHASE_BACKWARD,
             after=True,
+            like=bucket[-1],
         )
         edit.wait(reduced, reduced, PHASE_BACKWARD, like=bucket[-1], after=True)
+    grad_nodes = dict(program.grad_nodes)
+    if gradient_as_bucket_view:
+        # each ready node's ``.grad``: itself, or in a pipeline stage the gradient it accumulates into
+        dot_grad = {fqn: by_name[name] for name, fqn in grad_nodes.items()}
+        read_bucket_views(graph, {g: dot_grad.get(ready[g.name], g) for g in copies}, copies)
+        # ``.grad`` is the bucket's view: the gradient category moves to it (the old one is a temporary)
+        grad_nodes = {copies[g].name: ready[g.name] for g in copies}
     graph.lint()
-    return program.rewritten(graph, phases=phases, input_roles=roles)
+    return program.rewritten(graph, phases=phases, input_roles=roles, grad_nodes=grad_nodes)

@@ -170,8 +170,6 @@ class ParallelConfig:
         rewrite runs, so ``--search`` counts such plans without tracing anything."""
         if self.is_single_device:
             return None
-        if self.gradient_as_bucket_view:
-            return "--gradient-as-bucket-view: not modelled yet (the default, False, is)"
         if self.pp == 1:
             return None
         if self.fsdp_param_dtype or self.fsdp_reduce_dtype:

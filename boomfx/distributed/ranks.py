@@ -53,7 +53,8 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
             return [RankClass(tuple(range(cfg.world)), program, f"{tp_label} rank (all {cfg.world})")]
     world = list(range(cfg.world))
     if cfg.dp_shard == 1:
-        rewritten = ddp_rank_program(program, cfg.dp_replicate, cfg.bucket_cap_mb)
+        rewritten = ddp_rank_program(program, cfg.dp_replicate, cfg.bucket_cap_mb,
+                                     gradient_as_bucket_view=cfg.gradient_as_bucket_view)
         label = f"DDP x {tp_label}" if tp_label else "DDP"
         return [RankClass(tuple(world), rewritten, f"{label} rank (all {cfg.world})")]
     spec = ShardSpec(
@@ -101,7 +102,8 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
             continue
         if cfg.dp_replicate > 1:  # PipelineStage syncs DDP's buckets in the last micro-batch's backward only
             stage_program = ddp_rank_program(stage_program, cfg.dp_replicate, cfg.bucket_cap_mb,
-                                             ready=stage_program.gm.meta[META_GRAD_READY])
+                                             ready=stage_program.gm.meta[META_GRAD_READY],
+                                             gradient_as_bucket_view=cfg.gradient_as_bucket_view)
             tp = f"DDP x {tp}"
         classes.append(RankClass(ranks, stage_program,
                                  f"{tp}pipeline stage {stage.stage} of {cfg.pp} ({layers}, {cfg.pp_schedule}, "

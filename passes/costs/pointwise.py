@@ -110,14 +110,30 @@ def elementwise_cost(call: OpCall, flops_per_element: Any) -> Cost:
     """``flops_per_element`` FLOPs per element of the first output; every input read, every output written.
 
     When the op returns nothing (an in-place op traced without a value), ``self`` stands for the output.
+    An ``out=`` variant (``mul.Scalar_out``: DDP's copy of a gradient into its bucket) writes its
+    ``out`` argument and never reads it.
     """
     out = first_output(call)
     if out is None and isinstance(call.arg("self"), TensorSpec):
         out = call.arg("self")
-        return Cost(out.numel * flops_per_element, read_all(call), unique_bytes(out))
+        return Cost(out.numel * flops_per_element, _read_inputs(call), unique_bytes(out))
     if out is None:
         return ZERO
-    return Cost(out.numel * flops_per_element, read_all(call), written_all(call))
+    return Cost(out.numel * flops_per_element, _read_inputs(call), written_all(call))
+
+
+_OUT_ARGS: dict[Any, frozenset[str]] = {}
+
+
+def _read_inputs(call: OpCall) -> SymExpr:
+    """Every tensor argument but the schema's ``out`` ones (written, not read), read once."""
+    names = _OUT_ARGS.get(call.op)
+    if names is None:
+        schema = getattr(call.op, "_schema", None)
+        names = _OUT_ARGS[call.op] = frozenset(a.name for a in (schema.arguments if schema else ()) if a.is_out)
+    if not names:
+        return read_all(call)
+    return bytes_of(v for name, v in call.args.items() if name not in names)
 
 
 # ---------------------------------------------------------------------------------------------
