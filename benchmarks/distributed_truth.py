@@ -739,5 +739,8 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="bfloat16"),
             TruthConfig(model, "hsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
             TruthConfig(model, "tp_fsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
+            # ScheduleInterleaved1F1B: the 4-layer model, 2 ranks x 2 chunks of one layer
+            TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=4),
+            TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=2),
         ]
     return configs

@@ -32,6 +32,10 @@ CONFIGS = [
     truth.TruthConfig(model, "pp", 2, schedule=schedule, timed_steps=1)
     for model in ("llama", "gpt")
     for schedule in ("1f1b", "gpipe")
+] + [  # ScheduleInterleaved1F1B: 4 layers, 2 ranks x 2 chunks of one layer
+    truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
+    truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=2, timed_steps=1),
+    truth.TruthConfig("gpt4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
 ]
 
 
@@ -90,7 +94,8 @@ def test_stage_parameters_and_adamw_state(cfg, pp_runs) -> None:
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_send_recv_sizes_match_the_real_run(cfg, pp_runs) -> None:
     """Every send and receive of each stage program, in order, against what gloo ran (element counts:
-    one [micro-batch, seq, d] fp32 activation or gradient, 1 x 32 x 64 = 2048 elements)."""
+    one [micro-batch, seq, d] fp32 activation or gradient: batch 4 over 4 micro-batches, 1 x 32 x 64 = 2048
+    elements; over 2, 4096)."""
     from boomfx.distributed.p2p import is_p2p
     from boomfx.passes.evaluate import Evaluator
     from boomfx.passes.liveness import _compute_nbytes
@@ -107,7 +112,8 @@ def test_send_recv_sizes_match_the_real_run(cfg, pp_runs) -> None:
             if is_p2p(n)
         ]
         real = [(c["op"], c["numel"][0]) for c in pp_runs[cfg.name].ranks[rc.ranks[0]].collectives]
-        assert sorted(calls) == sorted(real) and all(n == 1 * 32 * 64 for _, n in calls)
+        micro = cfg.batch // cfg.microbatches
+        assert sorted(calls) == sorted(real) and all(n == micro * 32 * 64 for _, n in calls)
         if cfg.schedule == "gpipe":  # 1F1B fuses a send with the next receive into one batch
             assert [op for op, _ in calls] == [op for op, _ in real]
 
@@ -447,3 +453,39 @@ def test_reshard_after_forward_follows_torchtitans_default_policy() -> None:
         assert [(n.op, str(n.target)) for n in a.program.graph.nodes] == [(n.op, str(n.target)) for n in b.program.graph.nodes]
     with pytest.raises(OptionError, match="resharding between micro-batches"):
         rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True))
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (2, 2, 3), (4, 4, 4), (3, 6, 2)])
+def test_interleaved_order_is_torchs(pp, m, v) -> None:
+    """Each rank's forwards and backwards (chunk, micro-batch) in the order torch's own
+    ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` lists them (its idle slots dropped)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from boomfx.simulate.pipeline import stage_orders
+
+    schedule = object.__new__(ScheduleInterleaved1F1B)  # the order needs no stages or process group
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, pp, m
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    ours = stage_orders("interleaved", pp, m, v)
+    for rank in range(pp):
+        theirs = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.microbatch_index, a.stage_index)
+                  for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+        assert [(p.kind, p.microbatch, p.virtual_stage) for p in ours[rank]] == theirs
+
+
+def test_interleaved_ranks_hold_their_chunks() -> None:
+    """Rank s holds chunks s and s + pp (layers.0 and layers.2 on rank 0 of pp=2 over 4 layers), every
+    parameter once, and one receive buffer per micro-batch of each chunk that receives."""
+    cfg = truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=4)
+    program, classes = rank_classes(cfg)
+    assert "layers.0, layers.2" in classes[0].description and "layers.1, layers.3" in classes[1].description
+    held = [set(rc.program.param_names.values()) for rc in classes]
+    assert not held[0] & held[1]
+    assert held[0] | held[1] == {f for n, f in program.param_names.items()
+                                 if program.input_roles.get(n) == "param"}
+    assert sum(resident_bytes(rc.program, "param") for rc in classes) == resident_bytes(program, "param")
+    buffers = [sorted(n.name for n in rc.program.graph.nodes if n.name.startswith("pp_recv")) for rc in classes]
+    # rank 0: chunk 0 receives gradients only, chunk 2 both; rank 1: chunk 1 both, chunk 3 activations only
+    assert len(buffers[0]) == 4 * 3 and len(buffers[1]) == 4 * 3
+

@@ -97,6 +97,12 @@ class StageProgram:
     stage: int
     layers: tuple[str, ...]
     program: Program
+    chunk_layers: tuple[tuple[str, ...], ...] = ()  # interleaved 1F1B: each chunk's layers
+
+    def describe_layers(self) -> str:
+        """``layers.0..layers.3``, or per chunk ``layers.0, layers.2`` (interleaved)."""
+        groups = self.chunk_layers or (self.layers,)
+        return ", ".join(g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}" for g in groups)
 
 
 def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -407,7 +413,8 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
         chunks = [c * cfg.pp + s for c in range(v)]   # ScheduleInterleaved1F1B: rank s holds s, s + pp, ...
         order = [(p.kind, p.microbatch, p.virtual_stage) for p in orders[s]]
         layers = tuple(layer for k in chunks for layer in names[k])
-        out.append(StageProgram(s, layers, _stage_program(program, split, s, cfg.pp, chunks, m, order, releases)))
+        out.append(StageProgram(s, layers, _stage_program(program, split, s, cfg.pp, chunks, m, order, releases),
+                                tuple(names[k] for k in chunks) if v > 1 else ()))
     return out
 
 
@@ -489,6 +496,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             else:
                 ready[n] = call(aten.add_.Tensor, (accumulated[n], new), accumulated[n].meta["val"],
                                 PHASE_BACKWARD, n)
+                ready[n].meta[META_CHUNK] = chunk
 
     by_name = {n.name: n for n in src.nodes}
     grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}

@@ -13,11 +13,12 @@ Known limitations: ``pipeline_step``'s (one stream per stage, sends that never q
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from boomfx.analysis.analysis import PointResult
 from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE
 from boomfx.distributed.p2p import NAMESPACE
+from boomfx.distributed.pipeline_stages import META_CHUNK
 from boomfx.distributed.pipeline_step import PipelineStep, StageCompute, pipeline_step
 from boomfx.distributed.step_time import topology_of
 
@@ -25,11 +26,14 @@ SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interle
 
 
 def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int,
-                  collective_ns: Optional[Mapping[str, float]] = None) -> StageCompute:
+                  collective_ns: Optional[Mapping[str, float]] = None,
+                  member: Optional[Callable[[str], bool]] = None, with_optimizer: bool = True) -> StageCompute:
     """One micro-batch's forward and backward on a stage, and its optimizer step, from its program's point.
     ``collective_ns``: the collective model's price of each of the stage's TP / DP collectives by node
     (``schedule_rank``'s), which replaces the single-device kernel estimate; they run in line with the
-    stage's passes (TP's all-reduces block the next op; DDP's bucket is counted, not overlapped)."""
+    stage's passes (TP's all-reduces block the next op; DDP's bucket is counted, not overlapped).
+    ``member``: only the forward / backward kernels of these nodes (one chunk of an interleaved rank);
+    ``with_optimizer``: count the rank's optimizer step here."""
     spans = {s.name: s.end_ns - s.start_ns for s in point.timeline.spans}
     spans.update(collective_ns or {})
     by_phase = {PHASE_FORWARD: 0.0, PHASE_BACKWARD: 0.0, PHASE_OPTIMIZER: 0.0}
@@ -37,20 +41,43 @@ def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int,
         if k.op.startswith(NAMESPACE):
             continue
         phase = PHASE_BACKWARD if k.phase == PHASE_RECOMPUTE else k.phase
+        if phase == PHASE_OPTIMIZER and not with_optimizer:
+            continue
+        if phase != PHASE_OPTIMIZER and member is not None and not member(k.node):
+            continue
         by_phase[phase] = by_phase.get(phase, 0.0) + spans.get(k.node, k.time_ns)
     return StageCompute(by_phase[PHASE_FORWARD] / microbatches, by_phase[PHASE_BACKWARD] / microbatches,
                         by_phase[PHASE_OPTIMIZER], int(boundary_bytes))
 
 
-def boundary_bytes(program: Any, ev: Any) -> int:
-    """Bytes of the activation a stage sends per micro-batch (0 on the last stage)."""
+def boundary_bytes(program: Any, ev: Any, chunk: Optional[int] = None) -> int:
+    """Bytes of the activation a stage (or its chunk ``chunk``) sends per micro-batch (0 on the last)."""
     from boomfx.distributed.p2p import is_p2p
     from boomfx.passes.liveness import _compute_nbytes
 
     for node in program.graph.nodes:
-        if is_p2p(node) and node.target.__name__.startswith("send") and program.phase_of(node) == PHASE_FORWARD:
+        if is_p2p(node) and node.target.__name__.startswith("send") and program.phase_of(node) == PHASE_FORWARD \
+                and (chunk is None or node.meta.get(META_CHUNK) == chunk):
             return int(ev(_compute_nbytes(node.args[0].meta["val"])))
     return 0
+
+
+def _interleaved_costs(dist: Any, points: Sequence[PointResult], bindings: Any,
+                       priced: Sequence[Mapping[str, float]]) -> list[StageCompute]:
+    """Interleaved 1F1B: each virtual stage's costs from the chunk its nodes carry (``META_CHUNK``); nodes
+    of no chunk (``scale_grads``, ``_merge_outputs``) count with the rank's first chunk, its optimizer too."""
+    cfg = dist.cfg
+    pp, v, m = cfg.pp, cfg.stages_per_rank, cfg.num_microbatches
+    costs: list[Optional[StageCompute]] = [None] * (pp * v)
+    for s, (rc, analysis, point, prices) in enumerate(zip(dist.classes, dist.analyses, points, priced)):
+        chunks = [c * pp + s for c in range(v)]
+        chunk_of = {n.name: n.meta.get(META_CHUNK, chunks[0]) for n in rc.program.graph.nodes}
+        ev = analysis.evaluator(bindings)
+        for k in chunks:
+            costs[k] = stage_compute(point, m, boundary_bytes(rc.program, ev, k), prices,
+                                     member=lambda name, k=k: chunk_of.get(name, chunks[0]) == k,
+                                     with_optimizer=k == chunks[0])
+    return [c for c in costs if c is not None]
 
 
 def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps: Sequence[Any] = ()) -> PipelineStep:
@@ -59,6 +86,10 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
     cfg = dist.cfg
     m = cfg.num_microbatches
     priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
+    if cfg.stages_per_rank > 1:
+        return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _interleaved_costs(dist, points, bindings, priced), m,
+                             [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device,
+                             chunks=cfg.stages_per_rank)
     costs = [
         stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices)
         for rc, analysis, point, prices in zip(dist.classes, dist.analyses, points, priced)

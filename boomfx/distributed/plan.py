@@ -275,6 +275,12 @@ def check_against_model(cfg: ParallelConfig, shape: ModelShape) -> None:
             f"--parallel: pp={cfg.pp} stages but the model has {shape.layers} layers "
             f"(at most one stage per layer)"
         )
+    if cfg.pp > 1 and cfg.pp * cfg.stages_per_rank > shape.layers:
+        raise OptionError(
+            f"--pp-schedule interleaved_1f1b: pp={cfg.pp} x {cfg.stages_per_rank} stages per rank = "
+            f"{cfg.pp * cfg.stages_per_rank} stages but the model has {shape.layers} layers "
+            f"(at most one stage per layer; --pp-stages-per-rank sets the chunks per rank)"
+        )
     if cfg.tp > 1:
         for what, count in (
             ("attention heads", shape.heads),

@@ -93,7 +93,7 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     classes = []
     for stage in stage_programs(program, cfg):
         ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
-        layers = f"{stage.layers[0]}..{stage.layers[-1]}" if len(stage.layers) > 1 else stage.layers[0]
+        layers = stage.describe_layers()
         tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
         stage_program = stage.program
         if cfg.dp_shard > 1:  # fully_shard on each layer of the stage and the stage module
