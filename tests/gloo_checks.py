@@ -2,14 +2,18 @@
 and predicted per-rank peaks against a real gloo run of the same configuration."""
 from __future__ import annotations
 
+import functools
+
 import distributed_predict as predict
 import distributed_truth as truth
 
 TOLERANCE = 0.01   # predicted peak within 1% of the profiler's (issue 17)
 
 
+@functools.lru_cache(maxsize=None)
 def rank_classes(cfg: truth.TruthConfig):
-    """The single-device training program of ``cfg``'s model and its rank classes under ``cfg``."""
+    """The single-device training program of ``cfg``'s model and its rank classes under ``cfg`` (built
+    once per configuration: the peak, shard, collective and send checks of one configuration share them)."""
     from boomfx.core.program import ProgramOptions
     from boomfx.distributed.ranks import rank_programs
     from boomfx.frontend.capture import capture

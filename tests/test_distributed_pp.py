@@ -51,7 +51,7 @@ def pp_predicted(tmp_path_factory: pytest.TempPathFactory):
 
     def get(cfg: truth.TruthConfig) -> list[int]:
         if cfg.name not in cache:
-            cache[cfg.name] = predict.predicted_rank_peaks(cfg, db=db)
+            cache[cfg.name] = predict.predicted_rank_peaks(cfg, db=db, classes=rank_classes(cfg)[1])
         return cache[cfg.name]
 
     return get
