@@ -43,6 +43,7 @@ def parallel_config(cfg: truth.TruthConfig):
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         fsdp_param_dtype=cfg.param_dtype,
         fsdp_reduce_dtype=cfg.reduce_dtype,
+        fsdp_wrap=cfg.fsdp_wrap,
         backend="gloo",
     )
 

@@ -102,6 +102,7 @@ class TruthConfig:
     # FSDP2 MixedPrecisionPolicy(param_dtype, reduce_dtype) as torch dtype names ("bfloat16"); None: off
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
+    fsdp_wrap: str = "layers"  # "root": one fully_shard on the whole model
 
     @property
     def name(self) -> str:
@@ -114,6 +115,8 @@ class TruthConfig:
             extra += "-bucketview"
         if self.param_dtype or self.reduce_dtype:
             extra += f"-mp-{self.param_dtype or 'same'}-{self.reduce_dtype or 'same'}"
+        if self.fsdp_wrap != "layers":
+            extra += f"-wrap{self.fsdp_wrap}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
 
@@ -234,12 +237,14 @@ def _mixed_precision(cfg: "TruthConfig") -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype(cfg.param_dtype), reduce_dtype=dtype(cfg.reduce_dtype))
 
 
-def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool, mp_policy: Any = None) -> None:
-    """torchtitan's wrapping: each layer is a unit, then the root (embeddings, final norm, head)."""
+def _apply_fsdp(model: torch.nn.Module, mesh: Any, reshard: bool, mp_policy: Any = None,
+                wrap: str = "layers") -> None:
+    """torchtitan's wrapping: each layer is a unit, then the root (embeddings, final norm, head);
+    ``wrap="root"``: the whole model is one unit."""
     from torch.distributed.fsdp import fully_shard
 
     extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    for layer in layer_list(model):
+    for layer in layer_list(model) if wrap == "layers" else ():
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, **extra)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **extra)
 
@@ -384,7 +389,8 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
                                         gradient_as_bucket_view=cfg.gradient_as_bucket_view)
     elif cfg.parallel == "fsdp":
-        _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward, _mixed_precision(cfg))
+        _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward, _mixed_precision(cfg),
+                    cfg.fsdp_wrap)
     elif cfg.parallel == "tp_sp":
         _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)))
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
@@ -739,6 +745,9 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="bfloat16"),
             TruthConfig(model, "hsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
             TruthConfig(model, "tp_fsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
+            # fully_shard on the whole model only: one unit
+            TruthConfig(model, "fsdp", 2, fsdp_wrap="root"),
+            TruthConfig(model, "fsdp", 2, reshard_after_forward=False, fsdp_wrap="root"),
             # ScheduleInterleaved1F1B: the 4-layer model, 2 ranks x 2 chunks of one layer
             TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=4),
             TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=2),

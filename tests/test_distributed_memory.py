@@ -55,6 +55,9 @@ MIXED_PRECISION = [
                       reduce_dtype="float32"),
 ]
 TWO_RANKS += MIXED_PRECISION
+# fully_shard on the whole model only (one unit: every parameter gathered at once)
+TWO_RANKS += [truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, fsdp_wrap="root"),
+              truth.TruthConfig("gpt", "fsdp", 2, reshard_after_forward=False, timed_steps=1, fsdp_wrap="root")]
 FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=1) for model in ("llama", "gpt")] + [
     truth.TruthConfig("llama", "hsdp", 4, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32")]
 CONFIGS = TWO_RANKS + FOUR_RANKS

@@ -41,6 +41,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--fsdp-param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy param_dtype (bf16, fp32)"
     )
     g.add_argument("--fsdp-reduce-dtype", default=None, help="FSDP2 MixedPrecisionPolicy reduce_dtype")
+    g.add_argument("--fsdp-wrap", default="layers", choices=("layers", "root"),
+                   help="FSDP2 units: each layer then the root (torchtitan's, default), or the whole model as one")
     g.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB, help="DDP bucket size (25)")
     g.add_argument("--gradient-as-bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     g.add_argument(
@@ -86,6 +88,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         reshard_after_forward=on_off(args.reshard_after_forward),
         fsdp_param_dtype=args.fsdp_param_dtype,
         fsdp_reduce_dtype=args.fsdp_reduce_dtype,
+        fsdp_wrap=args.fsdp_wrap,
         bucket_cap_mb=args.bucket_cap_mb,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         tp_plan=tuple(plan),

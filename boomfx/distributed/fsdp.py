@@ -109,6 +109,7 @@ class ShardSpec:
     # ``param_dtype`` (ProgramOptions.param_dtype), the resident shards and the optimizer keep
     # ``master_dtype``; gradients are reduce-scattered in ``reduce_dtype`` (None: the gradients' dtype)
     # and cast to ``master_dtype`` when that differs
+    wrap: str = "layers"   # the units: each layer then the root, or ("root") the whole model as one
     master_dtype: Optional[torch.dtype] = None   # None: no mixed precision (shards as traced)
     reduce_dtype: Optional[torch.dtype] = None
 
@@ -123,8 +124,9 @@ class _Unit:
 
 
 # -- units and where they run -------------------------------------------------------------------
-def _units(program: Program, graph: torch.fx.Graph) -> list[_Unit]:
-    prefix = find_layer_list(program.graph)
+def _units(program: Program, graph: torch.fx.Graph, wrap: str = "layers") -> list[_Unit]:
+    """The FSDP units: the root and (``wrap="layers"``) each layer of the main layer list."""
+    prefix = find_layer_list(program.graph) if wrap == "layers" else None
     layers = layer_names(program.graph, prefix) if prefix else []
     units = {name: _Unit(name, [], [], []) for name in [ROOT] + layers}
     for node in graph.nodes:
@@ -190,7 +192,7 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
     graph, _ = program.copied_graph()
     phases = dict(program.phases)
     edit = GraphEditor(graph, phases)
-    units = _units(program, graph)
+    units = _units(program, graph, spec.wrap)
     n = spec.world
     grad_of = _grad_nodes_by_param(program, graph)
     full_shapes = {p.name: list(p.meta["val"].shape) for u in units for p in u.params}

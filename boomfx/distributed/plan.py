@@ -26,6 +26,7 @@ from boomfx.core.errors import OptionError
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TP_STYLES = ("colwise", "rowwise")
+FSDP_WRAPS = ("layers", "root")
 DTYPES = {
     "fp32": "float32",
     "float32": "float32",
@@ -59,6 +60,9 @@ class ParallelConfig:
     reshard_after_forward: Optional[bool] = None
     fsdp_param_dtype: Optional[str] = None  # MixedPrecisionPolicy(param_dtype=...)
     fsdp_reduce_dtype: Optional[str] = None  # MixedPrecisionPolicy(reduce_dtype=...)
+    # FSDP2's units: "layers" (fully_shard on each layer of the main layer list, then the root, as
+    # torchtitan wraps) or "root" (one fully_shard on the whole model: every parameter gathered at once)
+    fsdp_wrap: str = "layers"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
     tp_plan: tuple[tuple[str, str], ...] = ()  # explicit (module pattern, "colwise"|"rowwise")
@@ -158,6 +162,8 @@ class ParallelConfig:
         for pattern, style in self.tp_plan:
             if style not in TP_STYLES:
                 raise OptionError(f"--tp-plan: {pattern}={style!r}: the style must be colwise or rowwise")
+        if self.fsdp_wrap not in FSDP_WRAPS:
+            raise OptionError(f"--fsdp-wrap: {self.fsdp_wrap!r} is not one of {', '.join(FSDP_WRAPS)}")
         if (self.fsdp_param_dtype or self.fsdp_reduce_dtype) and self.dp_shard == 1:
             raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype: FSDP's mixed precision needs dp_shard > 1 "
                               "(use --amp for autocast)")
@@ -172,6 +178,8 @@ class ParallelConfig:
             return None
         if self.pp == 1:
             return None
+        if self.dp_shard > 1 and self.fsdp_wrap != "layers":
+            return "--parallel pp with --fsdp-wrap root is not built yet (each stage's layers as units is)"
         if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
             return ("--parallel pp with FSDP mixed precision is not modelled yet (micro-batches accumulate "
                     "unsharded gradients in the reduce dtype)")

@@ -62,6 +62,7 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
         reshard_after_forward=cfg.reshards_after_forward,
         replicate_world=cfg.dp_replicate,
         all_gather_scratch=cfg.backend == "gloo",
+        wrap=cfg.fsdp_wrap,
         master_dtype=mp.master,
         reduce_dtype=mp.reduce,
     )

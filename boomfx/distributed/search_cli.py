@@ -56,6 +56,7 @@ def search_request(args: argparse.Namespace, dims: dict) -> SearchRequest:
         {"pp_schedule": args.pp_schedule, "pp_stages_per_rank": args.pp_stages_per_rank,
          "reshard_after_forward": on_off(args.reshard_after_forward),
          "fsdp_param_dtype": args.fsdp_param_dtype, "fsdp_reduce_dtype": args.fsdp_reduce_dtype,
+         "fsdp_wrap": args.fsdp_wrap,
          "bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
          "tp_plan": tp_plan})
     request.check()
