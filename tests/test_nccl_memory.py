@@ -46,3 +46,14 @@ def test_report_counts_nccl_against_the_device(capsys) -> None:
     assert overridden["outside_allocator_bytes"]["nccl"] == 0
     # the device total carries it: the two reports differ by exactly NCCL's bytes
     assert memory["total_device_bytes"] - overridden["total_device_bytes"] == 1_232_000_000
+
+
+def test_outside_memory_beyond_the_device_does_not_fit(capsys) -> None:
+    """NCCL's buffers (or a user's figure) larger than the device leave the allocator nothing: the rank
+    does not fit, and the report still says what the step itself needs (was a traceback: a negative
+    capacity handed to the allocator model)."""
+    memory = _outside(capsys, "--outside-memory", "nccl=100GiB")
+    assert memory["fits"] is False
+    assert memory["allocator"]["peak_reserved_bytes"] > 0
+    assert memory["total_device_bytes"] == (memory["allocator"]["peak_reserved_bytes"] + 100 * 2**30
+                                            + memory["outside_allocator_bytes"]["cuda_context"])

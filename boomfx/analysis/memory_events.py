@@ -74,7 +74,10 @@ def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[i
         total = (combined[peak_step] if combined else 0) + outside.total_bytes
     elif device.kind == "cuda":
         events = alloc_events(liveness, ev, workspace_at, outside, node_module, cudagraphs)
-        rep = replay(events, alloc_config, capacity - outside.total_bytes, record_trace=record_trace)
+        # memory outside the allocator (CUDA context, NCCL's buffers) can leave it nothing: then the step does
+        # not fit whatever it allocates, and the replay on an unbounded device says what it would need
+        room = capacity - outside.total_bytes
+        rep = replay(events, alloc_config, room if room > 0 else _UNBOUNDED_BYTES, record_trace=record_trace)
         allocator = AllocatorReport(
             rep.peak_allocated_bytes, rep.peak_reserved_bytes, rep.peak_active_bytes,
             rep.fragmentation_at_peak_bytes, rep.largest_free_block_at_peak_bytes, rep.num_segments_at_peak,
@@ -90,7 +93,7 @@ def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[i
             total = unbounded.peak_reserved_bytes + outside.total_bytes
     else:
         total = combined[peak_step] if combined else 0
-    fits = rep.oom is None if rep is not None else total <= capacity
+    fits = (rep.oom is None and total <= capacity) if rep is not None else total <= capacity
     memory = MemoryReport(
         peak_live_bytes=combined[peak_step] if combined else 0,
         peak_step_node=liveness.order[peak_step] if combined else "",
