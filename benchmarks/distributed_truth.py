@@ -370,17 +370,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
         target = torch.zeros(cfg.batch, 1)
 
-        def step() -> None:
-            if stage_id == 0:
-                schedule.step(idx)
-            elif stage_id == stages - 1:
-                schedule.step(target=target, losses=[])
-            else:
-                schedule.step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step, opt, named
+        return _schedule_step(schedule, opt, idx, target, stage_id == 0, stage_id == stages - 1), opt, named
 
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
     if cfg.parallel == "ddp":
@@ -443,19 +433,25 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
     named = {f"chunk{k}.{n}": p for mod, k in zip(modules, chunks) for n, p in mod.named_parameters()}
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     target = torch.zeros(cfg.batch, 1)
-    holds_first, holds_last = 0 in chunks, total - 1 in chunks
+    return _schedule_step(schedule, opt, idx, target, 0 in chunks, total - 1 in chunks), opt, named
+
+
+def _schedule_step(schedule: Any, opt: Any, idx: torch.Tensor, target: torch.Tensor, first: bool,
+                   last: bool) -> Any:
+    """One pipeline training step: the rank holding the first stage feeds the batch, the one holding the
+    last the loss target, then AdamW."""
 
     def step() -> None:
-        if holds_first:
+        if first:
             schedule.step(idx)
-        elif holds_last:
+        elif last:
             schedule.step(target=target, losses=[])
         else:
             schedule.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, opt, named
+    return step
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:

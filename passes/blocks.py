@@ -239,7 +239,7 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
         wl = nx.weisfeiler_lehman_graph_hash
         if wl(g_ref, node_attr="label", edge_attr="pos") != wl(g_other, node_attr="label", edge_attr="pos"):
             return None
-    matcher = _BudgetedMatcher(g_ref, g_other, VF2_STEPS_PER_NODE * len(ref))
+    matcher = _budgeted_matcher_class()(g_ref, g_other, VF2_STEPS_PER_NODE * len(ref))
     try:
         for mapping in matcher.isomorphisms_iter():
             ordered = [mapping[n] for n in ref]
@@ -289,9 +289,6 @@ def _budgeted_matcher_class() -> type:
 
     return Matcher
 
-
-def _BudgetedMatcher(g1: Any, g2: Any, steps: int) -> Any:
-    return _budgeted_matcher_class()(g1, g2, steps)
 
 
 def _group(desc: _Describer, candidates: Sequence[Candidate]
