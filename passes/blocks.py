@@ -231,7 +231,7 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
     exact key), else None."""
     import networkx as nx
 
-    if len(ref) != len(other):
+    if len(ref) != len(other) or len(ref) > VF2_MAX_NODES:
         return None
     g_ref, g_other = _nx_graph(desc, ref), _nx_graph(desc, other)
     with warnings.catch_warnings():  # networkx 3.5 warns that directed-graph hashes changed
@@ -239,7 +239,7 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
         wl = nx.weisfeiler_lehman_graph_hash
         if wl(g_ref, node_attr="label", edge_attr="pos") != wl(g_other, node_attr="label", edge_attr="pos"):
             return None
-    matcher = _budgeted_matcher_class()(g_ref, g_other, VF2_STEPS_PER_NODE * len(ref))
+    matcher = _budgeted_matcher_class()(g_ref, g_other, VF2_WORK_PER_NODE_PAIR * len(ref) ** 2)
     try:
         for mapping in matcher.isomorphisms_iter():
             ordered = [mapping[n] for n in ref]
@@ -253,9 +253,14 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
 
 # VF2's search is exponential in the worst case: instances made of many identical copies (a pipeline
 # stage's layer holds one forward and backward per micro-batch, interleaved with its other chunks')
-# have so many partial matchings that the first isomorphism took minutes. A layer's rigid structure
-# is matched in about one feasibility check per node; past this many per node the pair is given up.
-VF2_STEPS_PER_NODE = 20
+# have so many partial matchings that the first isomorphism took minutes. And networkx builds each
+# search state in time linear in the partial mapping, so even a rigid match of n nodes costs ~n^2/2:
+# the budget counts that work (the mapping's size at each feasible pair), two rigid matches' worth.
+# Past VF2_MAX_NODES a pair is not tried at all: on 2,216-node instances of an interleaved 1F1B stage
+# one give-up took 25 s, and no such merge ever succeeded (the price cache already prices equal kernels
+# once; an unmerged instance is its own class, priced the same).
+VF2_WORK_PER_NODE_PAIR = 1
+VF2_MAX_NODES = 1000
 
 
 class _OutOfSteps(Exception):
@@ -275,15 +280,16 @@ def _budgeted_matcher_class() -> type:
     from networkx.algorithms import isomorphism   # (networkx imported on first use, as above)
 
     class Matcher(isomorphism.DiGraphMatcher):
-        """VF2 that gives up (``_OutOfSteps``) after ``steps`` feasibility checks."""
+        """VF2 that gives up (``_OutOfSteps``) once its feasible pairs have cost ``work`` (each costs
+        the size of the mapping it extends: the state networkx builds for it)."""
 
-        def __init__(self, g1: Any, g2: Any, steps: int) -> None:
+        def __init__(self, g1: Any, g2: Any, work: int) -> None:
             super().__init__(g1, g2, node_match=_label_match, edge_match=_pos_match)
-            self.steps_left = steps
+            self.work_left = work
 
         def semantic_feasibility(self, g1_node: Any, g2_node: Any) -> bool:
-            self.steps_left -= 1
-            if self.steps_left < 0:
+            self.work_left -= 1 + len(self.core_1)
+            if self.work_left < 0:
                 raise _OutOfSteps
             return super().semantic_feasibility(g1_node, g2_node)
 

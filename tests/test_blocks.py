@@ -265,6 +265,60 @@ def test_no_repeats_no_classes() -> None:
     assert info.classes == () and info.node_to_block == {}
 
 
+class _TwoBranches(nn.Module):
+    """A layer whose two branches are traced in either order: instances equal up to node order."""
+
+    def __init__(self, d: int, swap: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.swap = nn.Linear(d, d), nn.Linear(d, d), swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swap:
+            v = torch.tanh(self.b(x))
+            u = torch.sigmoid(self.a(x))
+        else:
+            u = torch.sigmoid(self.a(x))
+            v = torch.tanh(self.b(x))
+        return x + u * v
+
+
+class _ReorderedLayers(nn.Module):
+    def __init__(self, n_layer: int = 4, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, d)
+        self.layers = nn.ModuleList(_TwoBranches(d, swap=i % 2 == 1) for i in range(n_layer))
+        self.head = nn.Linear(d, 128)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_instances_equal_up_to_node_order_merge_and_map_node_for_node(monkeypatch) -> None:
+    import boomfx.passes.blocks as blocks
+    with torch.device("meta"):
+        program = _program(_export(_ReorderedLayers()))
+    info = block_pass(program)
+    assert [(c.name, c.instances) for c in info.classes] == [
+        ("layers.*", ("layers.0", "layers.1", "layers.2", "layers.3"))]
+    # the reordered instance's node i is instance 0's node i: the same op on the same projection
+    cls = info.classes[0]
+    by_name = {n.name: n for n in program.graph.nodes}
+    ref, swapped = cls.nodes[0], cls.nodes[1]
+    assert [by_name[n].target for n in ref] == [by_name[n].target for n in swapped]
+    # past the size cap VF2 is not tried: the swapped layers become a class of their own, never wrong
+    monkeypatch.setattr(blocks, "VF2_MAX_NODES", len(ref) - 1)
+    capped = block_pass(program)
+    assert sorted(c.instances for c in capped.classes) == [("layers.0", "layers.2"), ("layers.1", "layers.3")]
+    # so is a pair whose search runs out of its work budget
+    monkeypatch.setattr(blocks, "VF2_MAX_NODES", len(ref))
+    monkeypatch.setattr(blocks, "VF2_WORK_PER_NODE_PAIR", 0)
+    out_of_work = block_pass(program)
+    assert sorted(c.instances for c in out_of_work.classes) == [("layers.0", "layers.2"), ("layers.1", "layers.3")]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Depth-free reuse: corresponding nodes have equal OpCalls, so pricing once per class is exact
 # ---------------------------------------------------------------------------------------------------
