@@ -8,7 +8,8 @@ machine is shared by other jobs, so both are read in this thread's CPU time (val
 the wall-clock median) with one intra-op thread, and the independent timed loop (median of 15 steps of
 the exported module with its own weights) must agree with validate's median within a factor of 2, wide enough for the noise of a
 loaded host and narrow enough to catch timing the wrong thing (a profiled step is 3-30x slower, a first
-step with AdamW state creation or compilation far more).
+step with AdamW state creation or compilation far more); the pair is timed again, up to 3 times, when
+a burst of load on the host puts one side outside that factor.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from test_cpu_memory_accuracy import _first_output, real_peak
 
 MEMORY_TOLERANCE = 0.01
 TIME_FACTOR = 2.0
+TIME_ATTEMPTS = 3
 ROOT_MLP = "examples/mlp.pt2"
 
 
@@ -41,6 +43,25 @@ def _timed_median_ns(step: Callable[[], None], iters: int = 15, warmup: int = 3)
         step()
         samples.append(time.thread_time_ns() - t0)
     return statistics.median(samples)
+
+
+def _assert_same_step_time(validated_ns: Callable[[], float], independent_ns: Callable[[], float]) -> None:
+    """validate's step time agrees with an independent timing within TIME_FACTOR. Other jobs on a shared
+    host can slow one side for a while (2.59x once, beside a 4-process gloo run), so the pair is timed
+    up to TIME_ATTEMPTS times and must agree once; timing the wrong thing (a profiled step is 3-30x
+    slower, a first step far more) is off on every attempt."""
+    ratios = []
+    for _ in range(TIME_ATTEMPTS):
+        ratios.append(validated_ns() / independent_ns())
+        if 1 / TIME_FACTOR <= ratios[-1] <= TIME_FACTOR:
+            return
+    pytest.fail(f"validate's step time / an independent timing, per attempt: {ratios}")
+
+
+def _first_then(value: float, again: Callable[[], float]) -> Callable[[], float]:
+    """``value`` on the first call (a measurement already made), ``again()`` on later ones."""
+    pending = [value]
+    return lambda: pending.pop() if pending else again()
 
 
 def _eager_step(model: torch.nn.Module, inputs: tuple, train: bool) -> Callable[[], None]:
@@ -90,8 +111,12 @@ def test_validate_mlp_file_prints_both_columns_and_real_numbers(train, capsys, o
     ep_real = torch.export.export(module, (torch.randn(64, 64),), strict=False)
     real = real_peak(ep_real, (torch.randn(64, 64),), train)
     assert abs(r["measured_peak_above_start_bytes"] - real) <= MEMORY_TOLERANCE * real, (r, real)
-    indep = _timed_median_ns(_eager_step(ep_real.module(), (torch.randn(64, 64),), train))
-    assert 1 / TIME_FACTOR <= r["measured_thread_time_ns"] / indep <= TIME_FACTOR, (r["measured_thread_time_ns"], indep)
+    def validate_again() -> float:
+        assert main(args + (["--train"] if train else []) + ["--json"]) == 0
+        return json.loads(capsys.readouterr().out)["measured_thread_time_ns"]
+
+    step = _eager_step(ep_real.module(), (torch.randn(64, 64),), train)
+    _assert_same_step_time(_first_then(r["measured_thread_time_ns"], validate_again), lambda: _timed_median_ns(step))
     assert r["measured_time_ns"] >= r["measured_thread_time_ns"] * 0.95     # wall includes the thread's CPU time
     # the op table covers the step's matmuls, measured in situ
     ops = {o["op"]: o for o in r["ops"]}
@@ -111,8 +136,11 @@ def test_validate_small_transformer(train, tmp_path, one_thread) -> None:
     x = torch.randint(0, 128, (4, 32))
     real = real_peak(ep, (x,), train)
     assert abs(r.measured_peak_above_start_bytes - real) <= MEMORY_TOLERANCE * real, (r, real)
-    indep = _timed_median_ns(_eager_step(ep.module(), (x,), train))
-    assert 1 / TIME_FACTOR <= r.measured_thread_time_ns / indep <= TIME_FACTOR, (r.measured_thread_time_ns, indep)
+    def validate_again() -> float:
+        return validate(str(path), train=train, batch=4, seq=32, db="none", threads=1, repeats=7).measured_thread_time_ns
+
+    step = _eager_step(ep.module(), (x,), train)
+    _assert_same_step_time(_first_then(r.measured_thread_time_ns, validate_again), lambda: _timed_median_ns(step))
     assert sorted(r.bindings.values()) == [4, 32]
     assert r.predicted_time_ns > 0 and r.predicted_peak_above_start_bytes > 0
     # every op class with a visible share of the prediction (>= 0.5%) appears in situ under its name
