@@ -96,9 +96,25 @@ def pytest_configure(config: pytest.Config) -> None:
 _SHARED_UNITS = {"test_distributed_tp.py": "four_rank_gloo", "test_distributed_pp.py": "four_rank_gloo"}
 
 
+# The longest units first (durations of a 2-worker run, 2026-12-01), so the short files fill the other
+# worker while they run instead of one long file finishing last; xdist's default orders units by test count.
+_LONGEST_FIRST = ("test_distributed_pp.py", "test_distributed_tp.py", "test_distributed_memory.py",
+                  "test_first_contact.py", "test_amp_work.py", "test_parallel_search.py",
+                  "test_gpu_validation_script.py", "test_fast_training.py", "test_memory_flat.py",
+                  "test_resident_grads.py", "test_checkpoint_layers.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # a worker's collection is what the scheduler orders
+        rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: file order kept
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False   # keep the order above
 
     class FileUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
