@@ -246,7 +246,7 @@ def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: S
             if desc.key(ordered) == ref_key:
                 return ordered
             break  # NB: only the first mapping is tried; layers are rigid enough in practice
-    except _OutOfSteps:
+    except _OutOfWork:
         return None   # not merged: priced separately, never wrongly
     return None
 
@@ -263,7 +263,7 @@ VF2_WORK_PER_NODE_PAIR = 1
 VF2_MAX_NODES = 1000
 
 
-class _OutOfSteps(Exception):
+class _OutOfWork(Exception):
     pass
 
 
@@ -280,7 +280,7 @@ def _budgeted_matcher_class() -> type:
     from networkx.algorithms import isomorphism   # (networkx imported on first use, as above)
 
     class Matcher(isomorphism.DiGraphMatcher):
-        """VF2 that gives up (``_OutOfSteps``) once its feasible pairs have cost ``work`` (each costs
+        """VF2 that gives up (``_OutOfWork``) once its feasible pairs have cost ``work`` (each costs
         the size of the mapping it extends: the state networkx builds for it)."""
 
         def __init__(self, g1: Any, g2: Any, work: int) -> None:
@@ -290,7 +290,7 @@ def _budgeted_matcher_class() -> type:
         def semantic_feasibility(self, g1_node: Any, g2_node: Any) -> bool:
             self.work_left -= 1 + len(self.core_1)
             if self.work_left < 0:
-                raise _OutOfSteps
+                raise _OutOfWork
             return super().semantic_feasibility(g1_node, g2_node)
 
     return Matcher
