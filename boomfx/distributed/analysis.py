@@ -89,24 +89,50 @@ class DistributedAnalysis:
         device: DeviceSpec,
         options: AnalyzeOptions = AnalyzeOptions(),
         reuse_blocks: bool = True,
+        replay_microbatches: bool = False,
     ) -> None:
+        """``replay_microbatches``: pipeline stage programs are built with three micro-batches and replayed
+        for the config's count (``pipeline_compose.py``; what ``--search`` evaluates, any micro-batch count
+        sharing one build); where the replay does not apply, they are built whole."""
         self.program = program
         self.cfg = cfg
         self.device = device
         from boomfx.distributed.model_shape import model_shape
+        from boomfx.distributed.pipeline_compose import TEMPLATE_MICROBATCHES, ComposeError, composable
         from boomfx.distributed.plan import check_against_model
 
         check_against_model(cfg, model_shape(program, cfg))
-        self.classes: list[RankClass] = rank_programs(program, cfg)
         if device.kind == "cuda":   # every communicator's channel buffers, outside the allocator
             from dataclasses import replace
 
             from boomfx.distributed.nccl_memory import with_nccl_memory
 
             options = replace(options, outside_memory=with_nccl_memory(options.outside_memory, cfg))
+        self._replays: dict[int, list[Any]] = {}
+        self.replayed = replay_microbatches and composable(cfg)
+        if self.replayed:
+            self._build(options, reuse_blocks, TEMPLATE_MICROBATCHES)
+            try:
+                self.replays()
+            except ComposeError:
+                self.replayed = False
+        if not self.replayed:
+            self._build(options, reuse_blocks, None)
+
+    def _build(self, options: AnalyzeOptions, reuse_blocks: bool, copies: Optional[int]) -> None:
+        self.classes: list[RankClass] = rank_programs(self.program, self.cfg, pipeline_copies=copies)
         self.analyses = [
-            Analysis(rc.program, device, options, reuse_blocks=reuse_blocks) for rc in self.classes
+            Analysis(rc.program, self.device, options, reuse_blocks=reuse_blocks) for rc in self.classes
         ]
+
+    def replays(self) -> list[Any]:
+        """Each stage's ``StageReplay`` for the config's micro-batch count (``replay_microbatches``)."""
+        from boomfx.distributed.pipeline_compose import replay_stage
+
+        m = self.cfg.num_microbatches
+        if m not in self._replays:
+            self._replays[m] = [replay_stage(a.program, a.liveness, self.cfg.pp_schedule, m) for a in self.analyses]
+        return self._replays[m]
 
     def class_of(self, rank: int) -> int:
         for i, rc in enumerate(self.classes):
@@ -124,13 +150,21 @@ class DistributedAnalysis:
     ) -> PointResult:
         per_rank = bindings
         bindings = self._program_bindings(bindings)
-        points = [
-            a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only,
-                       replay_allocator=replay_allocator)
-            for a in self.analyses
-        ]
+        if self.replayed:
+            from boomfx.distributed.pipeline_compose import replayed_point
+
+            points = [replayed_point(a, r, bindings, record_trace, memory_only, replay_allocator)
+                      for a, r in zip(self.analyses, self.replays())]
+        else:
+            points = [
+                a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only,
+                           replay_allocator=replay_allocator)
+                for a in self.analyses
+            ]
+        weights = [r.node_weights for r in self.replays()] if self.replayed else [None] * len(points)
         reports = [
-            self._class_report(rc, a, p, bindings) for rc, a, p in zip(self.classes, self.analyses, points)
+            self._class_report(rc, a, p, bindings, w)
+            for rc, a, p, w in zip(self.classes, self.analyses, points, weights)
         ]
         worst = max(range(len(reports)), key=lambda i: (reports[i].total_device_bytes, -reports[i].ranks[0]))
         shown = self.class_of(rank) if rank is not None else worst
@@ -149,11 +183,15 @@ class DistributedAnalysis:
             if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
                 from boomfx.distributed.pipeline_time import pipeline_run
 
-                run = pipeline_run(self, points, bindings, steps)
+                run = pipeline_run(self, points, bindings, steps, weights if self.replayed else None)
                 for i, (report, row) in enumerate(zip(reports, time_rows)):
                     report.step_time_ns = run.stage_end_ns[i]
                     row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,
                                bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i])
+                    if self.replayed:   # the template's streams ran three micro-batches: the replay's counts
+                        from boomfx.distributed.pipeline_compose import replayed_comm
+
+                        row.update(replayed_comm(steps[i], weights[i]))
         point.report.parallel = ParallelReport(
             config={**asdict(self.cfg), "reshard_after_forward": self.cfg.reshards_after_forward},
             world=self.cfg.world,
@@ -186,7 +224,8 @@ class DistributedAnalysis:
         return None
 
     def _class_report(
-        self, rc: RankClass, analysis: Analysis, point: PointResult, bindings: Mapping[sympy.Symbol, int]
+        self, rc: RankClass, analysis: Analysis, point: PointResult, bindings: Mapping[sympy.Symbol, int],
+        weights: Optional[Mapping[str, float]] = None,
     ) -> RankClassReport:
         m = point.report.memory
         a = m.allocator
@@ -200,13 +239,13 @@ class DistributedAnalysis:
             m.total_device_bytes,
             m.fits,
             point.report.time.total_ns,
-            collectives(rc.program, analysis.evaluator(bindings)),
+            collectives(rc.program, analysis.evaluator(bindings), weights),
         )
 
 
-def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
+def collectives(program: Program, ev: Any, weights: Optional[Mapping[str, float]] = None) -> list[CollectiveReport]:
     """Every collective node of ``program`` (and pipeline send/recv) in program order, with its buffers'
-    sizes at ``ev``."""
+    sizes at ``ev``; ``weights``: a replayed stage's (``pipeline_compose``), each node as often as it runs."""
     from boomfx.core.layers import module_path
     from boomfx.passes.liveness import _compute_nbytes
 
@@ -223,7 +262,8 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
         out_bytes = (
             ev(_compute_nbytes(node.meta["val"])) if isinstance(node.meta.get("val"), torch.Tensor) else 0
         )
-        out.append(
+        repeat = int(round(weights.get(node.name, 1.0))) if weights is not None else 1
+        out.extend(repeat * [
             CollectiveReport(
                 target.overloadpacket.__name__,
                 group,
@@ -233,7 +273,7 @@ def collectives(program: Program, ev: Any) -> list[CollectiveReport]:
                 module_path(node),
                 str(inp.meta["val"].dtype).removeprefix("torch.") if isinstance(inp, torch.fx.Node) else "",
             )
-        )
+        ])
     return out
 
 

@@ -80,6 +80,7 @@ from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.p2p import p2p_ops
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
+from boomfx.training.expand import STORAGE_KEY
 from boomfx.training.checkpointing import find_layer_list, layer_names
 
 aten = torch.ops.aten
@@ -88,6 +89,8 @@ ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
 META_GRAD_READY = "boomfx.pp_grad_ready"  # node name -> parameter: its .grad final (the last backward)
 META_CHUNK = "boomfx.pp_chunk"  # a stage program node's virtual stage (its model chunk, interleaved 1F1B)
+META_ACTION = "boomfx.pp_action"  # a node's schedule action (kind, micro-batch, virtual stage); none: once a step
+META_LAYOUT = "boomfx.pp_layout"  # gm.meta: the stage program's StageLayout (pipeline_compose.py reads it)
 PP_GROUP = "pp"
 _SEQ_STRIDE = 1_000_000  # each micro-batch's backward nodes get their own autograd seq_nr range
 
@@ -103,6 +106,24 @@ class StageProgram:
         """``layers.0..layers.3``, or per chunk ``layers.0, layers.2`` (interleaved)."""
         groups = self.chunk_layers or (self.layers,)
         return ", ".join(g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}" for g in groups)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a stage program's schedule put things, by node name: what ``pipeline_compose`` needs to replay
+    the program's micro-batches for another micro-batch count without building it."""
+
+    stage: int
+    pp: int
+    microbatches: int
+    order: tuple[tuple[str, int, int], ...]      # the actions (kind, micro-batch, virtual stage) in order
+    action_ends: dict[tuple[str, int, int], str]  # action -> its last node (a send's anchor: send_releases)
+    sent: dict[str, tuple[str, int, int]]         # node whose output an action sends -> that action
+    backward_ends: dict[tuple[str, int, int], str]  # backward action -> its last layer node (fwd_cache)
+    buffers: tuple[tuple[str, ...], ...]          # receive buffers, one group per (kind, chunk), one per micro-batch
+    merge: Optional[str]                          # the last stage's _merge_outputs cat (its size grows with M)
+    releases: str                                 # send_releases' rules: gpipe, 1f1b or runtime
+    pipeline_end: str
 
 
 def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -395,8 +416,9 @@ def send_releases(schedule: str, order: Sequence[tuple[str, int]], stage: int, p
 
 
 # -- building one stage's program -----------------------------------------------------------------
-def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
-    """Every stage's training program (see the module docstring)."""
+def stage_programs(program: Program, cfg: ParallelConfig, copies: Optional[int] = None) -> list[StageProgram]:
+    """Every stage's training program (see the module docstring); ``copies``: that many micro-batches in
+    place of ``cfg.num_microbatches`` (a template, ``pipeline_compose.py``)."""
     if not program.options.train:
         raise OptionError("--parallel pp needs --train (pipeline stages split a training step)")
     reason = cfg.not_modelled()
@@ -404,7 +426,7 @@ def stage_programs(program: Program, cfg: ParallelConfig) -> list[StageProgram]:
         raise OptionError(reason)
     v = cfg.stages_per_rank
     split, names = _split(program, cfg.pp * v)
-    m = cfg.num_microbatches
+    m = copies or cfg.num_microbatches
     interleaved = cfg.pp_schedule == "interleaved_1f1b"
     orders = stage_orders("interleaved" if interleaved else cfg.pp_schedule, cfg.pp, m, v)
     releases = "runtime" if interleaved else cfg.pp_schedule
@@ -461,6 +483,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
         for i in range(m):
             b = graph.placeholder(f"pp_{kind}_buffer_{i}" if len(chunks) == 1 else f"pp_{kind}_buffer_s{k}_{i}")
             b.meta["val"] = like.meta["val"]
+            b.meta[STORAGE_KEY] = ("pp_buffer", b.name)   # one storage each (they share the fake value)
             roles[b.name] = ROLE_COMM_BUFFER
             out.append(b)
         return out
@@ -469,12 +492,16 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
     act_bufs = {k: buffers("recv_act", split.act_in[k], k) for k in chunks if k > 0}
     grad_bufs = {k: buffers("recv_grad", split.grad_in[k], k) for k in chunks if k < last}
 
+    action: list[Optional[tuple[str, int, int]]] = [None]   # the action being copied (META_ACTION)
+
     def call(target: object, args: tuple, val: object, phase: str, like: torch.fx.Node) -> torch.fx.Node:
         node = graph.call_function(target, args)
         node.meta["val"] = val
         for key in ("nn_module_stack", "stack_trace"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
+        if action[0] is not None:
+            node.meta[META_ACTION] = action[0]
         phases[node.name] = phase
         return node
 
@@ -487,6 +514,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             if seq_offset and "seq_nr" in new.meta:
                 new.meta["seq_nr"] = new.meta["seq_nr"] + seq_offset
             new.meta[META_CHUNK] = chunk
+            new.meta[META_ACTION] = action[0]
             phases[new.name] = program.phase_of(n)
             env[n] = new
             if accumulated is None or n not in grad_node_of:
@@ -509,7 +537,9 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
     out_chunks: list[torch.fx.Node] = []
     action_end: list[torch.fx.Node] = []
     sent_tensor: dict[tuple[str, int, int], torch.fx.Node] = {}
+    backward_ends: dict[tuple[str, int, int], str] = {}
     for kind, i, k in order:
+        action[0] = (kind, i, k)
         # the pipeline rank of the virtual stage before and after k (ranks hold k % pp)
         peer_prev, peer_next = (k - 1) % pp, (k + 1) % pp
         if kind == FORWARD:
@@ -543,6 +573,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             env[split.grad_in[k]].meta[META_CHUNK] = k
         copy(split.bwd[k], env, (i + 1) * _SEQ_STRIDE, k, accumulated)
         end = env[split.bwd[k][-1]]
+        backward_ends[(kind, i, k)] = end.name
         if k < last:  # fwd_cache holds the stage's output until its backward is done
             extra_uses.setdefault(end.name, []).append(env[split.act_in[k + 1]].name)
         if k > 0:
@@ -553,15 +584,17 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             action_end[-1].meta[META_CHUNK] = k
         else:
             action_end.append(list(graph.nodes)[-1])
+    action[0] = None
     missing = [grad_node_of[g] for g in grad_node_of if g in stage_bwd and g not in accumulated]
     if missing:
         raise OptionError(f"pipeline stage {s}: no gradient for {', '.join(missing[:3])}")
     # scale_grads: every .grad divided by the number of micro-batches, in place
     for orig, g in accumulated.items():
         call(aten.div_.Scalar, (g, m), g.meta["val"], PHASE_BACKWARD, orig)
+    merge = None
     if last in chunks:
         cat_val = torch.cat([c.meta["val"] for c in out_chunks], dim=0)
-        call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output)  # _merge_outputs
+        merge = call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output).name  # _merge_outputs
         kept += out_chunks
         carried += out_chunks
     pipeline_end = list(graph.nodes)[-1]
@@ -597,6 +630,11 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
     out.gm.meta[META_RUNTIME_USES] = {k: tuple(v) for k, v in extra_uses.items()}
     out.gm.meta[META_CARRIED] = tuple(n.name for n in dict.fromkeys(carried))
     out.gm.meta[META_GRAD_READY] = {ready[orig].name: fqn for orig, fqn in grad_node_of.items() if orig in ready}
+    out.gm.meta[META_LAYOUT] = StageLayout(
+        s, pp, m, tuple(order), {a: n.name for a, n in zip(order, action_end)},
+        {t.name: key for key, t in sent_tensor.items()}, backward_ends,
+        tuple(tuple(b.name for b in bufs) for group in (act_bufs, grad_bufs) for bufs in group.values()),
+        merge, releases, pipeline_end.name)
     return out
 
 

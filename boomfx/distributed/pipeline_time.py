@@ -27,13 +27,15 @@ SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interle
 
 def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int,
                   collective_ns: Optional[Mapping[str, float]] = None,
-                  member: Optional[Callable[[str], bool]] = None, with_optimizer: bool = True) -> StageCompute:
+                  member: Optional[Callable[[str], bool]] = None, with_optimizer: bool = True,
+                  weights: Optional[Mapping[str, float]] = None) -> StageCompute:
     """One micro-batch's forward and backward on a stage, and its optimizer step, from its program's point.
     ``collective_ns``: the collective model's price of each of the stage's TP / DP collectives by node
     (``schedule_rank``'s), which replaces the single-device kernel estimate; they run in line with the
     stage's passes (TP's all-reduces block the next op; DDP's bucket is counted, not overlapped).
     ``member``: only the forward / backward kernels of these nodes (one chunk of an interleaved rank);
-    ``with_optimizer``: count the rank's optimizer step here."""
+    ``with_optimizer``: count the rank's optimizer step here; ``weights``: how many times each node runs
+    (a replayed template stage, ``pipeline_compose.py``; else once)."""
     spans = {s.name: s.end_ns - s.start_ns for s in point.timeline.spans}
     spans.update(collective_ns or {})
     by_phase = {PHASE_FORWARD: 0.0, PHASE_BACKWARD: 0.0, PHASE_OPTIMIZER: 0.0}
@@ -45,7 +47,8 @@ def stage_compute(point: PointResult, microbatches: int, boundary_bytes: int,
             continue
         if phase != PHASE_OPTIMIZER and member is not None and not member(k.node):
             continue
-        by_phase[phase] = by_phase.get(phase, 0.0) + spans.get(k.node, k.time_ns)
+        weight = weights.get(k.node, 1.0) if weights is not None else 1.0
+        by_phase[phase] = by_phase.get(phase, 0.0) + spans.get(k.node, k.time_ns) * weight
     return StageCompute(by_phase[PHASE_FORWARD] / microbatches, by_phase[PHASE_BACKWARD] / microbatches,
                         by_phase[PHASE_OPTIMIZER], int(boundary_bytes))
 
@@ -80,9 +83,11 @@ def _interleaved_costs(dist: Any, points: Sequence[PointResult], bindings: Any,
     return [c for c in costs if c is not None]
 
 
-def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps: Sequence[Any] = ()) -> PipelineStep:
+def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps: Sequence[Any] = (),
+                 weights: Optional[Sequence[Mapping[str, float]]] = None) -> PipelineStep:
     """The pipeline step of ``dist`` (a DistributedAnalysis of pp stage classes) from its classes' points;
-    ``steps``: their ``class_steps`` (``ClassStep``), whose priced collectives the stages' costs use."""
+    ``steps``: their ``class_steps`` (``ClassStep``), whose priced collectives the stages' costs use;
+    ``weights``: per class, how many times each node runs (replayed template stages)."""
     cfg = dist.cfg
     m = cfg.num_microbatches
     priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
@@ -90,9 +95,10 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
         return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _interleaved_costs(dist, points, bindings, priced), m,
                              [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device,
                              chunks=cfg.stages_per_rank)
+    weights = weights or [None] * len(points)
     costs = [
-        stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices)
-        for rc, analysis, point, prices in zip(dist.classes, dist.analyses, points, priced)
+        stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices, weights=w)
+        for rc, analysis, point, prices, w in zip(dist.classes, dist.analyses, points, priced, weights)
     ]
     return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], costs, m, [rc.ranks[0] for rc in dist.classes],
                          topology_of(cfg), dist.device)

@@ -6,8 +6,9 @@ discarding only plans the next could not have accepted:
 1. **memory bound** (``search_bounds.ModelFootprint``): sharded state plus the single-device activation
    peak at the plan's micro-batch, from the single-device liveness; no per-rank program is built for a plan
    over the device's memory by it;
-2. **per-rank programs**, once per ``Plan.program_key`` (degrees, checkpointing and, with pp, the
-   micro-batch count: a stage program holds one pass per micro-batch): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
+2. **per-rank programs**, once per ``Plan.program_key`` (degrees and checkpointing; pipeline plans of
+   every micro-batch count share one build, their stages replayed from three micro-batches,
+   ``pipeline_compose.py``; interleaved ones are built per count): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
    parallelism, until their rewrites land) marks the plans of that key "not modelled", with its reason;
 3. **rank liveness**: each rank class's live-bytes peak (no allocator) plus the memory outside the
    allocator; over the device's memory, the replay would run out too;
@@ -53,6 +54,7 @@ from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
 from boomfx.distributed.model_shape import _SDPA, model_shape, rowwise_outputs
+from boomfx.distributed.pipeline_compose import composable
 from boomfx.distributed.plan import DEGREES, ParallelConfig
 from boomfx.distributed.rank_schedule import default_pricer, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
@@ -334,11 +336,19 @@ class ParallelSearch:
         key = plan.program_key()
         try:
             cfg = self._config(plan)
+            # pipeline stages replayed from a 3-micro-batch template: one build for every micro-batch count
+            template = key[:4] + ("any micro-batches",) + key[5:]
+            if composable(cfg) and self._built.get(template, True) is not False:
+                key = template
             if key not in self._built:
                 self._built[key] = None
-                self._built[key] = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
-                                                       reuse_blocks=self.reuse_blocks)
+                dist = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
+                                           reuse_blocks=self.reuse_blocks, replay_microbatches=key == template)
                 self.outcome.evaluations["rank_program_builds"] += 1
+                if key == template and not dist.replayed:    # built whole for this count: later ones build theirs
+                    self._built[template] = False
+                    key = plan.program_key()
+                self._built[key] = dist
         except OptionError as exc:
             # the reason without the plan's own spelling, so plans refused alike count together
             self._refusals[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
@@ -355,12 +365,14 @@ class ParallelSearch:
 
     def _liveness_fits(self, c: _Candidate) -> bool:
         """Stage 3: every rank class's live-bytes peak (the allocator holds at least that) fits."""
-        if c.plan.pp > 1:
-            return True           # stage programs bind the micro-batch their own way: left to the full evaluation
+        if c.plan.pp > 1 and not c.dist.replayed:
+            return True           # stage programs built whole: left to the full evaluation
         outside = self.footprint(c.plan.checkpoint).outside_bytes
-        for analysis in c.dist.analyses:
+        bindings = c.dist._program_bindings(c.bindings)     # pipeline stages: one micro-batch's sizes
+        liveness = [r.liveness for r in c.dist.replays()] if c.plan.pp > 1 else [a.liveness for a in c.dist.analyses]
+        for analysis, info in zip(c.dist.analyses, liveness):
             self.outcome.evaluations["rank_liveness_peaks"] += 1
-            live = analysis.liveness.timeline(analysis.evaluator(c.bindings))
+            live = info.timeline(analysis.evaluator(bindings))
             if (max(live) if live else 0) + outside > self.device.memory_bytes:
                 self.outcome.pruned_by_liveness += 1
                 return False

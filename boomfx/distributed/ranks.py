@@ -15,7 +15,7 @@ pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``; with ``dp_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from boomfx.distributed import mixed_precision
 from boomfx.distributed.fsdp import ShardSpec, ddp_rank_program, fsdp_rank_program, local_shard_shape
@@ -33,14 +33,16 @@ class RankClass:
     description: str
 
 
-def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
+def rank_programs(program: Program, cfg: ParallelConfig, pipeline_copies: Optional[int] = None) -> list[RankClass]:
+    """``pipeline_copies``: pipeline stage programs hold that many micro-batches instead of the config's
+    (a template that ``pipeline_compose`` replays for the config's count)."""
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
     reason = cfg.not_modelled()
     if reason:
         raise OptionError(reason)
     if cfg.pp > 1:
-        return _pipeline_classes(program, cfg)
+        return _pipeline_classes(program, cfg, pipeline_copies)
     mp = mixed_precision.policy(program, cfg)
     program = mixed_precision.compute_program(program, mp)   # bf16 parameters: the step re-traced
     tp_label = ""
@@ -80,7 +82,7 @@ def rank_programs(program: Program, cfg: ParallelConfig) -> list[RankClass]:
     return classes
 
 
-def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
+def _pipeline_classes(program: Program, cfg: ParallelConfig, copies: Optional[int] = None) -> list[RankClass]:
     """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage. With ``tp`` the
     stages are cut from the TP rank's program (every TP rank of a stage runs the same one), as
     torchtitan ``parallelize_module``s each stage's layers over the stage's TP group; with
@@ -92,7 +94,7 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig) -> list[RankClass]:
 
         program = tp_rank_program(program, cfg)
     classes = []
-    for stage in stage_programs(program, cfg):
+    for stage in stage_programs(program, cfg, copies):
         ranks = tuple(r for r in range(cfg.world) if cfg.coords(r)["pp"] == stage.stage)
         layers = stage.describe_layers()
         tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
