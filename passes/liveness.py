@@ -92,8 +92,9 @@ class LivenessInfo:
             out.append(live)
         return out
 
-    def peak(self, ev: Evaluator) -> MemoryPoint:
-        timeline = self.timeline(ev)
+    def peak(self, ev: Evaluator, timeline: Optional[list[int]] = None) -> MemoryPoint:
+        """``timeline``: ``self.timeline(ev)`` when the caller has it (a long step's costs seconds)."""
+        timeline = self.timeline(ev) if timeline is None else timeline
         step = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
         by_cat: dict[Category, int] = {}
         for iv in self.intervals:

@@ -151,10 +151,13 @@ class Analysis:
 
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
-                 memory_only: bool = False, replay_allocator: bool = True) -> PointResult:
+                 memory_only: bool = False, replay_allocator: bool = True,
+                 exact_total: Optional[bool] = None) -> PointResult:
         """One point. ``memory_only``: no pricing or schedule (memory alone). ``replay_allocator=False``: no
         caching-allocator replay (time alone; the memory report is then the liveness peak, a lower bound
-        of the replay's, and ``allocator`` is None): ``--search`` ranks plans by time before it replays."""
+        of the replay's, and ``allocator`` is None): ``--search`` ranks plans by time before it replays.
+        ``exact_total``: after an out-of-memory replay, replay again on an unbounded device for what the
+        step would need (default: unless ``memory_only``; ``--search`` only asks whether a plan fits)."""
         ev = self.evaluator(bindings)
         kernels: list[KernelReport] = []
         scheduled: list[ScheduledKernel] = []
@@ -207,7 +210,8 @@ class Analysis:
             k.start_ns = span.start_ns
         memory, rep, events = memory_report(self.liveness, ev, workspace_at, self.device, self.outside,
                                             self.alloc_config, self.options.alloc_conf, self._node_module,
-                                            self._cudagraphs, record_trace, exact_total=not memory_only,
+                                            self._cudagraphs, record_trace,
+                                            exact_total=not memory_only if exact_total is None else exact_total,
                                             replay_allocator=replay_allocator)
         report = build_report(self.program, self.device, self.options, bindings, kernels, timeline, memory,
                               self.costs.unmodelled_ops())

@@ -63,7 +63,7 @@ def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[i
     timeline = liveness.timeline(ev)
     combined = [live + workspace_at.get(i, 0) for i, live in enumerate(timeline)]
     peak_step = max(range(len(combined)), key=combined.__getitem__) if combined else 0
-    point = liveness.peak(ev)
+    point = liveness.peak(ev, timeline)
     capacity = device.memory_bytes
     outside_bytes = {item.name: item.nbytes for item in outside.items()} if device.kind == "cuda" else {}
     rep: Optional[ReplayResult] = None

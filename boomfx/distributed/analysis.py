@@ -147,18 +147,21 @@ class DistributedAnalysis:
         record_trace: bool = False,
         memory_only: bool = False,
         replay_allocator: bool = True,
+        exact_total: Optional[bool] = None,
     ) -> PointResult:
+        """``exact_total``: as ``Analysis.evaluate`` takes it (False: an out-of-memory rank's total is what
+        the capped replay reached, enough to say it does not fit)."""
         per_rank = bindings
         bindings = self._program_bindings(bindings)
         if self.replayed:
             from boomfx.distributed.pipeline_compose import replayed_point
 
-            points = [replayed_point(a, r, bindings, record_trace, memory_only, replay_allocator)
+            points = [replayed_point(a, r, bindings, record_trace, memory_only, replay_allocator, exact_total)
                       for a, r in zip(self.analyses, self.replays())]
         else:
             points = [
                 a.evaluate(bindings, record_trace=record_trace, memory_only=memory_only,
-                           replay_allocator=replay_allocator)
+                           replay_allocator=replay_allocator, exact_total=exact_total)
                 for a in self.analyses
             ]
         weights = [r.node_weights for r in self.replays()] if self.replayed else [None] * len(points)

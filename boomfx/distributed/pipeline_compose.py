@@ -230,7 +230,8 @@ def _end_step(layout: StageLayout, step_of: Mapping[str, int], once) -> int:
 
 # -- a template's point as the M-micro-batch step's ----------------------------------------------------
 def replayed_point(analysis: object, replay: StageReplay, bindings: Mapping[sympy.Symbol, int],
-                   record_trace: bool = False, memory_only: bool = False, replay_allocator: bool = True) -> object:
+                   record_trace: bool = False, memory_only: bool = False, replay_allocator: bool = True,
+                   exact_total: Optional[bool] = None) -> object:
     """The template's point (its kernels priced once; ``node_weights`` count them) with the memory of
     the replayed step: the same events and allocator replay a built program's memory goes through."""
     from boomfx.analysis.analysis import PointResult
@@ -242,7 +243,8 @@ def replayed_point(analysis: object, replay: StageReplay, bindings: Mapping[symp
     memory, rep, events = memory_report(
         replay.liveness, analysis.evaluator(bindings), replay.workspace_at(workspace), analysis.device,
         analysis.outside, analysis.alloc_config, analysis.options.alloc_conf, analysis._node_module,
-        analysis._cudagraphs, record_trace, exact_total=not memory_only, replay_allocator=replay_allocator)
+        analysis._cudagraphs, record_trace, exact_total=not memory_only if exact_total is None else exact_total,
+        replay_allocator=replay_allocator)
     return PointResult(replace(point.report, memory=memory), point.timeline, rep, events)
 
 
