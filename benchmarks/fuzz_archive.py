@@ -9,7 +9,9 @@ Every mutant (``benchmarks/archive_mutations.py``) is analysed by the CLI in-pro
 - ``refused``: exit 2 and exactly one line on stderr, counted by error type and, for a ``LoadError``,
   by the archive entry its message names.
 
-Anything else is a failure: an exception escaping ``main`` (a traceback), exit 2 with more or fewer
+Anything else is a failure: an exception escaping ``main`` (a traceback: the runs set
+``BOOMFX_TRACEBACK=1``, so a bug the CLI would print as its one ``internal error`` line escapes with
+where it happened; that line is a failure too), exit 2 with more or fewer
 than one line, another exit status, a mutant running past ``--timeout-s``, or the worker process
 dying. Mutants run in worker processes of ``--chunk`` mutants each, ``--jobs`` at a time (a crash
 costs one mutant, not the run). Results: ``benchmarks/results/fuzz_archive.{json,md}``.
@@ -67,7 +69,7 @@ class Outcome:
     kind: str
     entry: str
     detail: str
-    status: str                     # ok-same | ok-changed | refused | traceback | bad-output | timeout | crash
+    status: str                     # ok-same | ok-changed | refused | traceback | internal | bad-output | timeout | crash
     error_type: str = ""            # of a refusal or an escaped exception
     message: str = ""               # the stderr line, or the exception's last frame and text
     named_entry: str = ""           # the archive entry a refusal names ("" when none)
@@ -86,6 +88,8 @@ def run_cli(path: str, options: list[str]) -> tuple[int, str, str, Optional[Base
     sees every exception the CLI turns into its one line.
     """
     from boomfx.cli import main as cli
+    before = os.environ.get(cli.TRACEBACK_ENV)
+    os.environ[cli.TRACEBACK_ENV] = "1"      # a bug escapes with its frame instead of the CLI's one line
     seen: list[str] = []
     original = cli._user_error_message
 
@@ -105,6 +109,10 @@ def run_cli(path: str, options: list[str]) -> tuple[int, str, str, Optional[Base
         code, escaped = -1, exc
     finally:
         cli._user_error_message = original
+        if before is None:
+            os.environ.pop(cli.TRACEBACK_ENV, None)
+        else:
+            os.environ[cli.TRACEBACK_ENV] = before
     return code, out.getvalue(), err.getvalue(), escaped, seen[-1] if seen else ""
 
 
@@ -146,6 +154,10 @@ def classify(index: int, example: str, m: Any, result: tuple, baseline: tuple, e
     if code == 2 and len(lines) == 1 and lines[0].startswith("boomfx: error: "):
         base.status, base.error_type, base.message = "refused", error_type, lines[0][:300]
         base.named_entry = _named_entry(lines[0], entries)
+        return base
+    if code == 70 and len(lines) == 1 and lines[0].startswith("boomfx: internal error: "):
+        base.status, base.message = "internal", lines[0][:300]     # a bug the CLI caught: still a failure
+        base.error_type = lines[0].removeprefix("boomfx: internal error: ").split(":", 1)[0]
         return base
     base.status, base.error_type = "bad-output", error_type
     base.message = f"exit {code}, {len(lines)} stderr lines: {' | '.join(lines)[:300]}"
@@ -234,7 +246,7 @@ def _run_all(seed: int, n: int, chunk: int, timeout_s: int, log_path: Path, jobs
     return [done[i] for i in sorted(done)]
 
 
-FAILURES = ("traceback", "bad-output", "timeout", "crash")
+FAILURES = ("traceback", "internal", "bad-output", "timeout", "crash")
 
 
 def _torch_version() -> str:

@@ -151,3 +151,24 @@ def test_console_script_entry_point(examples_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.run(cmd + ["analyze", str(tmp_path / "missing.pt2")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+# a bug in a deep stage (here: the point evaluation raising as an inconsistent graph would): one line that
+# says it is boomfx's, exit status 70; BOOMFX_TRACEBACK=1 lets it escape with its traceback
+def test_an_internal_error_is_one_line_and_exit_70(capsys, monkeypatch, examples_dir: Path) -> None:
+    from boomfx.analysis.analysis import Analysis
+    from boomfx.cli.main import EXIT_INTERNAL, TRACEBACK_ENV
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("mismatch in length of strides and shape\nsecond line")
+
+    monkeypatch.setattr(Analysis, "evaluate", broken)
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    code, out, err = run(capsys, "analyze", str(examples_dir / "mlp.pt2"), "--batch", "2")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == EXIT_INTERNAL == 70 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("boomfx: internal error: RuntimeError: mismatch in length of strides and shape (")
+    assert TRACEBACK_ENV in lines[0] and "second line" not in err
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(RuntimeError, match="mismatch in length"):
+        main(["analyze", str(examples_dir / "mlp.pt2"), "--batch", "2"])

@@ -1,6 +1,7 @@
 """Command line: ``boomfx analyze``, ``boomfx devices``, ``boomfx kernels ...``.
 
-Bad input gets one line on stderr and exit status 2; a bug gets a traceback (so it gets reported).
+Bad input gets one line on stderr and exit status 2. A bug gets one line too, saying it is one, and exit
+status 70; ``BOOMFX_TRACEBACK=1`` re-raises it with its traceback (for the report).
 """
 from __future__ import annotations
 
@@ -137,15 +138,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:   # `boomfx kernels info | head`: the reader left; stop quietly, as a C tool would
         _silence_stdout()
         return _EXIT_SIGPIPE
-    except Exception as exc:  # user errors: one line; others re-raised
+    except Exception as exc:  # user errors: one line, exit 2; a bug: one line, exit 70 (traceback on request)
         message = _user_error_message(exc)
-        if message is None:
+        if message is not None:
+            print(f"boomfx: error: {message}", file=sys.stderr)
+            return 2
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
-        print(f"boomfx: error: {message}", file=sys.stderr)
-        return 2
+        first = str(exc).strip().splitlines()
+        print(f"boomfx: internal error: {type(exc).__name__}: {first[0][:300] if first else ''} (a bug in boomfx, "
+              f"not in your input; {TRACEBACK_ENV}=1 shows where; please report it)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 _EXIT_SIGPIPE = 141   # 128 + SIGPIPE: what a shell reports for a writer killed by a closed pipe
+EXIT_INTERNAL = 70    # sysexits' EX_SOFTWARE: boomfx failed, not the input (bad input is 2)
+TRACEBACK_ENV = "BOOMFX_TRACEBACK"
 
 
 def _silence_stdout() -> None:
