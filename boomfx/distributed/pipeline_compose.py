@@ -195,14 +195,13 @@ def _sent_ends(layout: StageLayout, step_of: Mapping[str, int], tags: list, pos:
     """(sent node, micro-batch) -> the replayed step its storage lives to (module docstring)."""
     out: dict[tuple[str, int], int] = {}
     end_node = layout.action_ends
-    for name, (kind, _, k) in layout.sent.items():
-        for i in range(m):
-            t_kind = _kind_of(i, m)
-            if (kind, t_kind, k) not in end_node:
-                continue
-            own = step_of.get(end_node[(kind, t_kind, k)])
-            if own is None:
-                raise ComposeError(f"the send of {name} is not in the program")
+    for name, (kind, t_kind, k) in layout.sent.items():
+        if name not in step_of or tags[step_of[name]] is None:
+            raise ComposeError(f"sent tensor {name} is not an action's")
+        own = step_of.get(end_node.get((kind, t_kind, k), ""))
+        if own is None:
+            raise ComposeError(f"the send of {name} is not in the program")
+        for i in (i for i in range(m) if _kind_of(i, m) == t_kind):   # the micro-batches that run like it
             ends = [pos[(own, i)]]
             if kind == FORWARD and (BACKWARD, t_kind, k) in layout.backward_ends:   # fwd_cache until its backward
                 ends.append(pos[(step_of[layout.backward_ends[(BACKWARD, t_kind, k)]], i)])
@@ -214,10 +213,7 @@ def _sent_ends(layout: StageLayout, step_of: Mapping[str, int], tags: list, pos:
                 anchor = step_of[end_node[(a_kind, _kind_of(a_i, m), a_k)]]
                 ends.append(pos[(anchor, a_i)])
             out[(name, i)] = max(ends)
-        if tags[step_of[name]] is None:
-            raise ComposeError(f"sent tensor {name} is not an action's")
-    # the template tags each sent node with its own micro-batch: only those of its kind are replayed
-    return {key: v for key, v in out.items() if _kind_of(key[1], m) == layout.sent[key[0]][1]}
+    return out
 
 
 def _end_step(layout: StageLayout, step_of: Mapping[str, int], once) -> int:
