@@ -173,6 +173,7 @@ class ParallelSearch:
         self._program_for = program_for
         self._programs: dict[bool, Program] = {}
         self._footprints: dict[bool, ModelFootprint] = {}
+        self._tp_footprints: dict[tuple[bool, int], ModelFootprint] = {}
         self.outcome = SearchOutcome([], 0)
         self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
         self._refusals: dict[tuple, str] = {}
@@ -184,6 +185,29 @@ class ParallelSearch:
             self._programs[checkpoint] = self._program_for(checkpoint)
             self.outcome.evaluations["captures"] += 1
         return self._programs[checkpoint]
+
+    def memory_footprint(self, plan: Plan) -> ModelFootprint:
+        """The footprint the plan's memory floor reads: the TP rank's program for ``tp > 1`` (its sizes
+        split as the plan splits them), else the single-device one; the single-device one where the TP
+        rewrite is not built for this model (it divides by ``tp``)."""
+        if plan.tp == 1:
+            return self.footprint(plan.checkpoint)
+        key = (plan.checkpoint, plan.tp)
+        if key not in self._tp_footprints:
+            from boomfx.distributed.tensor_parallel import tp_rank_program
+
+            base = self.footprint(plan.checkpoint)
+            try:
+                tp_only = ParallelConfig(1, 1, plan.tp, 1, nodes=1, gpus_per_node=plan.tp, **self.request.config_options)
+                program = tp_rank_program(self.program(plan.checkpoint), tp_only)
+            except OptionError:
+                self._tp_footprints[key] = base
+            else:
+                analysis = Analysis(program, self.device, self.options, reuse_blocks=self.reuse_blocks)
+                self._tp_footprints[key] = ModelFootprint(analysis, base.batch_symbol, base.fixed, base.outside_bytes,
+                                                          base.pp_schedule, tp_local=True)
+                self.outcome.evaluations["tp_rank_analyses"] += 1
+        return self._tp_footprints[key]
 
     def footprint(self, checkpoint: bool) -> ModelFootprint:
         if checkpoint not in self._footprints:
@@ -314,7 +338,7 @@ class ParallelSearch:
     def _bound(self, plans: Sequence[Plan]) -> list[Plan]:
         kept = []
         for plan in plans:
-            footprint = self.footprint(plan.checkpoint)
+            footprint = self.memory_footprint(plan)
             before = len(footprint._per_batch)
             bound = footprint.lower_bound_bytes(plan, self._micro_batch(plan))
             self.outcome.evaluations["activation_bounds"] += len(footprint._per_batch) - before

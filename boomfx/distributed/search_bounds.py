@@ -14,7 +14,10 @@ Then for a plan ``dp_replicate x dp_shard x tp x pp`` at micro-batch ``b``, any 
     max( state / (dp_shard x tp x pp),                                   at the optimizer step
          (params + optimizer state) / (dp_shard x tp x pp) + activation_peak(b) / (tp x pp) )
 
-plus the memory outside the caching allocator (CUDA context, cuBLAS workspace). Why each term is a floor:
+plus the memory outside the caching allocator (CUDA context, cuBLAS workspace). With ``tp > 1`` the
+search reads these from the TP rank's own program (``tensor_parallel.tp_rank_program``, ``tp_local``) and
+does not divide by ``tp``: without sequence parallelism the norms and the residual stream are whole on
+every TP rank, which ``/ tp`` of the single-device sizes would miss. Why each term is a floor:
 
 - FSDP2 shards parameters, gradients and AdamW state over ``dp_shard`` (the largest shard is at least the
   mean; padding only adds); DDP replicas hold all of it; at the optimizer step all three are live;
@@ -70,6 +73,7 @@ class ModelFootprint:
     fixed: Mapping[sympy.Symbol, int]               # every other symbol's binding (seq, ...)
     outside_bytes: int                              # memory outside the allocator (CUDA: context, cuBLAS)
     pp_schedule: str = "1f1b"
+    tp_local: bool = False                          # the analysis is a TP rank's program: its sizes are split already
     _per_batch: dict[int, int] = field(default_factory=dict)
     _compute: dict[int, float] = field(default_factory=dict)
     _layer_compute: dict[int, list[float]] = field(default_factory=dict)
@@ -192,10 +196,15 @@ class ModelFootprint:
         shares = self.shares()
         saved = self.layer_saved_bytes(micro_batch)
         best = 0.0
+        tp = self._tp_split(plan)
         for s, (lo, hi) in enumerate(ranges):
-            state = sum(shares.state_bytes[lo:hi]) / (plan.dp_shard * plan.tp)
-            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / plan.tp)
+            state = sum(shares.state_bytes[lo:hi]) / (plan.dp_shard * tp)
+            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / tp)
         return int(best)
+
+    def _tp_split(self, plan: Plan) -> int:
+        """How many ways tensor parallelism still splits this footprint's sizes (1: a TP rank's program)."""
+        return 1 if self.tp_local else plan.tp
 
     def step_lower_bound_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
         """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
@@ -212,9 +221,10 @@ class ModelFootprint:
     def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
         """Any rank's device memory under ``plan`` is at least this (module docstring)."""
         resident, grads = self.state_bytes()
-        state_split = plan.dp_shard * plan.tp * plan.pp
+        tp = self._tp_split(plan)
+        state_split = plan.dp_shard * tp * plan.pp
         at_optimizer = (resident + grads) / state_split
-        at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (plan.tp * plan.pp)
+        at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (tp * plan.pp)
         return int(max(at_optimizer, at_activation_peak, self.pipeline_bound_bytes(plan, micro_batch))) + self.outside_bytes
 
 
