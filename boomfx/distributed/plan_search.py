@@ -4,8 +4,8 @@ Every plan of ``search.enumerate_plans`` goes through stages, each cheaper than 
 discarding only plans the next could not have accepted:
 
 1. **memory bound** (``search_bounds.ModelFootprint``): sharded state plus the single-device activation
-   peak at the plan's micro-batch, from the single-device liveness; no per-rank program is built for a plan
-   over the device's memory by it;
+   peak at the plan's micro-batch, from the single-device liveness (a TP plan's from the TP rank's own
+   program: ``memory_footprint``); no per-rank program is built for a plan over the device's memory by it;
 2. **per-rank programs**, once per ``Plan.program_key`` (degrees and checkpointing; pipeline plans of
    every micro-batch count share one build, their stages replayed from three micro-batches,
    ``pipeline_compose.py``; interleaved ones are built per count): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
