@@ -66,7 +66,7 @@ def _compare(program, cfg: ParallelConfig, batch: int, seq: int) -> None:
         assert {k: cr[k] for k in MEMORY} == {k: cw[k] for k in MEMORY}
         assert _collectives(cr) == _collectives(cw)
     # the step: every kernel counted as often as it runs; only the merge differs (priced at 3 chunks, scaled)
-    micro = whole._program_bindings(bindings)
+    micro = whole.program_bindings(bindings)
     last_w = whole.analyses[-1].evaluate(micro).report
     last_r = replayed.analyses[-1].evaluate(micro).report
     scaled = _merge_ns(last_r, replayed.classes[-1].program) * cfg.num_microbatches / TEMPLATE_MICROBATCHES
@@ -118,7 +118,7 @@ def test_receive_buffers_are_one_per_micro_batch(llama2) -> None:
         program = dist.classes[1].program
         buffers = [n for n in program.graph.nodes if program.input_roles.get(n.name) == ROLE_COMM_BUFFER]
         assert len(buffers) == m
-        ev = dist.analyses[1].evaluator(dist._program_bindings(resolve_bindings(llama2[False], {}, 2 * m, 64)))
+        ev = dist.analyses[1].evaluator(dist.program_bindings(resolve_bindings(llama2[False], {}, 2 * m, 64)))
         by_m[m] = report["classes"][1]["resident_bytes"], int(ev(_compute_nbytes(buffers[0].meta["val"])))
     (r2, per_buffer), (r4, _) = by_m[2], by_m[4]
     assert per_buffer > 0 and r4 - r2 == 2 * per_buffer

@@ -152,7 +152,7 @@ class DistributedAnalysis:
         """``exact_total``: as ``Analysis.evaluate`` takes it (False: an out-of-memory rank's total is what
         the capped replay reached, enough to say it does not fit)."""
         per_rank = bindings
-        bindings = self._program_bindings(bindings)
+        bindings = self.program_bindings(bindings)
         if self.replayed:
             from boomfx.distributed.pipeline_compose import replayed_point
 
@@ -209,10 +209,10 @@ class DistributedAnalysis:
         return point
 
     def fits(self, bindings: Mapping[sympy.Symbol, int]) -> bool:
-        bindings = self._program_bindings(bindings)
+        bindings = self.program_bindings(bindings)
         return all(a.evaluate(bindings, memory_only=True).report.memory.fits for a in self.analyses)
 
-    def _program_bindings(self, bindings: Mapping[sympy.Symbol, int]) -> Mapping[sympy.Symbol, int]:
+    def program_bindings(self, bindings: Mapping[sympy.Symbol, int]) -> Mapping[sympy.Symbol, int]:
         """Pipeline stage programs run one micro-batch at a time: the batch symbol at ``batch / M``."""
         if self.cfg.pp == 1:
             return bindings

@@ -126,10 +126,10 @@ def replay_stage(program: object, liveness: LivenessInfo, schedule: str, m: int)
         """The replayed step of template step ``t`` where a storage made once a step meets it."""
         if (t, None) in pos:
             return pos[(t, None)]
-        kind = tags[t][1]
-        if kind == 1:
+        like = tags[t][1]                   # the template micro-batch: 0 first, 1 between, 2 last
+        if like == 1:
             raise ComposeError(f"a once-a-step storage is last used in a middle micro-batch ({nodes[t].name})")
-        return pos[(t, 0 if kind == 0 else m - 1)]
+        return pos[(t, 0 if like == 0 else m - 1)]
 
     releases = _releases(layout, order, m)
     sent_ends = _sent_ends(layout, step_of, tags, pos, releases, order, once, m)

@@ -361,7 +361,7 @@ class ParallelSearch:
         try:
             cfg = self._config(plan)
             # pipeline stages replayed from a 3-micro-batch template: one build for every micro-batch count
-            template = key[:4] + ("any micro-batches",) + key[5:]
+            template = plan.program_key(any_microbatches=True)
             if composable(cfg) and self._built.get(template, True) is not False:
                 key = template
             if key not in self._built:
@@ -392,7 +392,7 @@ class ParallelSearch:
         if c.plan.pp > 1 and not c.dist.replayed:
             return True           # stage programs built whole: left to the full evaluation
         outside = self.footprint(c.plan.checkpoint).outside_bytes
-        bindings = c.dist._program_bindings(c.bindings)     # pipeline stages: one micro-batch's sizes
+        bindings = c.dist.program_bindings(c.bindings)      # pipeline stages: one micro-batch's sizes
         liveness = [r.liveness for r in c.dist.replays()] if c.plan.pp > 1 else [a.liveness for a in c.dist.analyses]
         for analysis, info in zip(c.dist.analyses, liveness):
             self.outcome.evaluations["rank_liveness_peaks"] += 1

@@ -55,11 +55,12 @@ class Plan:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def program_key(self) -> tuple:
+    def program_key(self, any_microbatches: bool = False) -> tuple:
         """What the per-rank programs depend on: the degrees, checkpointing and, with pp, the micro-batch
         count (a stage program holds one forward and backward per micro-batch; the micro-batch size only
-        binds sizes)."""
-        micro = self.microbatches if self.pp > 1 else 1
+        binds sizes). ``any_microbatches``: the key of stage programs replayed for any count
+        (``pipeline_compose.py``)."""
+        micro = "any" if any_microbatches else (self.microbatches if self.pp > 1 else 1)
         return (self.dp_replicate, self.dp_shard, self.tp, self.pp, micro, self.checkpoint)
 
     def describe(self) -> str:
