@@ -69,13 +69,16 @@ def collect_keys(
     budget_s: Optional[float] = None,
     progress: Union[bool, Progress, None] = None,
     calls: Optional[Mapping[str, OpCall]] = None,
+    check_plausible: bool = True,
 ) -> CollectResult:
     """Measure the keys the store lacks (for the measurer's fingerprint), committing each as it finishes.
 
     Implausible measurements (``plausibility.py``: far slower than the roofline of their work, or far slower
     than a larger call of the same op) are refused and listed in ``CollectResult.rejected``; a row that a
     later, larger measurement shows to be implausible is removed again before this returns. ``calls``
-    (key_hash -> OpCall) spares rebuilding each key's call for the roofline check.
+    (key_hash -> OpCall) spares rebuilding each key's call for the roofline check. ``check_plausible=False``
+    stores every measurement: for a database read for its workspaces only (the gloo memory checks, whose
+    one-sample times on a loaded machine are meant to be rough), never for one that prices time.
     """
     start = time.monotonic()
     fingerprint = measurer.fingerprint()
@@ -108,7 +111,8 @@ def collect_keys(
                 except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is reported, not stored
                     failed.append((key, f"{type(exc).__name__}: {exc}"))
                 else:
-                    why = check.check(key, measurement.median_ns, measurement.host_ns, calls.get(key.key_hash))
+                    why = (check.check(key, measurement.median_ns, measurement.host_ns, calls.get(key.key_hash))
+                           if check_plausible else None)
                     if why is not None:
                         rejected.append(Rejection(key, why))
                     else:
@@ -116,7 +120,8 @@ def collect_keys(
                         done.append(key.key_hash)
                 bar.update(note=key.op)
         by_hash = {k.key_hash: k for k in todo}
-        for key_hash, why in check.inversions(done):   # a larger call measured after a smaller one
+        # a larger call measured after a smaller one
+        for key_hash, why in check.inversions(done) if check_plausible else ():
             store.delete(fingerprint, key_hash)
             check.forget(key_hash)
             rejected.append(Rejection(by_hash[key_hash], why))
@@ -133,6 +138,7 @@ def collect_calls(
     budget_s: Optional[float] = None,
     progress: Union[bool, Progress, None] = None,
     measurer: Optional[Measurer] = None,
+    check_plausible: bool = True,
 ) -> CollectResult:
     """Measure every unique kernel among ``calls`` that ``store`` does not have yet.
 
@@ -143,13 +149,15 @@ def collect_calls(
         budget_s: stop starting new measurements after this many seconds (the one in flight finishes).
         progress: True/False to force the stderr bar on/off; None = on when stderr is a terminal.
         measurer: a configured ``Measurer`` (or any object with ``measure``/``fingerprint``).
+        check_plausible: refuse implausible times (``collect_keys``).
     """
     measurer = measurer if measurer is not None else Measurer(device)
     calls = list(calls)
     by_hash: dict[str, OpCall] = {}
     for call in calls:
         by_hash.setdefault(kernel_key(call).key_hash, call)
-    return collect_keys(store, unique_keys(calls), measurer, budget_s, progress, calls=by_hash)
+    return collect_keys(store, unique_keys(calls), measurer, budget_s, progress, calls=by_hash,
+                        check_plausible=check_plausible)
 
 
 def sweep_calls(

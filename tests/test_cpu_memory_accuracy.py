@@ -73,9 +73,10 @@ def predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, options: Pro
     seq = x.shape[1] if x.ndim == 2 and not x.is_floating_point() else None
     bindings = resolve_bindings(program, {}, x.shape[0], seq)
     calls = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")).kernel_calls(bindings)
-    # memory only: short timing, but the workspace measurement of every kernel is the real one
+    # memory only: short timing, but the workspace measurement of every kernel is the real one; the
+    # plausibility check would refuse a one-sample time taken under load, and its workspace with it
     measurer = Measurer("cpu", warmup_s=0.0, target_s=0.0, min_runs=1, max_runs=1, min_sample_ns=0)
-    result = collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+    result = collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer, check_plausible=False)
     assert not result.failed, [(k.op, why) for k, why in result.failed]
     memory = Analysis(program, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings).report.memory
     return memory.peak_live_bytes - memory.resident_bytes, memory.workspace_bytes

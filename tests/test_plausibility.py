@@ -64,6 +64,18 @@ def test_a_busy_machines_measurements_are_refused_with_a_reason(tmp_path: Path) 
     assert "8000.0 us is 78x the cpu roofline" in relu.reason
 
 
+def test_a_workspace_only_collection_keeps_the_busy_rows(tmp_path: Path) -> None:
+    """``check_plausible=False`` (a database read for its workspaces only, as the gloo and CPU memory
+    checks read theirs): the same busy clock's rows are all stored, so a load spike cannot drop a
+    kernel's measured scratch from a memory prediction."""
+    measurer = Measurer("cpu", warmup_s=0.0, target_s=0.0, min_runs=1, max_runs=1, num_threads=1,
+                        clock=SteppingClock(BUSY_SLICE_NS))
+    with Store(tmp_path / "k.sqlite") as store:
+        result = collect_calls(store, _calls(), measurer=measurer, progress=False, check_plausible=False)
+        assert not result.rejected
+        assert result.measured == len(_calls()) == store.count(measurer.fingerprint())
+
+
 def test_the_same_measurer_with_a_plausible_clock_stores_every_row(tmp_path: Path) -> None:
     measurer = _measurer(1_000)    # every sample 1 us: faster than no roofline forbids
     with Store(tmp_path / "k.sqlite") as store:
