@@ -26,7 +26,8 @@ Known limitations (gloo and CPU):
   so its transient buffer is the full input, unlike NCCL's.
 - No streams on CPU: FSDP2's all-gather/reduce-scatter run on the default stream, so overlap (and
   the memory it holds in flight on a GPU) is not exercised; prefetch order still is.
-- Mixed precision (``MixedPrecisionPolicy`` with bf16) runs on CPU but is not part of the default set.
+- Mixed precision (``MixedPrecisionPolicy`` with bf16 parameters, fp32 or bf16 reduction) runs on CPU
+  and gloo: the default set has it for fsdp, hsdp, tp_fsdp and pp_fsdp.
 - Sequence parallelism (``tp_sp``): gloo has no reduce-scatter, so each
   ``Partial -> Shard(1)`` runs as a ``gloo:all_reduce`` of the whole [batch, seq, d]; the norm
   weights' gradients stay ``Partial`` and AdamW's foreach ops all-reduce them again on each read
@@ -57,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp")
+PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp",
+                "pp_hsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
 # sizes dominate the allocator's and gloo's fixed-size scratch.
@@ -107,9 +109,9 @@ class TruthConfig:
     @property
     def name(self) -> str:
         extra = ""
-        if self.parallel in ("fsdp", "hsdp", "tp_fsdp", "pp_fsdp"):
+        if self.parallel in ("fsdp", "hsdp", "tp_fsdp", "pp_fsdp", "pp_hsdp"):
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
-        if self.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
+        if self.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp", "pp_hsdp"):
             extra += f"-{self.schedule}-mb{self.microbatches}"
         if self.gradient_as_bucket_view:
             extra += "-bucketview"
@@ -327,7 +329,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     gen = torch.Generator().manual_seed(1000 + rank)
     if cfg.parallel == "pp" and cfg.schedule == "interleaved_1f1b":
         return _interleaved_step(cfg, model, rank)
-    if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp"):
+    if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp", "pp_hsdp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         # pp_tp / pp_ddp: a (pp=2, tp or dp) mesh as torchtitan lays it out (pp outer). pp_tp: each
@@ -335,10 +337,16 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         # wrapped in DistributedDataParallel over its dp group (PipelineStage runs every micro-batch
         # but the last under no_sync); pp_fsdp: each stage layer and the stage module are fully_shard'ed
         # over its dp group (torchtitan's default with pp: reshard_after_forward=False; PipelineStage
-        # keeps parameters gathered and gradients unsharded until its last backward). The stage sends
+        # keeps parameters gathered and gradients unsharded until its last backward); pp_hsdp: the same
+        # on a (pp=2, replicate=2, shard) mesh, fully_shard over its 2-D dp mesh. The stage sends
         # over its pp group.
         stages, stage_id, group, inner, data_seed = cfg.world, rank, None, None, 7
-        if cfg.parallel != "pp":
+        if cfg.parallel == "pp_hsdp":
+            mesh = init_device_mesh("cpu", (2, 2, cfg.world // 4), mesh_dim_names=("pp", "replicate", "shard"))
+            stages, stage_id, group = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group()
+            inner = mesh["replicate", "shard"]
+            data_seed = 1000 + mesh["replicate"].get_local_rank() * (cfg.world // 4) + mesh["shard"].get_local_rank()
+        elif cfg.parallel != "pp":
             inner_name = "tp" if cfg.parallel == "pp_tp" else "dp"
             mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", inner_name))
             stages, stage_id, group, inner = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[inner_name]
@@ -351,12 +359,13 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
             for layer in module.layers:
                 parallelize_module(layer, inner, _tp_plan(cfg.model))
-        if cfg.parallel == "pp_fsdp":
+        if cfg.parallel in ("pp_fsdp", "pp_hsdp"):
             from torch.distributed.fsdp import fully_shard
 
+            mp = {"mp_policy": _mixed_precision(cfg)} if cfg.param_dtype or cfg.reduce_dtype else {}
             for layer in module.layers:
-                fully_shard(layer, mesh=inner, reshard_after_forward=cfg.reshard_after_forward)
-            fully_shard(module, mesh=inner, reshard_after_forward=cfg.reshard_after_forward)
+                fully_shard(layer, mesh=inner, reshard_after_forward=cfg.reshard_after_forward, **mp)
+            fully_shard(module, mesh=inner, reshard_after_forward=cfg.reshard_after_forward, **mp)
         opt = torch.optim.AdamW(_param_groups(module), foreach=True)
         named = dict(module.named_parameters())
         if cfg.parallel == "pp_ddp":
@@ -714,7 +723,8 @@ def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
 
 
 def default_configs() -> list[TruthConfig]:
-    """The benchmark's set: both models under every parallelism (2 ranks; HSDP and TP x FSDP on 4)."""
+    """The benchmark's set: both models under every parallelism (2 ranks; HSDP, TP x FSDP and the
+    pipeline combinations on 4; pp x HSDP on 8)."""
     configs = []
     for model in ("llama", "gpt"):
         configs += [
@@ -741,6 +751,12 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "fsdp", 2, param_dtype="bfloat16", reduce_dtype="bfloat16"),
             TruthConfig(model, "hsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
             TruthConfig(model, "tp_fsdp", 4, param_dtype="bfloat16", reduce_dtype="float32"),
+            *[TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False, param_dtype="bfloat16",
+                          reduce_dtype=reduce) for reduce in ("float32", "bfloat16")],
+            # pp x HSDP on 8 ranks (pp=2 x replicate=2 x shard=2), also with mixed precision
+            TruthConfig(model, "pp_hsdp", 8, schedule="1f1b", reshard_after_forward=False),
+            TruthConfig(model, "pp_hsdp", 8, schedule="1f1b", reshard_after_forward=False, param_dtype="bfloat16",
+                        reduce_dtype="float32"),
             # fully_shard on the whole model only: one unit
             TruthConfig(model, "fsdp", 2, fsdp_wrap="root"),
             TruthConfig(model, "fsdp", 2, reshard_after_forward=False, fsdp_wrap="root"),

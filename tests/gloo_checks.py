@@ -9,6 +9,13 @@ import distributed_truth as truth
 
 TOLERANCE = 0.01   # predicted peak within 1% of the profiler's (issue 17)
 
+# pp x FSDP2 with MixedPrecisionPolicy: bf16 parameters with torchtitan's fp32 reduction (both models)
+# and with bf16 reduction (Llama); run with the other 4-rank truths (conftest.four_rank_gloo_runs)
+PP_FSDP_MIXED_PRECISION = [
+    truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=1, param_dtype="bfloat16",
+                      reduce_dtype=reduce)
+    for model, reduce in (("llama", "float32"), ("gpt", "float32"), ("llama", "bfloat16"))]
+
 
 @functools.lru_cache(maxsize=None)
 def rank_classes(cfg: truth.TruthConfig):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_MIXED_PRECISION, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
@@ -151,9 +151,8 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "pp with dp_shard and --reshard-after-forward true" in _bad(
         capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2", "--reshard-after-forward", "true"
     )
-    assert "HSDP stages" in _bad(
-        capsys, *base, "--parallel", "pp=2,dp_shard=2,dp_replicate=2", "--microbatches", "2",
-        "--reshard-after-forward", "false", "--gpus-per-node", "8"
+    assert "interleaved_1f1b with data parallelism" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
     )
     assert "interleaved_1f1b" in _bad(
         capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
@@ -409,6 +408,117 @@ def test_pp_fsdp_collectives_match_the_real_run(cfg, four_rank_gloo_runs, pp_tp_
         assert [op for op, _ in predicted][-2:] == ["all_reduce", "all_reduce"]
         for rank in rc.ranks:
             assert predicted == [(c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives]
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP_MIXED_PRECISION, ids=[c.name for c in PP_FSDP_MIXED_PRECISION])
+def test_pp_fsdp_mixed_precision_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes,
+                                                        tmp_path_factory) -> None:
+    """torchtitan's pipeline default: ``fully_shard(mp_policy=MixedPrecisionPolicy(bf16, fp32))`` stages.
+    The stages compute in bf16 from fp32 shards; with fp32 reduction the micro-batches' gradients
+    accumulate unsharded in fp32 (``unsharded_accumulated_grad``), with bf16 reduction in ``.grad``."""
+    real = four_rank_gloo_runs[cfg.name]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
+    assert_peaks_match(cfg, pred, real)
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP_MIXED_PRECISION, ids=[c.name for c in PP_FSDP_MIXED_PRECISION])
+def test_pp_fsdp_mixed_precision_collectives_and_dtypes(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """Every collective of each (stage, shard) in order, with its dtype, against the real run: the fp32
+    shards all-gathered once in bf16 (half their bytes), bf16 sends of activations and gradients,
+    one reduce-scatter per unit in the reduce dtype after the last backward; the resident shards and
+    AdamW state stay fp32; with fp32 reduction the accumulators are fp32 copies of the first
+    micro-batch's bf16 gradients, one per parameter, each later micro-batch added into them."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    program, classes = pp_tp_classes(cfg)
+    bindings = micro_bindings(program, predict.parallel_config(cfg),
+                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
+                 "send": "send", "recv_": "recv"}
+    gloo_dtype = {"bfloat16": "c10::BFloat16", "float32": "float"}
+    size = {"bfloat16": 2, "float32": 4}
+    aten = torch.ops.aten
+    for rc in classes:
+        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                            .evaluator(bindings))
+        predicted = [(gloo_name[c.op], gloo_dtype[c.dtype], c.input_bytes // size[c.dtype]) for c in calls]
+        gathers = [(d, n) for op, d, n in predicted if op == "all_gather"]
+        reduces = [(d, n) for op, d, n in predicted if op == "all_reduce"]
+        assert [d for d, _ in gathers] == ["c10::BFloat16"] * 2
+        assert reduces == [(gloo_dtype[cfg.reduce_dtype], 2 * n) for _, n in gathers]
+        assert sum(n for _, n in gathers) * 4 == resident_bytes(rc.program, "param")  # fp32 shards
+        assert all(d == "c10::BFloat16" for op, d, _ in predicted if op in ("send", "recv"))
+        for rank in rc.ranks:
+            run = four_rank_gloo_runs[cfg.name].ranks[rank]
+            assert predicted == [(c["op"], c["dtype"], c["numel"][0]) for c in run.collectives]
+            assert resident_bytes(rc.program, "param") == run.start_param_bytes
+            assert resident_bytes(rc.program, "opt_state") == run.start_optimizer_bytes
+        nodes = list(rc.program.graph.nodes)
+        accumulators = [n for n in nodes if n.target is aten._to_copy.default and n.args[0].op != "placeholder"
+                        and n.meta["val"].dtype == torch.float32 and n.args[0].meta["val"].dtype == torch.bfloat16
+                        and any(u.target is aten.add_.Tensor for u in n.users)]
+        n_params = sum(1 for n in nodes if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
+        if cfg.reduce_dtype == "float32":
+            assert len(accumulators) == n_params
+            for acc in accumulators:   # micro-batches 2..4 added into the fp32 copy of the first
+                adds = [u for u in acc.users if u.target is aten.add_.Tensor]
+                assert len(adds) == cfg.microbatches - 1
+                assert all(a.args[1].meta["val"].dtype == torch.bfloat16 for a in adds)
+        else:
+            assert accumulators == []
+
+
+# -- pipeline x HSDP (8 ranks: pp=2 x dp_replicate=2 x dp_shard=2) -----------------------------------
+PP_HSDP = [truth.TruthConfig("llama", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1),
+           truth.TruthConfig("gpt", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1,
+                             param_dtype="bfloat16", reduce_dtype="float32")]
+
+
+@pytest.fixture(scope="module")
+def eight_rank_gloo_runs():
+    """The 8-rank gloo truth runs of pp x HSDP, in one spawn."""
+    return {r.config.name: r for r in truth.run_configs(PP_HSDP)}
+
+
+@pytest.mark.parametrize("cfg", PP_HSDP, ids=[c.name for c in PP_HSDP])
+def test_pp_hsdp_rank_peak_and_collectives_match_gloo(cfg, eight_rank_gloo_runs, pp_tp_classes,
+                                                      tmp_path_factory) -> None:
+    """Stages ``fully_shard``ed over a 2-D (replicate, shard) mesh: each (stage, shard) class's peak
+    within 1% of all its ranks' real peaks, and its collectives in order against theirs: the shard
+    group's all-gathers, the sends, then per unit a reduce-scatter over the shard group followed by
+    an all-reduce of the shard over the replicas, in the reduce dtype."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    real = eight_rank_gloo_runs[cfg.name]
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1, 2, 3), (4, 5, 6, 7)]   # a stage's shards hold equal shapes
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
+    bindings = micro_bindings(program, predict.parallel_config(cfg),
+                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
+                 "all_reduce_": "all_reduce", "send": "send", "recv_": "recv"}
+    size = {"bfloat16": 2, "float32": 4}
+    for rc in classes:
+        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                            .evaluator(bindings))
+        predicted = [(gloo_name[c.op], c.input_bytes // size[c.dtype]) for c in calls]
+        groups = [c.group for c in calls if c.op in ("reduce_scatter_tensor", "all_reduce_")]
+        assert groups == ["dp_shard", "dp_replicate"] * 2   # per unit (root, layer)
+        for rank in rc.ranks:
+            assert predicted == [(c["op"], c["numel"][0]) for c in real.ranks[rank].collectives]
+            assert resident_bytes(rc.program, "param") == real.ranks[rank].start_param_bytes
 
 
 def test_pp_fsdp_tp_composes() -> None:

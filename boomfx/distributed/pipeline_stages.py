@@ -57,6 +57,7 @@ accumulated unsharded, reduce-scattered after the last backward).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -124,6 +125,19 @@ class StageLayout:
     merge: Optional[str]                          # the last stage's _merge_outputs cat (its size grows with M)
     releases: str                                 # send_releases' rules: gpipe, 1f1b or runtime
     pipeline_end: str
+
+    def renamed(self, moved: Mapping[str, str]) -> "StageLayout":
+        """The layout after a rewrite erased the nodes ``moved`` names (each -> the node now in its place)."""
+        def name(n: str) -> str:
+            while n in moved:
+                n = moved[n]
+            return n
+
+        return dataclasses.replace(
+            self, action_ends={k: name(v) for k, v in self.action_ends.items()},
+            sent={name(k): v for k, v in self.sent.items()},
+            backward_ends={k: name(v) for k, v in self.backward_ends.items()},
+            merge=name(self.merge) if self.merge is not None else None, pipeline_end=name(self.pipeline_end))
 
 
 def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:

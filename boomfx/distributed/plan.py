@@ -180,16 +180,11 @@ class ParallelConfig:
             return None
         if self.dp_shard > 1 and self.fsdp_wrap != "layers":
             return "--parallel pp with --fsdp-wrap root is not built yet (each stage's layers as units is)"
-        if self.fsdp_param_dtype or self.fsdp_reduce_dtype:
-            return ("--parallel pp with FSDP mixed precision is not modelled yet (micro-batches accumulate "
-                    "unsharded gradients in the reduce dtype)")
         if self.pp_schedule == "interleaved_1f1b" and self.dp > 1:
             return ("--pp-schedule interleaved_1f1b with data parallelism (dp_shard / dp_replicate) is not built yet "
                     "(with pp and tp it is; gpipe and 1f1b with data parallelism are)")
         if self.tp > 1 and (self.sp or self.vocab_parallel):
             return "--parallel pp with sp or a vocabulary-parallel TP plan is not built yet (pp with the default TP plan is)"
-        if self.dp_shard > 1 and self.dp_replicate > 1:
-            return "--parallel pp with dp_shard and dp_replicate (HSDP stages) is not built yet"
         if self.dp_shard > 1 and self.reshard_after_forward:
             return ("--parallel pp with dp_shard and --reshard-after-forward true: resharding between "
                     "micro-batches is not modelled yet (false, torchtitan's default with pp, is)")

@@ -16,13 +16,22 @@ of the stage's layers, then the stage module as the root):
   divides by the micro-batch count follow, on the sharded gradients;
 - AdamW steps the shards.
 
+Mixed precision (``MixedPrecisionPolicy``, torchtitan's default with pp: bf16 parameters, fp32
+reduction): the stages are cut from the step traced with bf16 parameters (``mixed_precision.py``), the
+resident shards and AdamW state keep the master dtype and the all-gathers run in bf16 as in
+``fsdp.py``. A ``reduce_dtype`` the gradients lack changes the accumulation (``_accumulate_in``): at each
+unit's post-backward of the first micro-batch its ``.grad`` is copied into a reduce-dtype accumulator
+(``FSDPParam.to_accumulated_grad_if_needed``) and freed; each later micro-batch's ``.grad`` lives to
+that micro-batch's post-backward, is added into the accumulator and freed. The reduce-scatters then
+read the accumulators.
+
 The gloo truth (``pp_fsdp`` rows of ``benchmarks/results/distributed_gloo.json``) runs the same
 collectives in that order (its reduce-scatter as an all_reduce of the ``[N x T]`` input).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx
@@ -41,6 +50,7 @@ from boomfx.distributed.fsdp import (
     _all_gather,
     _copy_out,
     _grad_nodes_by_param,
+    _master,
     _reduce_scatter,
     _shard_optimizer,
     _Unit,
@@ -48,7 +58,16 @@ from boomfx.distributed.fsdp import (
 )
 from boomfx.distributed.graph_edit import GraphEditor, meta_tensor
 from boomfx.distributed.p2p import is_p2p
-from boomfx.distributed.pipeline_stages import META_GRAD_READY, StageProgram
+from boomfx.core.layers import module_path
+from boomfx.distributed.graph_edit import owning_layer
+from boomfx.distributed.pipeline_stages import (
+    BACKWARD,
+    META_ACTION,
+    META_CHUNK,
+    META_GRAD_READY,
+    META_LAYOUT,
+    StageProgram,
+)
 
 aten = torch.ops.aten
 
@@ -67,11 +86,15 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         owner = next((l for l in stage.layers if fqn.startswith(l + ".")), ROOT)
         units[owner].params.append(p)
     full_shapes = {p.name: list(p.meta["val"].shape) for p in params}
+    compute_dtype = {u.name: u.params[0].meta["val"].dtype for u in units.values() if u.params}
     grad_of = _grad_nodes_by_param(program, graph)
-    for p in params:
+    for p in params:  # resident shards: the master dtype under mixed precision (fp32 shards, bf16 compute)
         val = p.meta["val"]
-        p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), val.dtype)
+        p.meta["val"] = meta_tensor(padded_shard_shape(val.shape, n), _master(val.dtype, spec))
     _shard_optimizer(program, graph, full_shapes, n, rank, spec)
+    moved: dict[str, str] = {}
+    if spec.reduce_dtype is not None:
+        moved = _accumulate_in(spec.reduce_dtype, edit, [units[ROOT]] + [units[l] for l in stage.layers], grad_of)
 
     calls = [x for x in graph.nodes if x.op == "call_function"]
     first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
@@ -96,7 +119,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         anchor = first_fwd if unit.name == ROOT else next(
             x for x in graph.nodes if x.op == "call_function" and any(a in members for a in x.all_input_nodes)
             and phases.get(x.name) != PHASE_OPTIMIZER)
-        dtype = unit.params[0].meta["val"].dtype   # no mixed precision with pp (plan.not_modelled)
+        dtype = compute_dtype[unit.name]
         flat, waited = _all_gather(edit, spec, rank, unit, anchor, PHASE_FORWARD, dtype)
         if previous_flat is not None:
             edit.keep_alive(waited, [previous_flat])
@@ -134,12 +157,16 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     graph.lint()
     uses: dict[str, tuple[str, ...]] = {}
     for k, v in program.gm.meta.get(META_RUNTIME_USES, {}).items():  # the erased divides' moved to the end
+        while k in moved:   # an erased accumulation's runtime uses stay where it was
+            k = moved[k]
         key = last_backward.name if k in erased else k
         uses[key] = tuple(dict.fromkeys(uses.get(key, ()) + tuple(a for a in v if a not in erased)))
     for k, v in edit.extra_uses.items():
         uses[k] = tuple(dict.fromkeys(tuple(uses.get(k, ())) + tuple(v)))
     out = program.rewritten(graph, phases=phases, grad_nodes=new_grad_nodes)
     out.gm.meta[META_RUNTIME_USES] = uses
+    if moved and META_LAYOUT in out.gm.meta:
+        out.gm.meta[META_LAYOUT] = out.gm.meta[META_LAYOUT].renamed(moved)
     out.gm.meta.pop(META_GRAD_READY, None)  # the reduce-scatters, not the accumulations, end the gradients
     return out
 
@@ -160,3 +187,69 @@ def _first_action_end(calls: list[torch.fx.Node], phases: dict[str, str]) -> tor
             return previous
         previous = x
     return previous
+
+
+def _accumulate_in(dtype: torch.dtype, edit: GraphEditor, units: list[_Unit],
+                   grad_of: dict[str, torch.fx.Node]) -> dict[str, str]:
+    """Gradients accumulated over the micro-batches in the reduce dtype, as ``FSDPParam`` does when
+    ``set_requires_gradient_sync(False)`` meets a ``reduce_dtype`` the gradients lack: at each unit's
+    post-backward the first micro-batch's ``.grad`` is copied into ``unsharded_accumulated_grad``
+    (``to_accumulated_grad_if_needed``) and freed; each later micro-batch's ``.grad`` (``AccumulateGrad``
+    finds none: it is assigned) is added into it at that micro-batch's post-backward
+    (``accumulate_unsharded_grad_if_needed``) and freed. ``grad_of`` then names the accumulators;
+    returned: erased node -> the node before it (where runtime uses keyed on it now sit)."""
+    graph = edit.graph
+    accumulators = set(grad_of.values())
+    ends = _post_backwards(graph, units, skip=lambda x: x.target is aten.add_.Tensor and x.args[0] in accumulators)
+    owner = {p.name: u.name for u in units for p in u.params}
+    moved: dict[str, str] = {}
+    for param, first in list(grad_of.items()):
+        if first.meta["val"].dtype == dtype:
+            continue
+        adds = [u for u in first.users if u.target is aten.add_.Tensor and u.args[0] is first]
+        acc = _tagged(edit.call(ends[(owner[param], first.meta[META_ACTION])], aten._to_copy.default, (first,),
+                                meta_tensor(first.meta["val"].shape, dtype), PHASE_BACKWARD,
+                                kwargs={"dtype": dtype}, like=first, after=True), first)
+        for old in adds:
+            new = _tagged(edit.call(ends[(owner[param], old.meta[META_ACTION])], aten.add_.Tensor,
+                                    (acc, old.args[1]), acc.meta["val"], PHASE_BACKWARD, like=old, after=True), old)
+            old.replace_all_uses_with(new)
+            moved[old.name] = old.prev.name
+            graph.erase_node(old)
+        first.replace_all_uses_with(acc, delete_user_cb=lambda user: user is not acc)
+        grad_of[param] = acc
+    return moved
+
+
+def _tagged(node: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    """``node`` in ``like``'s schedule action and virtual stage (the replay repeats it with them)."""
+    for key in (META_ACTION, META_CHUNK):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+def _post_backwards(graph: torch.fx.Graph, units: list[_Unit],
+                    skip: Callable[[torch.fx.Node], bool]) -> dict[tuple, torch.fx.Node]:
+    """(unit, backward action) -> the node after which the unit's post-backward hook runs: a layer's once
+    the gradient of its input is complete (its last op and the unowned gradient sums after it, as
+    ``fsdp._units``), the root's at the backward's final callback (before the action's send). ``skip``:
+    nodes that are no anchor (the accumulations, which the caller replaces)."""
+    layers = {u.name for u in units if u.name != ROOT}
+    by_action: dict[tuple, list[torch.fx.Node]] = {}
+    for x in graph.nodes:
+        action = x.meta.get(META_ACTION)
+        if x.op == "call_function" and action is not None and action[0] == BACKWARD and not is_p2p(x) and not skip(x):
+            by_action.setdefault(action, []).append(x)
+    ends: dict[tuple, torch.fx.Node] = {}
+    for action, nodes in by_action.items():
+        ends[(ROOT, action)] = nodes[-1]
+        for i, x in enumerate(nodes):
+            layer = owning_layer(module_path(x), layers)
+            if layer is None:
+                continue
+            end = i
+            while end + 1 < len(nodes) and not module_path(nodes[end + 1]):
+                end += 1
+            ends[(layer, action)] = nodes[end]
+    return ends

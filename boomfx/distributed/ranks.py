@@ -89,6 +89,8 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig, copies: Optional[in
     ``dp_replicate`` each stage program gets DDP's buckets (a ``DistributedDataParallel`` stage module)."""
     from boomfx.distributed.pipeline_stages import META_GRAD_READY, stage_programs
 
+    mp = mixed_precision.policy(program, cfg)
+    program = mixed_precision.compute_program(program, mp)   # stages cut from the bf16-parameter step
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
 
@@ -100,7 +102,7 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig, copies: Optional[in
         tp = f"TP {cfg.tp} x " if cfg.tp > 1 else ""
         stage_program = stage.program
         if cfg.dp_shard > 1:  # fully_shard on each layer of the stage and the stage module
-            classes += _fsdp_stage_classes(stage, ranks, cfg, f"{tp}pipeline stage {stage.stage} of {cfg.pp} "
+            classes += _fsdp_stage_classes(stage, ranks, cfg, mp, f"{tp}pipeline stage {stage.stage} of {cfg.pp} "
                                            f"({layers}, {cfg.pp_schedule}, {cfg.num_microbatches} micro-batches)")
             continue
         if cfg.dp_replicate > 1:  # PipelineStage syncs DDP's buckets in the last micro-batch's backward only
@@ -114,17 +116,19 @@ def _pipeline_classes(program: Program, cfg: ParallelConfig, copies: Optional[in
     return classes
 
 
-def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, label: str) -> list[RankClass]:
+def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, mp: mixed_precision.MixedPrecision,
+                        label: str) -> list[RankClass]:
     """A stage's ranks grouped by the shard shapes they hold (``torch.chunk``), one program each."""
     from boomfx.distributed.pp_fsdp import fsdp_stage_program
 
     program = stage.program
-    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, all_gather_scratch=cfg.backend == "gloo")
+    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, replicate_world=cfg.dp_replicate,
+                     all_gather_scratch=cfg.backend == "gloo", master_dtype=mp.master, reduce_dtype=mp.reduce)
     classes = []
     for members in _by_shard_shapes(program, ranks, cfg):
         shard = cfg.coords(members[0])["dp_shard"]
         classes.append(RankClass(tuple(members), fsdp_stage_program(stage, spec, shard),
-                                 f"FSDP shard {shard} of {cfg.dp_shard} x {label}"))
+                                 f"{'HSDP' if cfg.dp_replicate > 1 else 'FSDP'} shard {shard} of {cfg.dp_shard} x {label}"))
     return classes
 
 
