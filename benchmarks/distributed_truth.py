@@ -327,7 +327,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
 
     model = build_model(cfg.model)
     gen = torch.Generator().manual_seed(1000 + rank)
-    if cfg.parallel == "pp" and cfg.schedule == "interleaved_1f1b":
+    if cfg.parallel in ("pp", "pp_fsdp") and cfg.schedule == "interleaved_1f1b":
         return _interleaved_step(cfg, model, rank)
     if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp", "pp_hsdp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -427,20 +427,37 @@ STAGES_PER_RANK = 2  # interleaved 1F1B's chunks per rank (boomfx's default --pp
 
 
 def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tuple[Any, Any, dict]:
-    """``ScheduleInterleaved1F1B`` over ``world`` ranks holding ``STAGES_PER_RANK`` chunks each: rank r
-    runs virtual stages r, r + world, ... of the ``world x STAGES_PER_RANK``-stage split."""
+    """``ScheduleInterleaved1F1B`` over ``pp`` ranks holding ``STAGES_PER_RANK`` chunks each: pipeline rank
+    r runs virtual stages r, r + pp, ... of the ``pp x STAGES_PER_RANK``-stage split. ``pp``: the world;
+    pp_fsdp: 2, on a (pp, dp) mesh, each chunk's layers and the chunk module ``fully_shard``ed over its
+    dp group (the runtime unshards a rank's chunks before its first action and reduce-scatters each
+    after its last backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-    total = cfg.world * STAGES_PER_RANK
+    pp, group, data_seed, dp = cfg.world, None, 7, None
+    if cfg.parallel == "pp_fsdp":
+        mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", "dp"))
+        pp, group, dp = 2, mesh["pp"].get_group(), mesh["dp"]
+        rank, data_seed = mesh["pp"].get_local_rank(), 1000 + dp.get_local_rank()
+    total = pp * STAGES_PER_RANK
     ranges = stage_layer_ranges(len(layer_list(model)), total)
-    chunks = [c * cfg.world + rank for c in range(STAGES_PER_RANK)]
+    chunks = [c * pp + rank for c in range(STAGES_PER_RANK)]
     modules = [_Stage(model, *ranges[k], k == 0, k == total - 1) for k in chunks]
-    stages = [PipelineStage(mod, k, total, torch.device("cpu")) for mod, k in zip(modules, chunks)]
+    if dp is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        mp = {"mp_policy": _mixed_precision(cfg)} if cfg.param_dtype or cfg.reduce_dtype else {}
+        for module in modules:
+            for layer in module.layers:
+                fully_shard(layer, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
+            fully_shard(module, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
+    stages = [PipelineStage(mod, k, total, torch.device("cpu"), group=group) for mod, k in zip(modules, chunks)]
     schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=_mean_loss)
     params = [p for mod in modules for p in mod.parameters()]
     opt = torch.optim.AdamW(params, foreach=True)
     named = {f"chunk{k}.{n}": p for mod, k in zip(modules, chunks) for n, p in mod.named_parameters()}
-    idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
+    idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
     target = torch.zeros(cfg.batch, 1)
     return _schedule_step(schedule, opt, idx, target, 0 in chunks, total - 1 in chunks), opt, named
 
@@ -763,5 +780,10 @@ def default_configs() -> list[TruthConfig]:
             # ScheduleInterleaved1F1B: the 4-layer model, 2 ranks x 2 chunks of one layer
             TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=4),
             TruthConfig(f"{model}4", "pp", 2, schedule="interleaved_1f1b", microbatches=2),
+            # ... and with each chunk fully_shard'ed over a dp group of 2 (pp=2 x dp_shard=2), also with
+            # mixed precision
+            TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False),
+            TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False,
+                        param_dtype="bfloat16", reduce_dtype="float32"),
         ]
     return configs

@@ -168,7 +168,7 @@ def four_rank_gloo_runs():
     gradient_as_bucket_view) and PP x FSDP, also with FSDP mixed precision (test_distributed_pp.py), by name, in one spawn (process start-up and ``import torch`` paid once)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
-    from gloo_checks import PP_FSDP_MIXED_PRECISION
+    from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION
 
     configs = [truth.TruthConfig(model, parallel, 4, timed_steps=1)
                for parallel in ("tp_fsdp", "pp_tp", "pp_ddp") for model in ("llama", "gpt")]
@@ -176,5 +176,5 @@ def four_rank_gloo_runs():
                 for model in ("llama", "gpt")]
     configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=1)
                 for model in ("llama", "gpt")]
-    configs += PP_FSDP_MIXED_PRECISION
+    configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_INTERLEAVED
     return {r.config.name: r for r in truth.run_configs(configs)}

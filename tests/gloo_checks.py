@@ -16,6 +16,11 @@ PP_FSDP_MIXED_PRECISION = [
                       reduce_dtype=reduce)
     for model, reduce in (("llama", "float32"), ("gpt", "float32"), ("llama", "bfloat16"))]
 
+# ScheduleInterleaved1F1B with FSDP: the 4-layer models, pp=2 ranks x 2 chunks of one layer, dp_shard=2
+PP_FSDP_INTERLEAVED = [
+    truth.TruthConfig(model, "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False, timed_steps=1)
+    for model in ("llama4", "gpt4")]
+
 
 @functools.lru_cache(maxsize=None)
 def rank_classes(cfg: truth.TruthConfig):

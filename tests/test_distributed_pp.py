@@ -13,6 +13,7 @@ kernel's scratch measured on this CPU as tests/test_distributed_memory.py does.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import PP_FSDP_MIXED_PRECISION, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
@@ -151,8 +152,12 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "pp with dp_shard and --reshard-after-forward true" in _bad(
         capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2", "--reshard-after-forward", "true"
     )
-    assert "interleaved_1f1b with data parallelism" in _bad(
-        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
+    assert "interleaved_1f1b with dp_shard and 4 stages per rank is not built yet" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2",
+        "--pp-stages-per-rank", "4"
+    )
+    assert "DistributedDataParallel fails under ScheduleInterleaved1F1B" in _bad(
+        capsys, *base, "--parallel", "pp=2,dp_replicate=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
     )
     assert "interleaved_1f1b" in _bad(
         capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
@@ -338,6 +343,25 @@ def test_pp_ddp_all_reduces_once_after_the_last_backward(cfg, four_rank_gloo_run
             assert resident_bytes(rc.program, "param") == real.start_param_bytes
 
 
+GLOO_NAME = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
+             "all_reduce_": "all_reduce", "send": "send", "recv_": "recv"}  # gloo runs reduce-scatter as all_reduce
+
+
+def class_collectives(cfg: truth.TruthConfig, program, classes) -> list:
+    """(rank class, its collectives in program order) at ``cfg``'s micro-batch bindings."""
+    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import collectives
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+
+    bindings = micro_bindings(program, predict.parallel_config(cfg),
+                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
+    spec = cpu_spec()
+    return [(rc, collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
+                             .evaluator(bindings))) for rc in classes]
+
+
 # -- pipeline x FSDP (4 ranks: pp=2 x dp_shard=2) ---------------------------------------------------
 PP_FSDP = [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=1)
            for model in ("llama", "gpt")]
@@ -384,22 +408,9 @@ def test_pp_fsdp_collectives_match_the_real_run(cfg, four_rank_gloo_runs, pp_tp_
     stage module as root, then its layer) one all-gather of the rank's flat shard in the first
     forward; the 4 micro-batches' sends and receives; after the last backward one reduce-scatter per
     unit, root first (gloo: an all_reduce of the whole [2 x T] input, twice the shard)."""
-    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-    from boomfx.core.devices import cpu_spec
-    from boomfx.distributed.analysis import collectives
-    from boomfx.distributed.pipeline_stages import micro_bindings
-    from boomfx.frontend.capture import resolve_bindings
-
     program, classes = pp_tp_classes(cfg)
-    bindings = micro_bindings(program, predict.parallel_config(cfg),
-                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
-    spec = cpu_spec()
-    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
-                 "send": "send", "recv_": "recv"}
-    for rc in classes:
-        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
-                            .evaluator(bindings))
-        predicted = [(gloo_name[c.op], c.input_bytes // 4) for c in calls]
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], c.input_bytes // 4) for c in calls]
         gathers = [n for op, n in predicted if op == "all_gather"]
         reduces = [n for op, n in predicted if op == "all_reduce"]
         assert len(gathers) == 2 and reduces == [2 * g for g in gathers]
@@ -429,25 +440,12 @@ def test_pp_fsdp_mixed_precision_collectives_and_dtypes(cfg, four_rank_gloo_runs
     one reduce-scatter per unit in the reduce dtype after the last backward; the resident shards and
     AdamW state stay fp32; with fp32 reduction the accumulators are fp32 copies of the first
     micro-batch's bf16 gradients, one per parameter, each later micro-batch added into them."""
-    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-    from boomfx.core.devices import cpu_spec
-    from boomfx.distributed.analysis import collectives
-    from boomfx.distributed.pipeline_stages import micro_bindings
-    from boomfx.frontend.capture import resolve_bindings
-
     program, classes = pp_tp_classes(cfg)
-    bindings = micro_bindings(program, predict.parallel_config(cfg),
-                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
-    spec = cpu_spec()
-    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
-                 "send": "send", "recv_": "recv"}
     gloo_dtype = {"bfloat16": "c10::BFloat16", "float32": "float"}
     size = {"bfloat16": 2, "float32": 4}
     aten = torch.ops.aten
-    for rc in classes:
-        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
-                            .evaluator(bindings))
-        predicted = [(gloo_name[c.op], gloo_dtype[c.dtype], c.input_bytes // size[c.dtype]) for c in calls]
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], gloo_dtype[c.dtype], c.input_bytes // size[c.dtype]) for c in calls]
         gathers = [(d, n) for op, d, n in predicted if op == "all_gather"]
         reduces = [(d, n) for op, d, n in predicted if op == "all_reduce"]
         assert [d for d, _ in gathers] == ["c10::BFloat16"] * 2
@@ -474,6 +472,33 @@ def test_pp_fsdp_mixed_precision_collectives_and_dtypes(cfg, four_rank_gloo_runs
             assert accumulators == []
 
 
+@pytest.mark.parametrize("cfg", PP_FSDP_INTERLEAVED, ids=[c.name for c in PP_FSDP_INTERLEAVED])
+def test_interleaved_pp_fsdp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
+    """``ScheduleInterleaved1F1B`` over ``fully_shard``ed chunks (each chunk's layer and the chunk module):
+    the runtime's UNSHARD actions all-gather every unit of both chunks before the first action (the
+    second chunk's flat buffers live until its first forward), each chunk reduce-scatters after its own
+    last backward. Each (pipeline rank, shard) class: peak within 1% of the real run's, its FSDP
+    collectives in order with their sizes, and the same sends and receives (the runtime posts its
+    receives ahead of the actions that read them, so their order interleaves differently here)."""
+    real = four_rank_gloo_runs[cfg.name]
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1), (2, 3)]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], c.input_bytes // 4) for c in calls]
+        gathers = [i for i, (op, _) in enumerate(predicted) if op == "all_gather"]
+        assert gathers == list(range(len(gathers))) and len(gathers) >= 2   # all issued up front
+        fsdp = [c for c in predicted if c[0] not in ("send", "recv")]
+        assert [op for op, _ in fsdp] == ["all_gather"] * len(gathers) + ["all_reduce"] * len(gathers)
+        for rank in rc.ranks:
+            ran = [(c["op"], c["numel"][0]) for c in real.ranks[rank].collectives]
+            assert fsdp == [c for c in ran if c[0] not in ("send", "recv")]
+            assert Counter(predicted) == Counter(ran)
+            assert resident_bytes(rc.program, "param") == real.ranks[rank].start_param_bytes
+            assert resident_bytes(rc.program, "opt_state") == real.ranks[rank].start_optimizer_bytes
+
+
 # -- pipeline x HSDP (8 ranks: pp=2 x dp_replicate=2 x dp_shard=2) -----------------------------------
 PP_HSDP = [truth.TruthConfig("llama", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1),
            truth.TruthConfig("gpt", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1,
@@ -493,27 +518,14 @@ def test_pp_hsdp_rank_peak_and_collectives_match_gloo(cfg, eight_rank_gloo_runs,
     within 1% of all its ranks' real peaks, and its collectives in order against theirs: the shard
     group's all-gathers, the sends, then per unit a reduce-scatter over the shard group followed by
     an all-reduce of the shard over the replicas, in the reduce dtype."""
-    from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-    from boomfx.core.devices import cpu_spec
-    from boomfx.distributed.analysis import collectives
-    from boomfx.distributed.pipeline_stages import micro_bindings
-    from boomfx.frontend.capture import resolve_bindings
-
     real = eight_rank_gloo_runs[cfg.name]
     program, classes = pp_tp_classes(cfg)
     assert [rc.ranks for rc in classes] == [(0, 1, 2, 3), (4, 5, 6, 7)]   # a stage's shards hold equal shapes
     db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
     assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
-    bindings = micro_bindings(program, predict.parallel_config(cfg),
-                              resolve_bindings(program, {}, cfg.batch, cfg.seq))
-    spec = cpu_spec()
-    gloo_name = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "all_reduce",
-                 "all_reduce_": "all_reduce", "send": "send", "recv_": "recv"}
     size = {"bfloat16": 2, "float32": 4}
-    for rc in classes:
-        calls = collectives(rc.program, Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none"))
-                            .evaluator(bindings))
-        predicted = [(gloo_name[c.op], c.input_bytes // size[c.dtype]) for c in calls]
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], c.input_bytes // size[c.dtype]) for c in calls]
         groups = [c.group for c in calls if c.op in ("reduce_scatter_tensor", "all_reduce_")]
         assert groups == ["dp_shard", "dp_replicate"] * 2   # per unit (root, layer)
         for rank in rc.ranks:

@@ -284,10 +284,11 @@ def fsdp_rank_program(program: Program, spec: ShardSpec, rank: int) -> Program:
 
 def _all_gather(
     edit: GraphEditor, spec: ShardSpec, rank: int, unit: _Unit, anchor: torch.fx.Node, phase: str,
-    dtype: torch.dtype,
+    dtype: torch.dtype, wait_at: Optional[torch.fx.Node] = None,
 ) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(flat buffer, waited all-gather) of ``unit``'s shards in ``dtype`` (the traced parameters'),
-    inserted before ``anchor``."""
+    inserted before ``anchor``; ``wait_at``: waited there instead (an ``unshard(async_op=True)``
+    whose handle is waited later: the flat buffer lives from the issue to the wait)."""
     n = spec.world
     total = sum(numel(p.meta["val"].shape) for p in unit.params)
     def sized(elems: int) -> torch.fx.Node:
@@ -312,7 +313,7 @@ def _all_gather(
         phase,
         kwargs={"out": flat},
     )
-    waited = edit.wait(anchor, gathered, phase)
+    waited = edit.wait(wait_at if wait_at is not None else anchor, gathered, phase)
     if scratch is not None:
         edit.keep_alive(gathered, [scratch])
     if cast_input is not None:

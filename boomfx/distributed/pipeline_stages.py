@@ -42,7 +42,9 @@ step ends: each sent activation and input gradient lives to the end of the step.
 carries its chunk (``META_CHUNK``), so the step's time is priced per virtual stage.
 
 Known limitations:
-- Interleaved 1F1B with data parallelism (dp_shard, dp_replicate) is refused (OptionError).
+- Interleaved 1F1B with dp_replicate is refused (OptionError): torch 2.13's DDP fails under
+  ``ScheduleInterleaved1F1B`` (its reducer's bucket rebuild asserts, seen on gloo); with dp_shard it is
+  built for up to 3 chunks per rank (``pp_fsdp.py``: the runtime keeps them all unsharded).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
   ties a parameter across stages (tied embeddings), is refused.
 

@@ -16,6 +16,11 @@ of the stage's layers, then the stage module as the root):
   divides by the micro-batch count follow, on the sharded gradients;
 - AdamW steps the shards.
 
+Interleaved 1F1B (``_PipelineScheduleRuntime``): each chunk module is a root of its own, and the
+lowered schedule's UNSHARD / REDUCE_GRAD actions replace the hooks' timing (``_interleaved_units``):
+every unit's all-gather issued before the first action, each chunk's waited at its first forward,
+each chunk's reduce-scatters after its last backward.
+
 Mixed precision (``MixedPrecisionPolicy``, torchtitan's default with pp: bf16 parameters, fp32
 reduction): the stages are cut from the step traced with bf16 parameters (``mixed_precision.py``), the
 resident shards and AdamW state keep the master dtype and the all-gathers run in bf16 as in
@@ -80,10 +85,16 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     edit = GraphEditor(graph, phases)
     n = spec.world
     params = [p for p in graph.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
-    units = {name: _Unit(name, [], [], []) for name in (ROOT,) + tuple(stage.layers)}
+    chunk_ids = sorted({x.meta[META_CHUNK] for x in graph.nodes if META_CHUNK in x.meta})
+    interleaved = len(stage.chunk_layers) > 1
+    roots = tuple(_chunk_root(k) for k in chunk_ids) if interleaved else (ROOT,)
+    units = {name: _Unit(name, [], [], []) for name in roots + tuple(stage.layers)}
     for p in params:
         fqn = program.param_names.get(p.name, p.name)
-        owner = next((l for l in stage.layers if fqn.startswith(l + ".")), ROOT)
+        owner = next((l for l in stage.layers if fqn.startswith(l + ".")), None)
+        if owner is None:   # a root parameter: the chunk module whose forward reads it
+            owner = _chunk_root(next(u.meta[META_CHUNK] for u in p.users if META_CHUNK in u.meta)) \
+                if interleaved else ROOT
         units[owner].params.append(p)
     full_shapes = {p.name: list(p.meta["val"].shape) for p in params}
     compute_dtype = {u.name: u.params[0].meta["val"].dtype for u in units.values() if u.params}
@@ -94,7 +105,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     _shard_optimizer(program, graph, full_shapes, n, rank, spec)
     moved: dict[str, str] = {}
     if spec.reduce_dtype is not None:
-        moved = _accumulate_in(spec.reduce_dtype, edit, [units[ROOT]] + [units[l] for l in stage.layers], grad_of)
+        moved = _accumulate_in(spec.reduce_dtype, edit, list(units.values()), grad_of)
 
     calls = [x for x in graph.nodes if x.op == "call_function"]
     first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
@@ -110,6 +121,13 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     last_backward = [x for x in calls if phases.get(x.name) != PHASE_OPTIMIZER
                      and x.target is not aten.cat.default][-1]  # the last action's end (before _merge_outputs)
 
+    if interleaved:
+        chunk_units = [[units[_chunk_root(k)]] + [units[l] for l in layers]
+                       for k, layers in zip(chunk_ids, stage.chunk_layers)]
+        chunk_units = [[u for u in group if u.params] for group in chunk_units]
+        sharded_grads = _interleaved_units(edit, spec, rank, stage, chunk_ids, chunk_units, full_shapes,
+                                           compute_dtype, grad_of, divisors, moved)
+        return _finish(program, graph, phases, edit, moved, erased, last_backward, sharded_grads)
     order = [units[ROOT]] + [units[l] for l in stage.layers]
     order = [u for u in order if u.params]
     fulls_of: dict[str, list[torch.fx.Node]] = {}
@@ -133,9 +151,27 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     if previous_flat is not None:
         edit.keep_alive(first_action_end, [previous_flat])
 
-    new_grad_nodes: dict[str, str] = {}
-    sharded_grads: list[torch.fx.Node] = []
-    anchor = last_backward
+    sharded_grads = _reduce_units(edit, spec, rank, order, last_backward, full_shapes, grad_of, fulls_of, divisors)
+    return _finish(program, graph, phases, edit, moved, erased, last_backward, sharded_grads)
+
+
+def _chunk_root(k: int) -> str:
+    """The unit of chunk ``k``'s module (interleaved 1F1B: one ``fully_shard`` root per chunk)."""
+    return f"@{k}"
+
+
+def _is_root(name: str) -> bool:
+    return name == ROOT or name.startswith("@")
+
+
+def _reduce_units(edit: GraphEditor, spec: ShardSpec, rank: int, order: list[_Unit], anchor: torch.fx.Node,
+                  full_shapes: dict, grad_of: dict[str, torch.fx.Node], fulls_of: dict[str, list[torch.fx.Node]],
+                  divisors: list) -> dict[torch.fx.Node, str]:
+    """``perform_reduce_grad`` of ``order``'s units after ``anchor``: per unit a reduce-scatter (its input
+    alive until the next one's), the reshard, then ``scale_grads``' divides on the sharded gradients.
+    Returned: sharded gradient -> its parameter's placeholder name."""
+    phases = edit.phases
+    sharded_grads: dict[torch.fx.Node, str] = {}
     previous_input: Optional[torch.fx.Node] = None
     for unit in order:
         unit.bwd_end = anchor
@@ -148,13 +184,60 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         edit.keep_alive(anchor, fulls_of[unit.name])  # the reshard, after the reduce-scatter
         for p, g, s in zip(unit.params, unit_grads, sharded):
             g.replace_all_uses_with(s, delete_user_cb=lambda user: phases.get(user.name) == PHASE_OPTIMIZER)
-            new_grad_nodes[s.name] = program.param_names.get(p.name, p.name)
-            sharded_grads.append(s)
+            sharded_grads[s] = p.name
     if divisors:
         for view in sharded_grads:
             anchor = edit.call(anchor, aten.div_.Scalar, (view, divisors[0]), view.meta["val"], PHASE_BACKWARD,
                                after=True, like=view)
+    return sharded_grads
+
+
+def _interleaved_units(edit: GraphEditor, spec: ShardSpec, rank: int, stage: StageProgram, chunk_ids: list[int],
+                       chunk_units: list[list[_Unit]], full_shapes: dict, compute_dtype: dict,
+                       grad_of: dict[str, torch.fx.Node], divisors: list,
+                       moved: dict[str, str]) -> dict[torch.fx.Node, str]:
+    """FSDP under ``ScheduleInterleaved1F1B`` (``_PipelineScheduleRuntime``, torch 2.13): the lowered
+    schedule's ``UNSHARD`` actions (``_add_unshard_reshard``, up to 3 active chunks: all of a rank's 2
+    or 3) issue every unit's all-gather before the first action, chunk by chunk, the chunk module
+    first; a chunk's handles are waited (copied out, the flat buffer freed) at its first forward; its
+    ``REDUCE_GRAD`` follows its last backward action (after that action's send)."""
+    graph, phases = edit.graph, edit.phases
+    n = spec.world
+    layout = stage.program.gm.meta[META_LAYOUT].renamed(moved)
+    by_name = {x.name: x for x in graph.nodes}
+    calls = [x for x in graph.nodes if x.op == "call_function"]
+    issue_at = calls[0]
+    first_forward = {}
+    for x in calls:
+        action = x.meta.get(META_ACTION)
+        if action is not None and action[0] != BACKWARD:
+            first_forward.setdefault(action[2], x)
+    fulls_of: dict[str, list[torch.fx.Node]] = {}
+    for k, group in zip(chunk_ids, chunk_units):
+        for unit in group:
+            _, waited = _all_gather(edit, spec, rank, unit, issue_at, PHASE_FORWARD, compute_dtype[unit.name],
+                                    wait_at=first_forward[k])
+            fulls = _copy_out(edit, n, full_shapes, unit, waited, first_forward[k], PHASE_FORWARD,
+                              compute_dtype[unit.name])
+            created = set(fulls)
+            for p, full in zip(unit.params, fulls):
+                p.replace_all_uses_with(full, delete_user_cb=lambda user: phases.get(user.name) != PHASE_OPTIMIZER
+                                        and user not in created)
+            fulls_of[unit.name] = fulls
+    sharded: dict[torch.fx.Node, str] = {}
+    m = layout.microbatches
+    for k, group in zip(chunk_ids, chunk_units):
+        end = by_name[layout.action_ends[(BACKWARD, m - 1, k)]]
+        sharded.update(_reduce_units(edit, spec, rank, group, end, full_shapes, grad_of, fulls_of, divisors))
+    return sharded
+
+
+def _finish(program: Program, graph: torch.fx.Graph, phases: dict[str, str], edit: GraphEditor,
+            moved: dict[str, str], erased: set, last_backward: torch.fx.Node,
+            sharded_grads: dict[torch.fx.Node, str]) -> Program:
+    """The rewritten stage program: gradients named by their sharded views, the runtime uses merged."""
     graph.lint()
+    new_grad_nodes = {s.name: program.param_names.get(p, p) for s, p in sharded_grads.items()}
     uses: dict[str, tuple[str, ...]] = {}
     for k, v in program.gm.meta.get(META_RUNTIME_USES, {}).items():  # the erased divides' moved to the end
         while k in moved:   # an erased accumulation's runtime uses stay where it was
@@ -201,7 +284,7 @@ def _accumulate_in(dtype: torch.dtype, edit: GraphEditor, units: list[_Unit],
     graph = edit.graph
     accumulators = set(grad_of.values())
     ends = _post_backwards(graph, units, skip=lambda x: x.target is aten.add_.Tensor and x.args[0] in accumulators)
-    owner = {p.name: u.name for u in units for p in u.params}
+    owner = {p.name: ROOT if _is_root(u.name) else u.name for u in units for p in u.params}
     moved: dict[str, str] = {}
     for param, first in list(grad_of.items()):
         if first.meta["val"].dtype == dtype:
@@ -235,7 +318,7 @@ def _post_backwards(graph: torch.fx.Graph, units: list[_Unit],
     the gradient of its input is complete (its last op and the unowned gradient sums after it, as
     ``fsdp._units``), the root's at the backward's final callback (before the action's send). ``skip``:
     nodes that are no anchor (the accumulations, which the caller replaces)."""
-    layers = {u.name for u in units if u.name != ROOT}
+    layers = {u.name for u in units if not _is_root(u.name)}
     by_action: dict[tuple, list[torch.fx.Node]] = {}
     for x in graph.nodes:
         action = x.meta.get(META_ACTION)
