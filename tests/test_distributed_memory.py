@@ -323,3 +323,28 @@ def test_parallel_report_and_max_batch(capsys) -> None:
     assert 0 <= extra <= 4
     assert four.memory.by_category_bytes["parameter"] == padded + extra
     assert par["classes"][0]["peak_live_bytes"] == four.memory.peak_live_bytes
+
+
+def test_mixed_precision_casts_a_tensor_once_per_module() -> None:
+    """FSDP casts a unit's floating inputs once, at its pre-forward, and every op of the unit reads that
+    copy: in the bf16-parameter trace each fp32 tensor is cast at most once per module. Llama's rotary
+    tables (fp32 buffers, read by q * cos, rotate(q) * sin, k * cos, rotate(k) * sin) get one bf16 copy
+    each per layer, not one per product (which held twice the copies to the layer's backward)."""
+    from collections import Counter
+
+    from boomfx.core.layers import module_path
+    from boomfx.core.program import PHASE_FORWARD, ProgramOptions
+    from boomfx.distributed.mixed_precision import MixedPrecision, compute_program
+    from boomfx.frontend.capture import capture
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    bf16 = compute_program(program, MixedPrecision(torch.float32, torch.bfloat16, torch.float32))
+    casts = [n for n in bf16.graph.nodes
+             if n.target is torch.ops.aten._to_copy.default and bf16.phase_of(n) == PHASE_FORWARD
+             and n.meta["val"].dtype == torch.bfloat16 and n.args[0].meta["val"].dtype == torch.float32]
+    per_module = Counter((n.args[0].name, module_path(n)) for n in casts)
+    assert per_module and max(per_module.values()) == 1
+    # the rotary tables: cos and sin, each cast once in each of the 2 layers
+    trig = {n.name for n in bf16.graph.nodes if n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default)}
+    tables = Counter(src for src, _ in per_module if src in trig)
+    assert sorted(tables.values()) == [2, 2]
