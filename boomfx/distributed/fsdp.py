@@ -153,14 +153,19 @@ def _units(program: Program, graph: torch.fx.Graph, wrap: str = "layers") -> lis
         unit = units[name]
         if not unit.fwd or not unit.bwd:
             raise OptionError(f"FSDP: layer {name} has no forward or backward ops in the training graph")
-        end = position[unit.bwd[-1]]
-        # the post-backward hook fires once the gradient of the unit's input is complete: the ops
-        # after its last own op that belong to no module (the residual's gradient sum) come first
-        while end + 1 < len(bwd_all) and not _owned(bwd_all[end + 1], layers):
-            end += 1
-        unit.bwd_end = bwd_all[end]
+        unit.bwd_end = bwd_all[post_backward_index(bwd_all, position[unit.bwd[-1]])]
     units[ROOT].bwd_end = bwd_all[-1]
     return [units[ROOT]] + [units[l] for l in layers]
+
+
+def post_backward_index(nodes: Sequence[torch.fx.Node], last_own: int) -> int:
+    """Where a layer unit's post-backward hook fires in backward ``nodes``, given its last own op: once
+    the gradient of the unit's input is complete, so the ops after it that belong to no module (the
+    residual's gradient sum) come first."""
+    end = last_own
+    while end + 1 < len(nodes) and not module_path(nodes[end + 1]):   # ops of no module: empty path
+        end += 1
+    return end
 
 
 def _post_forward(unit: _Unit) -> torch.fx.Node:
@@ -175,13 +180,6 @@ def _post_forward(unit: _Unit) -> torch.fx.Node:
 def _owning_layer(path: str, layers: set[str]) -> str:
     """The layer whose module ``path`` is or is inside, else the root."""
     return owning_layer(path, layers) or ROOT
-
-
-def _owned(node: torch.fx.Node, layers: Sequence[str]) -> bool:
-    """Whether ``node`` belongs to a module (ops of no module, e.g. gradient sums, have an empty path)."""
-    from boomfx.core.layers import module_path
-
-    return bool(module_path(node))
 
 
 # -- the FSDP rewrite ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
+from boomfx.core.layers import module_path
 from boomfx.core.program import (
     META_RUNTIME_USES,
     PHASE_BACKWARD,
@@ -60,11 +61,10 @@ from boomfx.distributed.fsdp import (
     _shard_optimizer,
     _Unit,
     padded_shard_shape,
+    post_backward_index,
 )
-from boomfx.distributed.graph_edit import GraphEditor, meta_tensor
+from boomfx.distributed.graph_edit import GraphEditor, meta_tensor, owning_layer
 from boomfx.distributed.p2p import is_p2p
-from boomfx.core.layers import module_path
-from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.pipeline_stages import (
     BACKWARD,
     META_ACTION,
@@ -85,8 +85,8 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     edit = GraphEditor(graph, phases)
     n = spec.world
     params = [p for p in graph.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM]
-    chunk_ids = sorted({x.meta[META_CHUNK] for x in graph.nodes if META_CHUNK in x.meta})
     interleaved = len(stage.chunk_layers) > 1
+    chunk_ids = sorted({x.meta[META_CHUNK] for x in graph.nodes if META_CHUNK in x.meta}) if interleaved else []
     roots = tuple(_chunk_root(k) for k in chunk_ids) if interleaved else (ROOT,)
     units = {name: _Unit(name, [], [], []) for name in roots + tuple(stage.layers)}
     for p in params:
@@ -108,8 +108,6 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         moved = _accumulate_in(spec.reduce_dtype, edit, list(units.values()), grad_of)
 
     calls = [x for x in graph.nodes if x.op == "call_function"]
-    first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
-    first_action_end = _first_action_end(calls, phases)
     # scale_grads' divides run after FSDP's post-backward, on the sharded gradients: moved there
     grads = set(grad_of.values())
     erased, divisors = set(), []
@@ -128,6 +126,8 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
         sharded_grads = _interleaved_units(edit, spec, rank, stage, chunk_ids, chunk_units, full_shapes,
                                            compute_dtype, grad_of, divisors, moved)
         return _finish(program, graph, phases, edit, moved, erased, last_backward, sharded_grads)
+    first_fwd = next(x for x in calls if not is_p2p(x))  # after the first receive: the root's pre-forward
+    first_action_end = _first_action_end(calls, phases)
     order = [units[ROOT]] + [units[l] for l in stage.layers]
     order = [u for u in order if u.params]
     fulls_of: dict[str, list[torch.fx.Node]] = {}
@@ -327,12 +327,11 @@ def _post_backwards(graph: torch.fx.Graph, units: list[_Unit],
     ends: dict[tuple, torch.fx.Node] = {}
     for action, nodes in by_action.items():
         ends[(ROOT, action)] = nodes[-1]
+        last_own: dict[str, int] = {}
         for i, x in enumerate(nodes):
             layer = owning_layer(module_path(x), layers)
-            if layer is None:
-                continue
-            end = i
-            while end + 1 < len(nodes) and not module_path(nodes[end + 1]):
-                end += 1
-            ends[(layer, action)] = nodes[end]
+            if layer is not None:
+                last_own[layer] = i
+        for layer, i in last_own.items():
+            ends[(layer, action)] = nodes[post_backward_index(nodes, i)]
     return ends

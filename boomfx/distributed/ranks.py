@@ -41,10 +41,10 @@ def rank_programs(program: Program, cfg: ParallelConfig, pipeline_copies: Option
     reason = cfg.not_modelled()
     if reason:
         raise OptionError(reason)
-    if cfg.pp > 1:
-        return _pipeline_classes(program, cfg, pipeline_copies)
     mp = mixed_precision.policy(program, cfg)
     program = mixed_precision.compute_program(program, mp)   # bf16 parameters: the step re-traced
+    if cfg.pp > 1:   # stages cut from that step
+        return _pipeline_classes(program, cfg, mp, pipeline_copies)
     tp_label = ""
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
@@ -82,15 +82,14 @@ def rank_programs(program: Program, cfg: ParallelConfig, pipeline_copies: Option
     return classes
 
 
-def _pipeline_classes(program: Program, cfg: ParallelConfig, copies: Optional[int] = None) -> list[RankClass]:
+def _pipeline_classes(program: Program, cfg: ParallelConfig, mp: mixed_precision.MixedPrecision,
+                      copies: Optional[int] = None) -> list[RankClass]:
     """One class per pipeline stage: the ranks whose ``pp`` coordinate is the stage. With ``tp`` the
     stages are cut from the TP rank's program (every TP rank of a stage runs the same one), as
     torchtitan ``parallelize_module``s each stage's layers over the stage's TP group; with
     ``dp_replicate`` each stage program gets DDP's buckets (a ``DistributedDataParallel`` stage module)."""
     from boomfx.distributed.pipeline_stages import META_GRAD_READY, stage_programs
 
-    mp = mixed_precision.policy(program, cfg)
-    program = mixed_precision.compute_program(program, mp)   # stages cut from the bf16-parameter step
     if cfg.tp > 1:
         from boomfx.distributed.tensor_parallel import tp_rank_program
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx import traceback as fx_traceback
 
 AMP_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -185,8 +186,6 @@ class ComputeDtypePolicy:
 
 def _current_module() -> str:
     """The innermost module of the export node being run (``fx_traceback.set_current_meta``)."""
-    from torch.fx import traceback as fx_traceback
-
     stack = (fx_traceback.get_current_meta() or {}).get("nn_module_stack") or {}
     return next(reversed(stack.values()))[0] if stack else ""
 
