@@ -7,8 +7,9 @@ One command::
 
 For each model (``transformers`` models built from configs with random weights, no hub download:
 GPT-2, BERT, a Llama-style decoder, ViT, ResNet) and each mode (inference under ``no_grad``; a
-training step = forward + ``loss = first_output.mean()`` + ``backward`` + foreach ``AdamW.step()`` +
-``zero_grad(set_to_none=True)``, the step boomfx's ``--train`` traces):
+training step = forward + the loss boomfx's ``--train`` resolves (cross-entropy against next-token
+labels for the language models' logits, ``first_output.mean()`` for the others) + ``backward`` +
+foreach ``AdamW.step()`` + ``zero_grad(set_to_none=True)``, the step boomfx's ``--train`` traces):
 
 1. export it (``strict=False``, dynamic batch, and seq for text models);
 2. time it for real (half of the samples: median of ``--iters`` after warm-up, ``time.perf_counter``);
@@ -123,18 +124,30 @@ def first_output(out: Any) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
-def make_step(module: torch.nn.Module, kwargs: dict[str, torch.Tensor], train: bool) -> Callable[[], Any]:
-    """One eager step of ``module``; training builds its foreach AdamW and warms it up (state exists)."""
+def make_step(module: torch.nn.Module, kwargs: dict[str, torch.Tensor], train: bool,
+              loss: str = "mean") -> Callable[[], Any]:
+    """One eager step of ``module``; training builds its foreach AdamW and warms it up (state exists).
+    ``loss``: what boomfx's ``--train`` resolves for the export (``training.trace.resolved_loss``):
+    cross-entropy against random next-token labels (drawn once) for a language model's logits."""
     if not train:
         def infer() -> None:
             with torch.no_grad():
                 module(**kwargs)
         return infer
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], foreach=True)
+    labels: list[torch.Tensor] = []
+
+    def reduce(out: torch.Tensor) -> torch.Tensor:
+        if loss == "output" or out.dim() == 0:
+            return out
+        if loss == "mean":
+            return out.mean()
+        if not labels:
+            labels.append(torch.randint(0, out.shape[-1], out.shape[:-1], generator=torch.Generator().manual_seed(0)))
+        return torch.nn.functional.cross_entropy(out.flatten(0, -2), labels[0].flatten())
 
     def train_step() -> None:
-        loss = first_output(module(**kwargs)).mean()   # the output is dropped once reduced
-        loss.backward()
+        reduce(first_output(module(**kwargs))).backward()   # the output is dropped once reduced
         opt.step()
         opt.zero_grad(set_to_none=True)
     train_step()
@@ -232,7 +245,9 @@ def run_case(name: str, train: bool, db: str, iters: int, clock: str, flush_byte
     model, kwargs, dyn, dims = build(name)
     ep = export_for(model, kwargs, dyn, train)
     model.train(train)
-    step = make_step(model, kwargs, train)
+    from boomfx.training.trace import resolved_loss
+    loss = resolved_loss(ep, "auto") if train else "mean"
+    step = make_step(model, kwargs, train, loss)
     first = time_samples(step, (iters + 1) // 2)
     pred = predict(ep, train, dims, db, clock, flush_bytes)
     second = time_samples(step, iters // 2, warmup=1)
@@ -241,7 +256,7 @@ def run_case(name: str, train: bool, db: str, iters: int, clock: str, flush_byte
     mem_model = profiler_peak_bytes(step)
     del step
     gm = ep.module()   # (cannot be switched with .train(): the export of the model in the right mode is used)
-    gstep = make_step(gm, kwargs, train)
+    gstep = make_step(gm, kwargs, train, loss)
     time_samples(gstep, 2, warmup=1)          # warm-up: optimizer state exists
     mem_graph = profiler_peak_bytes(gstep)
     p_time, p_mem = pred["time_s"], pred["peak_above_start_bytes"]

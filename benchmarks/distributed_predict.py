@@ -45,6 +45,7 @@ def parallel_config(cfg: truth.TruthConfig):
         fsdp_param_dtype=cfg.param_dtype,
         fsdp_reduce_dtype=cfg.reduce_dtype,
         fsdp_wrap=cfg.fsdp_wrap,
+        loss_parallel=cfg.loss_parallel if cfg.parallel in ("tp_vocab", "tp_sp") else None,
         backend="gloo",
     )
 
@@ -74,7 +75,7 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
 
     spec = cpu_spec()
     if classes is None:
-        program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+        program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=cfg.loss))
         try:
             classes = rank_programs(program, parallel_config(cfg))
         except OptionError:

@@ -105,6 +105,11 @@ class TruthConfig:
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
     fsdp_wrap: str = "layers"  # "root": one fully_shard on the whole model
+    # the step's loss: "mean" of the logits, or "cross_entropy" against random next-token labels (a
+    # language model's, boomfx's --train default for logits); loss_parallel (tp_vocab, tp_sp with
+    # cross_entropy): the head's logits stay Shard(-1) and the loss runs under loss_parallel()
+    loss: str = "mean"
+    loss_parallel: bool = False
 
     @property
     def name(self) -> str:
@@ -119,6 +124,8 @@ class TruthConfig:
             extra += f"-mp-{self.param_dtype or 'same'}-{self.reduce_dtype or 'same'}"
         if self.fsdp_wrap != "layers":
             extra += f"-wrap{self.fsdp_wrap}"
+        if self.loss != "mean":
+            extra += "-lossparallel" if self.loss_parallel else "-ce"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
 
@@ -176,30 +183,40 @@ def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:
         parallelize_module(layer, mesh, _tp_plan(model_name))
 
 
-def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any) -> None:
+def _head_plan(loss_parallel: bool, **layouts: Any) -> Any:
+    """torchtitan's output head: colwise, its logits gathered to Replicate, or with loss parallel kept
+    ``Shard(-1)`` as a DTensor for ``loss_parallel()``'s cross-entropy."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if loss_parallel:
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False, **layouts)
+    return ColwiseParallel(output_layouts=Replicate(), **layouts)
+
+
+def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any, loss_parallel: bool = False) -> None:
     """torchtitan's Llama plan for the ends of the model, without sequence parallelism: the embedding
-    rowwise over the vocabulary (token ids arrive replicated) and the head colwise with its logits
-    all-gathered back to Replicate (loss parallel off)."""
+    rowwise over the vocabulary (token ids arrive replicated) and the head colwise (``_head_plan``)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     parallelize_module(
         model,
         mesh,
         {
             "embed": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+            "lm_head": _head_plan(loss_parallel),
         },
     )
 
 
-def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
+def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any, loss_parallel: bool = False) -> None:
     """torchtitan's Llama plan with sequence parallelism, on this model's modules: activations
     between blocks split on the sequence dim (``Shard(1)``); each norm ``SequenceParallel`` with its
     output all-gathered once to Replicate for the colwise projections reading it (torchtitan's
     ``PrepareModuleInput`` on its attention / feed-forward modules, which this Llama has not); the
     rowwise projections' outputs reduce-scattered to ``Shard(1)``; the embedding rowwise over the
-    vocabulary into ``Shard(1)``; the head colwise from ``Shard(1)`` with its logits gathered."""
+    vocabulary into ``Shard(1)``; the head colwise from ``Shard(1)`` (``_head_plan``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -224,7 +241,7 @@ def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any) -> None:
         {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "lm_head": _head_plan(loss_parallel, input_layouts=Shard(1)),
         },
     )
 
@@ -302,6 +319,30 @@ def _mean_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
     return output.mean()
 
 
+def _cross_entropy(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A language model's loss on [batch, seq, vocab] logits (a DTensor under loss parallel)."""
+    return torch.nn.functional.cross_entropy(output.flatten(0, 1), labels.flatten(0, 1))
+
+
+def _loss_fn(cfg: "TruthConfig") -> Any:
+    return _cross_entropy if cfg.loss == "cross_entropy" else _mean_loss
+
+
+def _labels(cfg: "TruthConfig", seed: int) -> torch.Tensor:
+    """The step's targets, allocated before it: next-token ids, or the unused target of a mean loss."""
+    if cfg.loss == "cross_entropy":
+        return torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(seed + 500))
+    return torch.zeros(cfg.batch, 1)
+
+
+def _loss_context(cfg: "TruthConfig") -> Any:
+    if cfg.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 # ---------------------------------------------------------------------------------------------
 # one rank's run of one configuration
 
@@ -375,9 +416,9 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
                                              gradient_as_bucket_view=cfg.gradient_as_bucket_view)
         stage = PipelineStage(module, stage_id, stages, torch.device("cpu"), group=group)
         cls = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
-        schedule = cls(stage, cfg.microbatches, loss_fn=_mean_loss)
+        schedule = cls(stage, cfg.microbatches, loss_fn=_loss_fn(cfg))
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
-        target = torch.zeros(cfg.batch, 1)
+        target = _labels(cfg, data_seed)
 
         return _schedule_step(schedule, opt, idx, target, stage_id == 0, stage_id == stages - 1), opt, named
 
@@ -391,13 +432,13 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         _apply_fsdp(model, init_device_mesh("cpu", (cfg.world,)), cfg.reshard_after_forward, _mixed_precision(cfg),
                     cfg.fsdp_wrap)
     elif cfg.parallel == "tp_sp":
-        _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)))
+        _apply_sequence_parallel(model, init_device_mesh("cpu", (cfg.world,)), cfg.loss_parallel)
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel in ("tp", "tp_vocab"):
         mesh = init_device_mesh("cpu", (cfg.world,))
         _apply_tp(model, cfg.model, mesh)
         if cfg.parallel == "tp_vocab":
-            _apply_vocab_parallel(model, mesh)
+            _apply_vocab_parallel(model, mesh, cfg.loss_parallel)
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(7))
     elif cfg.parallel == "hsdp":
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("replicate", "shard"))
@@ -414,9 +455,13 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         raise ValueError(f"unknown parallelism {cfg.parallel!r}")
     del dist
     opt = torch.optim.AdamW(_param_groups(model), foreach=True)
+    # the data-parallel ranks' own labels (the TP ranks of a group share theirs, as they share the ids)
+    labels = _labels(cfg, int(idx.sum()))
+    loss_fn = _loss_fn(cfg)
 
     def step() -> None:
-        model(idx).mean().backward()
+        with _loss_context(cfg):
+            loss_fn(model(idx), labels).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -453,12 +498,12 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
                 fully_shard(layer, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
             fully_shard(module, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
     stages = [PipelineStage(mod, k, total, torch.device("cpu"), group=group) for mod, k in zip(modules, chunks)]
-    schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=_mean_loss)
+    schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=_loss_fn(cfg))
     params = [p for mod in modules for p in mod.parameters()]
     opt = torch.optim.AdamW(params, foreach=True)
     named = {f"chunk{k}.{n}": p for mod, k in zip(modules, chunks) for n, p in mod.named_parameters()}
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
-    target = torch.zeros(cfg.batch, 1)
+    target = _labels(cfg, data_seed)
     return _schedule_step(schedule, opt, idx, target, 0 in chunks, total - 1 in chunks), opt, named
 
 

@@ -30,7 +30,7 @@ def rank_classes(cfg: truth.TruthConfig):
     from boomfx.distributed.ranks import rank_programs
     from boomfx.frontend.capture import capture
 
-    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=cfg.loss))
     return program, rank_programs(program, predict.parallel_config(cfg))
 
 

@@ -10,8 +10,9 @@ CPU tensors): the program boomfx analyses. (The original nn.Module can peak high
 because its Python keeps tensors bound to local variables until ``forward`` returns; see
 benchmarks/cpu_accuracy.py, which reports both.)
 
-Training is the eager step boomfx's ``--train`` traces: ``loss = first_output.mean()``,
-``loss.backward()``, foreach ``AdamW.step()``, ``zero_grad(set_to_none=True)``, measured after a
+Training is the eager step boomfx's ``--train`` traces: cross-entropy against next-token labels for
+the language models (``LANGUAGE_MODELS``, --train's default loss for logits over a vocabulary),
+``first_output.mean()`` for the others, ``loss.backward()``, foreach ``AdamW.step()``, ``zero_grad(set_to_none=True)``, measured after a
 warm-up step so the optimizer state already exists.
 """
 from __future__ import annotations
@@ -42,10 +43,30 @@ def _first_output(out: Any) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
-def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_to_none: bool = True) -> int:
+def step_loss(loss: str) -> Any:
+    """The real step's loss on a model's output: ``"mean"`` of the first output, or ``"cross_entropy"``
+    against random labels over its last dimension (drawn at the first call and kept, as a batch's)."""
+    labels: list[torch.Tensor] = []
+
+    def reduce(out: Any) -> torch.Tensor:
+        logits = _first_output(out)
+        if loss == "mean":
+            return logits.mean()
+        if not labels:
+            gen = torch.Generator().manual_seed(0)
+            labels.append(torch.randint(0, logits.shape[-1], logits.shape[:-1], generator=gen))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels[0].flatten())
+    return reduce
+
+
+def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_to_none: bool = True,
+              loss: str = "mean") -> int:
     """Profiler peak of one real eager step (after two warm-ups); ``set_to_none=False`` keeps the .grad
-    buffers between steps (the --resident-grads steady state)."""
+    buffers between steps (the --resident-grads steady state). ``loss="cross_entropy"``: a language
+    model's training loss against random next-token labels (drawn once, resident like a batch's)."""
     gm = ep.module()
+    reduce = step_loss(loss)
+
     if not train:
         def step() -> None:
             with torch.no_grad():
@@ -54,8 +75,7 @@ def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_
         opt = torch.optim.AdamW(list(gm.parameters()), foreach=True)
 
         def step() -> None:
-            loss = _first_output(gm(*inputs)).mean()
-            loss.backward()
+            reduce(gm(*inputs)).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
         step()   # warm-up: AdamW's state (and resident .grad buffers) are created on the first step
@@ -83,6 +103,9 @@ def predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, options: Pro
 
 
 # hf_gpt2 ties lm_head.weight to wte.weight: one gradient and one AdamW state in eager, as in the trace
+# the language models (logits over the vocabulary their embedding reads): --train's default loss is
+# cross-entropy for them, the mean of the output for the others
+LANGUAGE_MODELS = {"gpt", "llama", "hf_gpt2"}
 CASES = [(name, train) for name in ("mlp", "cnn", "gpt", "hf_bert", "hf_gpt2") for train in (False, True)]
 
 
@@ -98,7 +121,7 @@ def test_cpu_peak_matches_profiler(name: str, train: bool, tmp_path) -> None:
     ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     options = ProgramOptions(train, "adamw", target_kind="cpu")
     predicted, workspace = predicted_peak(ep, inputs, options, str(tmp_path / "cpu.db"))
-    real = real_peak(ep, inputs, train)
+    real = real_peak(ep, inputs, train, loss="cross_entropy" if name in LANGUAGE_MODELS else "mean")
     assert real > 0
     assert abs(predicted - real) <= TOLERANCE * real, (
         f"{name} {'train' if train else 'inference'}: predicted peak above start {predicted} B "

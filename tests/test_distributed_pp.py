@@ -37,6 +37,8 @@ CONFIGS = [
     truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
     truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=2, timed_steps=1),
     truth.TruthConfig("gpt4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
+] + [  # a language model's loss on the last stage: cross-entropy against the micro-batch's labels
+    truth.TruthConfig(model, "pp", 2, timed_steps=1, loss="cross_entropy") for model in ("llama", "gpt")
 ]
 
 

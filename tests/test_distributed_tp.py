@@ -40,6 +40,10 @@ from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
 TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")] + [
     truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1),  # + torchtitan's vocabulary-parallel ends
     truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1),  # + sequence parallelism
+] + [  # a language model's loss: cross-entropy on the gathered logits, and torchtitan's loss parallel
+    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1, loss="cross_entropy"),
+    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1, loss="cross_entropy", loss_parallel=True),
+    truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1, loss="cross_entropy", loss_parallel=True),
 ]
 FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
@@ -59,7 +63,7 @@ def tp_programs():
 
     def get(cfg: truth.TruthConfig):
         if cfg.name not in cache:
-            program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu"))
+            program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=cfg.loss))
             cache[cfg.name] = (program, rank_programs(program, predict.parallel_config(cfg)))
         return cache[cfg.name]
 
@@ -153,13 +157,17 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     layers = truth.MODEL_DIMS[cfg.model]["layers"]
     reduces = [c for c in tp_calls if c.op == "all_reduce"]
     # the vocabulary-parallel ends: the embedding's partial output all-reduced forward, the head's
-    # input gradient backward (colwise), its [batch, seq, vocab / 2] logits all-gathered forward
+    # input gradient backward (colwise), its [batch, seq, vocab / 2] logits all-gathered forward;
+    # with loss parallel not gathered, and the loss's max, sum(exp) and picked log-probabilities
+    # all-reduced instead ([batch x seq, 1] each)
     ends = 1 if cfg.parallel == "tp_vocab" else 0
-    assert [c.phase for c in reduces].count("forward") == styles.count("rowwise") * layers + ends
+    loss = 3 if cfg.loss_parallel else 0
+    assert [c.phase for c in reduces].count("forward") == styles.count("rowwise") * layers + ends + loss
     assert [c.phase for c in reduces].count("backward") == styles.count("colwise") * layers + ends
-    assert {c.input_bytes for c in reduces} == {cfg.batch * cfg.seq * 64 * 4}
+    tokens = cfg.batch * cfg.seq
+    assert [c.input_bytes for c in reduces if c.input_bytes != tokens * 64 * 4] == [tokens * 4] * loss
     gathers = [(c.phase, c.input_bytes) for c in tp_calls if c.op != "all_reduce"]
-    assert gathers == ([("forward", cfg.batch * cfg.seq * (truth.VOCAB // 2) * 4)] if ends else [])
+    assert gathers == ([("forward", tokens * (truth.VOCAB // 2) * 4)] if ends and not loss else [])
 
 
 def _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls) -> None:
@@ -179,7 +187,9 @@ def _check_sequence_parallel_collectives(cfg, predicted, real, tp_calls) -> None
     for c in tp_calls:
         by_kind.setdefault((c.op, c.phase), []).append(c.input_bytes)
     assert by_kind[("reduce_scatter_tensor", "forward")] == [full] * (1 + 2 * layers)  # embed, o, down
-    assert by_kind[("all_gather_into_tensor", "forward")] == [local] * (2 * layers + 1) + [logits]
+    assert by_kind[("all_gather_into_tensor", "forward")] == [local] * (2 * layers + 1) + ([] if cfg.loss_parallel else [logits])
+    # loss parallel: the max, sum(exp) and picked log-probabilities of [batch x seq, 1] all-reduced
+    assert by_kind.get(("all_reduce", "forward"), []) == [cfg.batch * cfg.seq * 4] * (3 if cfg.loss_parallel else 0)
     assert by_kind[("reduce_scatter_tensor", "backward")] == [full] * (1 + 2 * layers)
     assert by_kind[("all_gather_into_tensor", "backward")] == [local] * (2 * layers + 1)
 
@@ -286,19 +296,20 @@ def test_tp_report_times_its_collectives_on_the_critical_path() -> None:
 
 def test_torchtitan_preset_adds_the_vocabulary_parallel_ends() -> None:
     """``tp_plan="torchtitan"``: the derived layer plan plus embed rowwise and lm_head colwise; the
-    tiny Llama (vocab 512, d 64) then issues 14 + 3 TP collectives (the embedding's forward
-    all-reduce, the head's input-gradient all-reduce, the logits' all-gather), the all-gather of
-    each rank's logits [2, 16, 512 / 2] fp32 = 32,768 B."""
+    tiny Llama (vocab 512, d 64) then issues 14 + 3 TP collectives with a mean loss (the embedding's
+    forward all-reduce, the head's input-gradient all-reduce, the logits' all-gather of each rank's
+    [2, 16, 512 / 2] fp32 = 32,768 B); with the default cross-entropy loss parallel replaces the
+    all-gather by three [32, 1] all-reduces: 14 + 2 + 3."""
     import boomfx
 
-    report = boomfx.analyze(
-        TINY, train=True, device="h100-sxm", batch=2, seq=16, parallel={"tp": 2, "tp_plan": "torchtitan"}
-    )
-    (cls,) = report.parallel["classes"]
-    tp = [c for c in cls["collectives"] if c["group"] == "tp"]
-    assert len(tp) == 17
-    gathers = [c for c in tp if c["op"].startswith("all_gather")]
-    assert [c["input_bytes"] for c in gathers] == [2 * 16 * 256 * 4]
+    for loss, count, gathered in (("mean", 17, [2 * 16 * 256 * 4]), ("auto", 19, [])):
+        report = boomfx.analyze(TINY, train=True, device="h100-sxm", batch=2, seq=16, loss=loss,
+                                parallel={"tp": 2, "tp_plan": "torchtitan"})
+        (cls,) = report.parallel["classes"]
+        tp = [c for c in cls["collectives"] if c["group"] == "tp"]
+        assert len(tp) == count
+        assert [c["input_bytes"] for c in tp if c["op"].startswith("all_gather")] == gathered
+        assert [c["input_bytes"] for c in tp].count(2 * 16 * 4) == (3 if loss == "auto" else 0)
 
 
 def test_view_groups_follow_the_split() -> None:
@@ -368,12 +379,13 @@ def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
 def test_sequence_parallel_splits_the_residual_stream() -> None:
     """Under ``sp`` the residual stream between blocks holds seq / 2 positions per rank: every
     forward residual add of the tiny Llama (2 layers x 2, [2, 16, 64] without sp) is [2, 8, 64],
-    and every reduce-scatter's output too; the logits are gathered back to [2, 16, 512]."""
+    and every reduce-scatter's output too; the logits are gathered back to [2, 16, 512] (a mean loss:
+    no loss parallel)."""
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.core.devices import cpu_spec
     from boomfx.core.program import PHASE_FORWARD
 
-    program = capture(TINY, options=ProgramOptions(True, target_kind="cpu"))
+    program = capture(TINY, options=ProgramOptions(True, target_kind="cpu", loss="mean"))
     (rc,) = rank_programs(program, ParallelConfig(tp=2, sp=True, vocab_parallel=True))
     spec = cpu_spec()
     ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
@@ -390,3 +402,50 @@ def test_sequence_parallel_splits_the_residual_stream() -> None:
     scattered = [shape(n) for n in fwd if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
     assert scattered == [[2, 8, 64]] * 5  # the embedding, then o and down of each layer
     assert shape(next(n for n in reversed(fwd) if n.target is torch.ops.aten.cat.default)) == [2, 16, 512]
+
+
+LOSS_PAIR = (TWO_RANKS[-3], TWO_RANKS[-2])  # cross-entropy on gathered logits, then with loss parallel
+
+
+def test_loss_parallel_saves_what_the_real_run_saves(tp_gloo_runs, tp_programs, tmp_path_factory) -> None:
+    """Loss parallel keeps [tokens, vocab / 2] logits and log-probabilities instead of the gathered
+    [tokens, vocab] ones: the predicted saving equals the real runs' within 5%."""
+    db = str(tmp_path_factory.getbasetemp() / "tp_cpu.db")
+    gathered, split = (predict.predicted_rank_peaks(c, db=db, classes=tp_programs(c)[1])[0] for c in LOSS_PAIR)
+    real_gathered, real_split = (tp_gloo_runs[c.name].ranks[0].peak_bytes for c in LOSS_PAIR)
+    saved, real_saved = gathered - split, real_gathered - real_split
+    tokens = LOSS_PAIR[0].batch * LOSS_PAIR[0].seq
+    assert real_saved >= tokens * truth.VOCAB * 4 // 2   # at least one fp32 [tokens, vocab / 2] tensor
+    assert abs(saved - real_saved) <= 0.05 * real_saved, (saved, real_saved)
+
+
+def test_loss_parallel_is_torchtitans_default_with_its_plan(tp_programs) -> None:
+    """``--tp-plan torchtitan`` with a cross-entropy loss: the logits are not gathered and the loss's
+    max is all-reduced; with a mean loss (or ``loss_parallel=False``) the logits are gathered."""
+    import dataclasses
+
+    def reduce_ops(program) -> list[str]:
+        return [n.args[1] for n in program.graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
+
+    def gathers(program) -> int:
+        return sum("all_gather" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
+
+    ce = LOSS_PAIR[0]
+    program, _ = tp_programs(ce)
+    (default,) = rank_programs(program, ParallelConfig(tp=2, vocab_parallel=True, backend="gloo"))
+    assert "max" in reduce_ops(default.program) and gathers(default.program) == 0
+    (off,) = rank_programs(program, ParallelConfig(tp=2, vocab_parallel=True, loss_parallel=False, backend="gloo"))
+    assert "max" not in reduce_ops(off.program) and gathers(off.program) == 1
+    mean, _ = tp_programs(dataclasses.replace(ce, loss="mean"))
+    (plain,) = rank_programs(mean, ParallelConfig(tp=2, vocab_parallel=True, backend="gloo"))
+    assert "max" not in reduce_ops(plain.program) and gathers(plain.program) == 1
+    with pytest.raises(OptionError, match="--loss-parallel true needs a cross-entropy loss"):
+        rank_programs(mean, ParallelConfig(tp=2, vocab_parallel=True, loss_parallel=True))
+
+
+def test_bad_loss_parallel_input(capsys) -> None:
+    base = ["analyze", TINY, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
+    assert "--loss-parallel true needs a vocabulary-parallel head (--tp-plan torchtitan)" in _bad(
+        capsys, *base, "--parallel", "tp=2", "--loss-parallel", "true")
+    assert "--loss-parallel true needs a cross-entropy loss" in _bad(
+        capsys, *base, "--parallel", "tp=2", "--tp-plan", "torchtitan", "--loss-parallel", "true", "--loss", "mean")

@@ -47,7 +47,8 @@ def _copy_based_eager_liveness(program):
                 if n.target not in _SIZE_QUERIES:
                     used.update(dict.fromkeys(n.all_input_nodes))
             last = nodes[-1]
-            extra = tuple(u for u in used if u is not last and u not in last.all_input_nodes)
+            # the group's own temporaries are not held to its end (they die at their last use)
+            extra = tuple(u for u in used if u is not last and u not in last.all_input_nodes and u not in nodes)
             if extra:
                 last.args = tuple(last.args) + extra
     for node in list(graph.nodes):

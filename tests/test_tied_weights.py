@@ -31,8 +31,9 @@ def test_tied_parameters_get_one_gradient_and_one_optimizer_state(exported) -> N
     assert len(program.grad_nodes) == n_params
     report = boomfx.analyze(ep, device="cpu", train=True, batch=2, seq=8)
     # AdamW steady state: params + exp_avg + exp_avg_sq, one float32 `step` scalar per parameter, the
-    # int64 input_ids and the traced scalar constants (attention's mask value)
-    ids_bytes = 2 * 8 * 8
+    # int64 input_ids, the int64 next-token labels of the default cross-entropy, and the traced scalar
+    # constants (attention's mask value)
+    ids_bytes = 2 * (2 * 8 * 8)
     constants = sum(getattr(program.gm, n.target).nbytes for n in program.graph.nodes if n.op == "get_attr")
     assert constants < 64
     assert report.memory.resident_bytes == 3 * param_bytes + 4 * n_params + ids_bytes + constants

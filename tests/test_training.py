@@ -212,7 +212,7 @@ def test_mlp_step_matches_eager(optimizer: str) -> None:
 def test_gpt_step_matches_eager(gpt: Any, checkpoint: bool) -> None:
     model, ep = gpt
     ids = torch.randint(0, 64, (3, 12))
-    _check_training_step(model, ep, ids, _mean_loss, "adamw", checkpoint=checkpoint)
+    _check_training_step(model, ep, ids, _mean_loss, "adamw", checkpoint=checkpoint, loss="mean")
 
 
 def test_llama_step_matches_eager_with_cross_entropy(llama: Any) -> None:
@@ -267,8 +267,8 @@ def test_roles_adamw(llama: Any) -> None:
     prog = build_training_program(ep, optimizer="adamw")
     n_params = len(list(model.parameters()))
     roles = Counter(prog.input_roles.values())
-    # exp_avg + exp_avg_sq + step per parameter
-    assert roles == {"param": n_params, "opt_state": 3 * n_params, "buffer": 2, "input": 1}
+    # exp_avg + exp_avg_sq + step per parameter; the logits' cross-entropy adds next-token labels
+    assert roles == {"param": n_params, "opt_state": 3 * n_params, "buffer": 2, "input": 1, "label": 1}
     assert sorted(prog.param_names.values()) == sorted(n for n, _ in model.named_parameters())
     assert sorted(prog.grad_nodes.values()) == sorted(prog.param_names.values())
     assert all(prog.phases[g] == "backward" for g in prog.grad_nodes)

@@ -24,7 +24,7 @@ import torch
 from boomfx.cli.main import main
 from boomfx.validate import validate
 
-from test_cpu_memory_accuracy import _first_output, real_peak
+from test_cpu_memory_accuracy import real_peak, step_loss
 
 MEMORY_TOLERANCE = 0.01
 TIME_FACTOR = 2.0
@@ -60,16 +60,17 @@ def _assert_same_step_time(validated_ns: float, validate_again: Callable[[], flo
     pytest.fail(f"validate's step time / an independent timing, per attempt: {ratios}")
 
 
-def _eager_step(model: torch.nn.Module, inputs: tuple, train: bool) -> Callable[[], None]:
+def _eager_step(model: torch.nn.Module, inputs: tuple, train: bool, loss: str = "mean") -> Callable[[], None]:
     if not train:
         def infer() -> None:
             with torch.no_grad():
                 model(*inputs)
         return infer
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    reduce = step_loss(loss)
 
     def step() -> None:
-        _first_output(model(*inputs)).mean().backward()
+        reduce(model(*inputs)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     step()
@@ -130,12 +131,13 @@ def test_validate_small_transformer(train, tmp_path, one_thread) -> None:
     torch.export.save(ep, str(path))
     r = validate(str(path), train=train, batch=4, seq=32, db="none", threads=1, repeats=7)
     x = torch.randint(0, 128, (4, 32))
-    real = real_peak(ep, (x,), train)
+    real = real_peak(ep, (x,), train, loss="cross_entropy")   # a language model: --train's default loss
     assert abs(r.measured_peak_above_start_bytes - real) <= MEMORY_TOLERANCE * real, (r, real)
+    assert r.options["loss"] == ("cross_entropy" if train else None)
     def validate_again() -> float:
         return validate(str(path), train=train, batch=4, seq=32, db="none", threads=1, repeats=7).measured_thread_time_ns
 
-    step = _eager_step(ep.module(), (x,), train)
+    step = _eager_step(ep.module(), (x,), train, loss="cross_entropy")
     _assert_same_step_time(r.measured_thread_time_ns, validate_again, step)
     assert sorted(r.bindings.values()) == [4, 32]
     assert r.predicted_time_ns > 0 and r.predicted_peak_above_start_bytes > 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from boomfx.core.losses import LOSSES
+
 
 def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("kernels", help="measure, import and export kernel databases")
@@ -21,6 +23,7 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--checkpoint", action="store_true")
     c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
     c.add_argument("--resident-grads", action="store_true")
+    c.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS", help="with --train: as analyze's --loss")
     c.add_argument("--compile", action="store_true",
                    help="with --for: the kernels torch.compile (Inductor) runs; each unique fused group is "
                         "compiled and timed here, so --compile predictions are measured")

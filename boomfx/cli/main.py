@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from boomfx import __version__
 from boomfx.core.errors import BoomfxError
+from boomfx.core.losses import LOSSES
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -55,6 +56,8 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each repeated layer")
     p.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME",
                    help="checkpoint only these layer instances (module paths, e.g. h.0,h.2; needs --train)")
+    p.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS",
+                   help="auto (default): cross-entropy against next-token labels when the first output is a language model's logits or the program takes labels, the output itself when it is a scalar, else its mean | cross_entropy | mean | output (needs --train)")
     p.add_argument("--resident-grads", action="store_true",
                    help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
                         "accumulation); default: freed after each step (needs --train)")

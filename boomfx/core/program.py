@@ -7,6 +7,8 @@ from typing import Any, Mapping, Optional
 import sympy
 import torch.fx
 
+from boomfx.core.losses import LOSSES
+
 # Placeholder roles (what an input of the graph is); liveness maps them to memory categories.
 ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
@@ -69,8 +71,14 @@ class ProgramOptions:
     # with train: the parameters compute in this dtype ("bfloat16"), no autocast: FSDP2's
     # MixedPrecisionPolicy(param_dtype=...); set by the FSDP rewrite's re-trace (boomfx/distributed)
     param_dtype: Optional[str] = None
+    # with train: how the step reduces the model's output to a loss (training/trace.py ``_loss_of``):
+    # "auto", "cross_entropy", "mean" or "output"
+    loss: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            from boomfx.core.errors import OptionError
+            raise OptionError(f"unknown loss {self.loss!r}: one of {', '.join(LOSSES)}")
         # lists/one string from the API become a tuple, so options stay hashable
         layers = self.checkpoint_layers
         if isinstance(layers, str):

@@ -54,6 +54,13 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "embedding and output head",
     )
     g.add_argument(
+        "--loss-parallel",
+        default=None,
+        choices=("true", "false"),
+        help="torchtitan's loss parallel: the head's logits stay split on the vocabulary and cross-entropy "
+        "runs on the split (default: on with --tp-plan torchtitan and a cross-entropy loss, as torchtitan)",
+    )
+    g.add_argument(
         "--rank",
         type=int,
         default=None,
@@ -93,6 +100,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         tp_plan=tuple(plan),
         vocab_parallel=preset,
+        loss_parallel=on_off(args.loss_parallel),
     )
 
 

@@ -146,10 +146,12 @@ def _returned_linear(program: Program) -> Optional[str]:
 
 
 def _weight_placeholder(node: "torch.fx.Node") -> Optional[str]:
-    """The parameter placeholder a matmul's weight operand comes from (through t/transpose views)."""
+    """The parameter placeholder a matmul's weight operand comes from (through t/transpose views and
+    autocast's cast of the weight to the low dtype)."""
     aten = torch.ops.aten
     w = node.args[1] if node.target is aten.linear.default else node.args[-1]
-    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+    through = (aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default)
+    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in through:
         w = w.args[0]
     return w.name if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
 

@@ -211,9 +211,7 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             owner[n] = 0
         else:
             owner[n] = last
-    # the loss: the forward output of the training graph; the model's output is the loss's input
-    loss = fwd_nodes[-1]
-    output = next(a for a in loss.all_input_nodes if a.op == "call_function")
+    output = _model_output(fwd_nodes)
     fwd: list[list[torch.fx.Node]] = [[] for _ in range(pp)]
     for n in fwd_nodes:
         fwd[owner[n]].append(n)
@@ -290,6 +288,24 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
     return _Split(fwd, bwd, act_in, grad_in, output, params), names
+
+
+def _model_output(fwd_nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    """The model's output (the last stage's output chunk): the tensor of the export's forward that the
+    loss reads. The loss's ops (a mean; cross-entropy's flatten, log-softmax and nll_loss) are traced
+    after the model and carry no ``from_node`` of the export: the graph's forward ends with them."""
+    start = len(fwd_nodes)
+    while start > 0 and "from_node" not in fwd_nodes[start - 1].meta:
+        start -= 1
+    if start == len(fwd_nodes):  # no loss op of its own: the scalar output is the loss
+        start -= 1
+    loss_ops = set(fwd_nodes[start:])
+    read = {a for n in loss_ops for a in n.all_input_nodes
+            if a.op == "call_function" and a not in loss_ops and isinstance(a.meta.get("val"), torch.Tensor)}
+    if len(read) != 1:
+        raise OptionError(f"pipeline parallelism: the loss reads {len(read)} tensors of the model "
+                          f"({', '.join(sorted(a.name for a in read)[:4])}); one (the last stage's output) is modelled")
+    return next(iter(read))
 
 
 def _with_sizes_read_by(stage_fwd: list[torch.fx.Node], readers: Sequence[torch.fx.Node],

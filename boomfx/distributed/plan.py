@@ -69,6 +69,9 @@ class ParallelConfig:
     # torchtitan's Llama plan (``--tp-plan torchtitan``): the derived layer plan plus the token
     # embedding rowwise over the vocabulary and the output head colwise (logits gathered)
     vocab_parallel: bool = False
+    # torchtitan's loss parallel (logits kept split on the vocabulary, ``loss_parallel()`` cross-entropy):
+    # None: on with a vocabulary-parallel head and a cross-entropy loss (torchtitan's default)
+    loss_parallel: Optional[bool] = None
     backend: str = "nccl"  # "gloo": the CPU ground truth's backend
 
     # -- construction ----------------------------------------------------------------------------
@@ -151,6 +154,8 @@ class ParallelConfig:
                               f"got {self.num_microbatches}")
         if self.vocab_parallel and self.tp == 1:
             raise OptionError(f"--tp-plan {TP_PRESET} needs tp > 1")
+        if self.loss_parallel and not self.vocab_parallel:
+            raise OptionError(f"--loss-parallel true needs a vocabulary-parallel head (--tp-plan {TP_PRESET})")
         if self.sp and self.tp == 1:
             raise OptionError("--parallel: sp (sequence parallelism) needs tp > 1")
         if self.bucket_cap_mb <= 0:

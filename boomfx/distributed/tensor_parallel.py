@@ -48,6 +48,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional, Sequence
@@ -60,6 +61,7 @@ from boomfx.core.errors import OptionError
 from boomfx.core.layers import module_path
 from boomfx.core.program import Program
 from boomfx.distributed import tp_ops
+from boomfx.distributed.loss_parallel import vocab_parallel_cross_entropy
 from boomfx.distributed.plan import ParallelConfig
 
 aten = torch.ops.aten
@@ -108,8 +110,10 @@ class _Sharder:
     """One pass over the export graph: the split of every value, the edits to sizes, the custom ops."""
 
     def __init__(self, graph: fx.Graph, plan: Mapping[str, str], params: Mapping[str, str], tp: int,
-                 seq_len: Optional[fx.Node] = None) -> None:
+                 seq_len: Optional[fx.Node] = None, split_logits: Optional[fx.Node] = None) -> None:
         self.graph = graph
+        # loss parallelism: the model's logits, returned split on the vocabulary (not gathered)
+        self.split_logits = split_logits
         self.tp = tp
         self.seq_len = seq_len  # sequence parallelism: the graph's full sequence length (a sym_size node)
         self.gathered: dict[fx.Node, fx.Node] = {}  # a seq-split value -> its one all-gather
@@ -143,6 +147,8 @@ class _Sharder:
                 self.split[node] = self.placeholder(node)
             elif node.op == "output":
                 for arg in self.tensors(node):
+                    if arg is self.split_logits and self.of(arg) == _ndim(arg) - 1:
+                        continue  # loss parallel: each rank's [.., vocab / tp] logits go to the loss
                     if self.of(arg) is not None:
                         self.gather_output(node, arg)
             elif node.op == "call_function":
@@ -522,18 +528,38 @@ def _needs_more_output(pi: sympy.Expr, pj: sympy.Expr) -> bool:
     return bool(num > den)
 
 
-def shard_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool = False) -> SimpleNamespace:
-    """A duck-typed export (what ``training._trace`` reads) of one TP rank's forward."""
+def shard_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool = False,
+                 loss_parallel: bool = False) -> SimpleNamespace:
+    """A duck-typed export (what ``training._trace`` reads) of one TP rank's forward. ``loss_parallel``:
+    the logits stay split on the vocabulary and the export brings its own ``cross_entropy``
+    (``loss_parallel.vocab_parallel_cross_entropy``) for the trace's loss."""
     from boomfx.frontend.capture import export_param_names
 
     gm = fx.GraphModule(ep.graph_module, _copy_graph(ep.graph))
     params = export_param_names(ep)
-    sharder = _Sharder(gm.graph, _plan_over_ties(ep, plan), params, tp, _sequence_length(gm.graph, ep) if sp else None)
+    logits = _first_user_output(gm.graph, ep) if loss_parallel else None
+    sharder = _Sharder(gm.graph, _plan_over_ties(ep, plan), params, tp, _sequence_length(gm.graph, ep) if sp else None,
+                       split_logits=logits)
     sharder.run()
+    if logits is not None and sharder.of(logits) != _ndim(logits) - 1:
+        raise OptionError("--parallel tp with loss parallel: the model's output is not split on the vocabulary "
+                          "(its head is not column-parallel); give --loss-parallel false")
     gm.graph.lint()
     gm.recompile()
+    extra = {"cross_entropy": vocab_parallel_cross_entropy} if loss_parallel else {}
     return SimpleNamespace(graph=gm.graph, graph_module=gm, graph_signature=ep.graph_signature,
-                           range_constraints=ep.range_constraints, state_dict=ep.state_dict)
+                           range_constraints=ep.range_constraints, state_dict=ep.state_dict, **extra)
+
+
+def _first_user_output(graph: fx.Graph, ep: Any) -> Optional[fx.Node]:
+    """The node of the export's first user output (the logits the loss reads)."""
+    from torch.export.graph_signature import OutputKind
+
+    out = next(n for n in graph.nodes if n.op == "output")
+    for arg, spec in zip(out.args[0], ep.graph_signature.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            return arg if isinstance(arg, fx.Node) else None
+    return None
 
 
 def _sequence_length(graph: fx.Graph, ep: Any) -> fx.Node:
@@ -577,14 +603,26 @@ def tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     Kept per program and TP setting: the re-trace is most of a TP plan's build, and the plans of a
     ``--search`` (or the rank classes of one world) that share ``tp`` share it; the FSDP, DDP and
     pipeline rewrites copy the graph they are given, so the kept program is never edited."""
-    key = ("tensor_parallel", cfg.tp, cfg.sp, cfg.tp_plan, cfg.vocab_parallel, cfg.backend)
+    key = ("tensor_parallel", cfg.tp, cfg.sp, cfg.tp_plan, cfg.vocab_parallel, cfg.loss_parallel, cfg.backend)
     if key not in program.derived:
         program.derived[key] = _build_tp_rank_program(program, cfg)
     return program.derived[key]
 
 
+def uses_loss_parallel(cfg: ParallelConfig, loss: str) -> bool:
+    """torchtitan's default: loss parallel on when the head is vocabulary-parallel (``--tp-plan
+    torchtitan``) and the loss is cross-entropy; ``--loss-parallel true`` where it cannot apply is refused."""
+    if cfg.loss_parallel is None:
+        return cfg.vocab_parallel and loss == "cross_entropy"
+    if cfg.loss_parallel and loss != "cross_entropy":
+        raise OptionError(f"--loss-parallel true needs a cross-entropy loss (this step's loss is {loss}: "
+                          "give --loss cross_entropy)")
+    return cfg.loss_parallel
+
+
 def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     from boomfx.frontend.capture import export_of, program_from_traced, trace_step
+    from boomfx.training.trace import resolved_loss
 
     if cfg.sp and not cfg.vocab_parallel:
         raise OptionError("--parallel sp: sequence parallelism is built with torchtitan's plan (--tp-plan torchtitan)")
@@ -595,7 +633,9 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
         raise OptionError("--parallel tp needs the training program captured from its export "
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
-    sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp)
-    traced = trace_step(sharded, program.options)
+    # the loss as the whole model's (a rank's logits need not look like a vocabulary's)
+    options = dataclasses.replace(program.options, loss=resolved_loss(ep, program.options.loss))
+    sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
+    traced = trace_step(sharded, options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
     return tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")

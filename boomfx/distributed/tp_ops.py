@@ -45,6 +45,18 @@ def _all_reduce_backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
 tp_all_reduce.register_autograd(_all_reduce_backward)
 
 
+@torch.library.custom_op("boomfx_tp::reduce", mutates_args=())
+def tp_reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+    """A ``"sum"`` or ``"max"`` over the TP group with no gradient of its own (loss parallel's reductions,
+    inside its autograd function; traced only, lowered to ``_c10d_functional.all_reduce``)."""
+    return x.clone()
+
+
+@tp_reduce.register_fake
+def _(x: torch.Tensor, op: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("boomfx_tp::region_enter", mutates_args=())
 def tp_region_enter(x: torch.Tensor) -> torch.Tensor:
     """Identity into a column-parallel linear (traced only; removed by ``lower_tp_ops``)."""
@@ -139,6 +151,7 @@ sp_scatter.register_autograd(_sp_scatter_backward, setup_context=_sp_scatter_set
 SP_GATHER = torch.ops.boomfx_tp.sp_gather.default
 SP_SCATTER = torch.ops.boomfx_tp.sp_scatter.default
 ALL_REDUCE = torch.ops.boomfx_tp.all_reduce.default
+REDUCE = torch.ops.boomfx_tp.reduce.default
 REGION_ENTER = torch.ops.boomfx_tp.region_enter.default
 ALL_GATHER = torch.ops.boomfx_tp.all_gather.default
 
@@ -158,11 +171,12 @@ def lower_tp_ops(program: Program, group: str = TP_GROUP, gather_scratch: bool =
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             phases.pop(node.name, None)
-        elif node.target is ALL_REDUCE:
+        elif node.target in (ALL_REDUCE, REDUCE):
             phase = program.phases.get(node.name, PHASE_FORWARD)
             val = node.meta["val"]
+            op = node.args[1] if node.target is REDUCE else "sum"
             reduced = edit.call(
-                node, c10d.all_reduce.default, (node.args[0], "sum", group), val, phase, like=node
+                node, c10d.all_reduce.default, (node.args[0], op, group), val, phase, like=node
             )
             waited = edit.wait(node, reduced, phase, like=node)
             node.replace_all_uses_with(waited)
@@ -177,7 +191,7 @@ def lower_tp_ops(program: Program, group: str = TP_GROUP, gather_scratch: bool =
             graph.erase_node(node)
             phases.pop(node.name, None)
     leftover = [
-        n.name for n in graph.nodes if n.op == "call_function" and n.target in (ALL_REDUCE, REGION_ENTER, ALL_GATHER, SP_GATHER, SP_SCATTER)
+        n.name for n in graph.nodes if n.op == "call_function" and n.target in (ALL_REDUCE, REDUCE, REGION_ENTER, ALL_GATHER, SP_GATHER, SP_SCATTER)
     ]
     assert not leftover, leftover
     out = program.rewritten(graph, phases=phases)

@@ -131,14 +131,14 @@ def trace_step(ep: Any, options: ProgramOptions) -> Any:
         traced = None if options.optimizer == NO_OPTIMIZER else build_training_program_fast(
             ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
             fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
-            resident_grads=options.resident_grads, param_dtype=options.param_dtype)
+            resident_grads=options.resident_grads, param_dtype=options.param_dtype, loss=options.loss)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,
                                                      fused_attention=options.target_kind == "cuda",
                                                      checkpoint_layers=options.checkpoint_layers,
                                                      resident_grads=options.resident_grads,
-                                                     param_dtype=options.param_dtype)
+                                                     param_dtype=options.param_dtype, loss=options.loss)
         return traced
     return training.build_inference_program(ep, amp=options.amp, fused_attention=options.target_kind == "cuda")
 

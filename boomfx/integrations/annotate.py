@@ -109,7 +109,7 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
              batch: Optional[int] = None, seq: Optional[int] = None, train: bool = False,
              optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
              alloc_conf: str = "", outside_memory: str = "", db: Optional[str] = None,
-             from_db: Optional[str] = None, checkpoint_layers: Sequence[str] = ()) -> AnnotateResult:
+             from_db: Optional[str] = None, checkpoint_layers: Sequence[str] = (), loss: str = "auto") -> AnnotateResult:
     """Predict one step of ``source`` and write each node's share into ``node.meta["boomfx"]``.
 
     Args:
@@ -120,7 +120,7 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
         bindings: symbol -> size (sympy symbols or their names); ``dims``: name or role -> size;
             ``batch``/``seq``: the symbols identified as batch/sequence. Unbound symbols take the
             example size seen when the graph was traced.
-        train, optimizer, amp, checkpoint, checkpoint_layers, alloc_conf, outside_memory, db,
+        train, optimizer, amp, checkpoint, checkpoint_layers, loss, alloc_conf, outside_memory, db,
             from_db: as for ``boomfx.analyze`` (``checkpoint_layers=["h.0"]``: checkpoint only those
             layer instances).
 
@@ -137,7 +137,7 @@ def annotate(source: Any, *example_inputs: Any, device: Union[str, DeviceSpec] =
         program = source
     else:
         program = capture(source, *example_inputs, options=ProgramOptions(
-            train, optimizer, amp, checkpoint, checkpoint_layers=checkpoint_layers))
+            train, optimizer, amp, checkpoint, checkpoint_layers=checkpoint_layers, loss=loss))
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db))
     bound = bind_symbols(program, bindings, dims, batch, seq)
     point = analysis.evaluate(bound)

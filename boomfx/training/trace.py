@@ -245,16 +245,55 @@ def _compute_dtype(param_dtype: str | None) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
-def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str, upcast: bool = False) -> torch.Tensor:
+def resolved_loss(ep: Any, loss: str) -> str:
+    """What ``loss`` is for the export ``ep``: ``"output"`` (its scalar first output), ``"cross_entropy"``
+    (against its ``labels`` input, or new next-token labels) or ``"mean"``; the real step of
+    ``boomfx validate`` computes the same one."""
+    if loss != "auto":
+        return loss
+    specs = ep.graph_signature.output_specs
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    first = next((a.meta.get("val") for a, s in zip(out_node.args[0], specs)
+                  if s.kind == OutputKind.USER_OUTPUT and isinstance(a, fx.Node)), None)
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return "output"
+    takes_labels = any(s.kind == InputKind.USER_INPUT and getattr(s.arg, "name", None) == "labels"
+                       for s in ep.graph_signature.input_specs)
+    return "cross_entropy" if takes_labels or token_logits(ep, first) else "mean"
+
+
+def token_logits(ep: Any, output: Any) -> bool:
+    """Whether ``output`` holds a language model's logits: floating, its last dimension the row count of
+    an embedding table looked up with integer ids (the vocabulary). ``loss="auto"`` trains those with
+    cross-entropy against next-token labels, as every LM training loop does; a mean of the logits would
+    miss the fp32 log-probabilities cross-entropy keeps for backward ([tokens, vocab], the largest
+    tensor of many LM steps)."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.dim() < 2:
+        return False
+    vocab = output.shape[-1]
+    for n in ep.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
+            continue
+        weight, ids = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args[:2])
+        if (isinstance(weight, torch.Tensor) and isinstance(ids, torch.Tensor) and not ids.is_floating_point()
+                and weight.dim() == 2 and weight.shape[0] == vocab):
+            return True
+    return False
+
+
+def _loss_of(outputs: list[Any], labels: torch.Tensor | None, loss: str, upcast: bool = False,
+             cross_entropy: Any = None) -> torch.Tensor:
     """The step's loss. ``upcast``: low-precision logits go to fp32 for cross-entropy first, as
-    transformers' ``ForCausalLMLoss`` and torchtitan's loss do."""
+    transformers' ``ForCausalLMLoss`` and torchtitan's loss do (and autocast would: log_softmax and
+    nll_loss are on its fp32 lists; the loss runs outside the export graph's cast policy). ``cross_entropy``: the export's own
+    (a rewrite's: loss parallelism on vocabulary-split logits) in place of ``F.cross_entropy``."""
     first = next(o for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point())
     if loss == "output" or (loss == "auto" and first.dim() == 0):
         return first
     if loss == "cross_entropy" or (loss == "auto" and labels is not None):
         assert labels is not None
         logits = first.float() if upcast else first
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+        return (cross_entropy or F.cross_entropy)(logits.flatten(0, -2), labels.flatten())
     return first.mean()
 
 
@@ -305,8 +344,7 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             if i.name == "labels":
                 roles[pos] = ROLE_LABEL
         first_out = out_vals[user_outputs[0]] if user_outputs else None
-        wants_ce = loss == "cross_entropy" or (loss == "auto" and "labels" in user_input_names
-                                              and first_out is not None and first_out.dim() > 0)
+        wants_ce = resolved_loss(ep, loss) == "cross_entropy"
         if wants_ce and "labels" not in user_input_names:
             assert isinstance(first_out, torch.Tensor)
             with fake.mode:
@@ -375,7 +413,8 @@ def _trace(ep: ExportedProgram, *, train: bool, optimizer: str, optimizer_kwargs
             return outs
         if labels is None and "labels" in names[:n_graph]:
             labels = g_args[names.index("labels")]
-        loss_val = _loss_of(outs, labels, loss, upcast=compute_dtype is not None)
+        loss_val = _loss_of(outs, labels, loss, upcast=compute_dtype is not None or low_dtype is not None,
+                            cross_entropy=getattr(ep, "cross_entropy", None))
         policy.clear_cache()  # the forward autocast region ends here
         grad_bufs = list(flat[n_graph + n_labels: n_graph + n_labels + len(grad_args)])
         opt_state = list(flat[n_graph + n_labels + len(grad_args):])
@@ -576,7 +615,8 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         checkpoint_layers: checkpoint only these instances of it (``["h.0", "h.2"]``, module paths);
             when non-empty it wins over ``checkpoint``. Unknown names raise ``OptionError``.
         loss: ``"auto"`` (scalar first output as is; cross-entropy when the program takes
-            ``labels``; else mean of the first output), ``"mean"``, ``"cross_entropy"`` (adds a
+            ``labels`` or its first output is a language model's logits, see ``token_logits``; else
+            mean of the first output), ``"mean"``, ``"cross_entropy"`` (adds a
             ``labels`` input if the export has none) or ``"output"``.
         fused_attention: call CUDA's flash/efficient attention kernels for SDPA, as a GPU
             would; ``False`` keeps the composite op, so real CPU tensors can run the graph (tests).

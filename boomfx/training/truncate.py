@@ -127,7 +127,7 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
 def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", amp: Optional[str] = None,
                                 checkpoint: bool = False, *, fused_attention: bool = True,
                                 checkpoint_layers: tuple[str, ...] = (), resident_grads: bool = False,
-                                param_dtype: Optional[str] = None) -> Any:
+                                param_dtype: Optional[str] = None, loss: str = "auto") -> Any:
     """``training.build_training_program`` for deep stacks in time independent of depth, or None
     (too shallow, no layer list, or a structure the synthesis does not reproduce)."""
     from boomfx.training import trace as training
@@ -145,7 +145,8 @@ def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", a
         traced = training.build_training_program(cut.ep, optimizer=optimizer, amp=amp, checkpoint=checkpoint,
                                                  fused_attention=fused_attention,
                                                  checkpoint_layers=checkpoint_layers,
-                                                 resident_grads=resident_grads, param_dtype=param_dtype)
+                                                 resident_grads=resident_grads, param_dtype=param_dtype,
+                                                 loss=loss)
         return expand(traced, cut.prefix, KEPT[-1], cut.num_layers)
     except Unsupported as exc:
         _log.info("fast training graph not used: %s", exc)

@@ -82,6 +82,7 @@ def materialise(ep: ExportedProgram, bindings: Mapping[str, int], device: torch.
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     module = ep.module()
+    _move_factories(module, device)
     kinds = {spec.target: spec.kind for spec in ep.graph_signature.input_specs if spec.target is not None}
     with torch.no_grad():
         # parameters and every buffer, non-persistent ones too (rotary tables are not in the state_dict)
@@ -98,6 +99,22 @@ def materialise(ep: ExportedProgram, bindings: Mapping[str, int], device: torch.
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in tensors if isinstance(t, torch.Tensor)}
     return Materialised(module, args, kwargs, sum(resident.values()))
+
+
+def _move_factories(module: torch.nn.Module, device: torch.device) -> None:
+    """A model exported on the meta device bakes ``device=meta`` into its factory calls (``arange`` of
+    positions, causal masks) and their metadata checks: they create tensors on ``device`` instead."""
+    for gm in module.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in gm.graph.nodes:
+            dev = node.kwargs.get("device")
+            if node.op == "call_function" and isinstance(dev, torch.device) and dev.type == "meta":
+                node.kwargs = {**node.kwargs, "device": device}
+                changed = True
+        if changed:
+            gm.recompile()
 
 
 def _real(name: str, t: torch.Tensor, device: torch.device, gen: torch.Generator, kind: InputKind) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The real step ``boomfx validate`` measures: the same step the prediction describes, run on this machine.
 
 Inference is the exported graph under ``no_grad``. Training is what ``--train`` traces
-(boomfx/training.py): ``loss = first floating output`` reduced by ``mean`` unless it is already a scalar,
-``loss.backward()``, a foreach ``torch.optim`` step, ``zero_grad(set_to_none=True)`` (or, with
+(boomfx/training/trace.py): the loss ``resolved_loss`` names (the scalar output itself; cross-entropy of
+the first floating output against next-token labels drawn once and kept, as a data loader's batch is;
+else its ``mean``), ``loss.backward()``, a foreach ``torch.optim`` step, ``zero_grad(set_to_none=True)`` (or, with
 ``resident_grads``, ``set_to_none=False``). ``optimizer="none"`` stops after the backward: the
 micro-batch step of gradient accumulation (the gradients are dropped at the end of the step, so the
 next one starts from the same state). ``compile`` wraps the model and its loss in ``torch.compile``
@@ -53,20 +54,38 @@ def first_output(out: Any) -> torch.Tensor:
     raise StopIteration("the program returns no floating tensor to reduce to a loss")
 
 
-def _loss(out: Any) -> torch.Tensor:
+def _loss(out: Any, loss: str, labels: Optional[torch.Tensor]) -> torch.Tensor:
     first = first_output(out)
-    return first if first.dim() == 0 else first.float().mean()
+    if loss == "output" or first.dim() == 0:
+        return first
+    if loss == "cross_entropy":
+        assert labels is not None
+        return torch.nn.functional.cross_entropy(first.flatten(0, -2), labels.flatten())
+    return first.float().mean()
 
 
 class _WithLoss(torch.nn.Module):
-    """Model + loss as one module, so ``torch.compile`` fuses the loss into the graphs as predicted."""
+    """Model + loss as one module, so ``torch.compile`` fuses the loss into the graphs as predicted.
+    Cross-entropy's labels are drawn at the first call (their shape is the logits' without the
+    vocabulary) and kept, resident like the trace's ``labels`` input."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, loss: str) -> None:
         super().__init__()
         self.model = model
+        self.loss = loss
+        self.labels: Optional[torch.Tensor] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return _loss(self.model(*args, **kwargs))
+        out = self.model(*args, **kwargs)
+        if self.loss == "cross_entropy" and self.labels is None:
+            given = kwargs.get("labels")
+            if given is not None:
+                self.labels = given
+            else:
+                logits = first_output(out)
+                gen = torch.Generator().manual_seed(0)
+                self.labels = torch.randint(0, logits.shape[-1], logits.shape[:-1], generator=gen).to(logits.device)
+        return _loss(out, self.loss, self.labels)
 
 
 def _autocast(device: torch.device, amp: Optional[str]) -> contextlib.AbstractContextManager:
@@ -77,8 +96,9 @@ def _autocast(device: torch.device, amp: Optional[str]) -> contextlib.AbstractCo
 
 def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, optimizer: str = "adamw",
                amp: Optional[str] = None, compile: bool = False, resident_grads: bool = False,
-               device: torch.device | str = "cpu") -> RealStep:
-    """The step as a closure over real tensors (first call not made: warm-up is the caller's)."""
+               device: torch.device | str = "cpu", loss: str = "mean") -> RealStep:
+    """The step as a closure over real tensors (first call not made: warm-up is the caller's).
+    ``loss``: ``"cross_entropy"``, ``"mean"`` or ``"output"``, as ``training.trace.resolved_loss`` names it."""
     device = torch.device(device)
     if not train:
         fn = torch.compile(module) if compile else module
@@ -87,7 +107,7 @@ def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: boo
             with torch.no_grad(), _autocast(device, amp):
                 fn(*args, **kwargs)
         return RealStep(infer, None, module)
-    loss_fn: Callable[..., torch.Tensor] = _WithLoss(module)
+    loss_fn: Callable[..., torch.Tensor] = _WithLoss(module, loss)
     if compile:
         loss_fn = torch.compile(loss_fn)
     params = [p for p in module.parameters() if p.requires_grad]
