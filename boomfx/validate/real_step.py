@@ -60,7 +60,8 @@ def _loss(out: Any, loss: str, labels: Optional[torch.Tensor]) -> torch.Tensor:
         return first
     if loss == "cross_entropy":
         assert labels is not None
-        return torch.nn.functional.cross_entropy(first.flatten(0, -2), labels.flatten())
+        # fp32 logits first, as the trace's loss does under --amp (and transformers' and torchtitan's losses)
+        return torch.nn.functional.cross_entropy(first.float().flatten(0, -2), labels.flatten())
     return first.float().mean()
 
 
