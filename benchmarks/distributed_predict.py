@@ -27,10 +27,12 @@ def parallel_config(cfg: truth.TruthConfig):
         "hsdp": dict(dp_replicate=2, dp_shard=cfg.world // 2),
         "tp": dict(tp=cfg.world),
         "tp_vocab": dict(tp=cfg.world, vocab_parallel=True),
-        "tp_sp": dict(tp=cfg.world, vocab_parallel=True, sp=True),  # not built: no prediction yet
+        "tp_sp": dict(tp=cfg.world, vocab_parallel=True, sp=True),
         "pp": dict(pp=cfg.world),
         "tp_fsdp": dict(dp_shard=cfg.world // 2, tp=2),
         "pp_tp": dict(pp=2, tp=cfg.world // 2),
+        "pp_tp_vocab": dict(pp=2, tp=cfg.world // 2, vocab_parallel=True),
+        "pp_tp_sp": dict(pp=2, tp=cfg.world // 2, vocab_parallel=True, sp=True),
         "pp_ddp": dict(pp=2, dp_replicate=cfg.world // 2),
         "pp_fsdp": dict(pp=2, dp_shard=cfg.world // 2),
         "pp_hsdp": dict(pp=2, dp_replicate=2, dp_shard=cfg.world // 4),
@@ -45,7 +47,7 @@ def parallel_config(cfg: truth.TruthConfig):
         fsdp_param_dtype=cfg.param_dtype,
         fsdp_reduce_dtype=cfg.reduce_dtype,
         fsdp_wrap=cfg.fsdp_wrap,
-        loss_parallel=cfg.loss_parallel if cfg.parallel in ("tp_vocab", "tp_sp") else None,
+        loss_parallel=cfg.loss_parallel if cfg.parallel in ("tp_vocab", "tp_sp", "pp_tp_vocab", "pp_tp_sp") else None,
         backend="gloo",
     )
 

@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(ROOT / "examples"))
 
-PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_ddp", "pp_fsdp",
+PARALLELISMS = ("ddp", "fsdp", "tp", "tp_vocab", "tp_sp", "pp", "hsdp", "tp_fsdp", "pp_tp", "pp_tp_vocab", "pp_tp_sp",
+                "pp_ddp", "pp_fsdp",
                 "pp_hsdp")
 VOCAB = 256
 # The models' sizes: small enough for seconds per run on 2 shared cores, large enough that tensor
@@ -116,7 +117,7 @@ class TruthConfig:
         extra = ""
         if self.parallel in ("fsdp", "hsdp", "tp_fsdp", "pp_fsdp", "pp_hsdp"):
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
-        if self.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp", "pp_hsdp"):
+        if self.parallel.startswith("pp"):
             extra += f"-{self.schedule}-mb{self.microbatches}"
         if self.gradient_as_bucket_view:
             extra += "-bucketview"
@@ -136,7 +137,8 @@ class RankTruth:
     start_param_bytes: int  # this rank's parameter storages at the start of the step
     start_optimizer_bytes: int  # this rank's AdamW state storages
     collectives: list[dict]  # {"op": "all_gather", "dtype": "float", "numel": [...]} in order
-    local_params: dict[str, dict] = field(default_factory=dict)  # name -> {"shape", "storage_bytes"}
+    # name -> {"shape", "storage_bytes", "grad_shape": the local shape of the .grad AdamW steps}
+    local_params: dict[str, dict] = field(default_factory=dict)
     step_time_s: float = 0.0
     peak_samples: list[int] = field(default_factory=list)  # each measured step's peak; peak_bytes = min
 
@@ -198,16 +200,22 @@ def _apply_vocab_parallel(model: torch.nn.Module, mesh: Any, loss_parallel: bool
     """torchtitan's Llama plan for the ends of the model, without sequence parallelism: the embedding
     rowwise over the vocabulary (token ids arrive replicated) and the head colwise (``_head_plan``)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "embed": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": _head_plan(loss_parallel),
-        },
-    )
+    _parallelize_present(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": _head_plan(loss_parallel),
+    })
+
+
+def _parallelize_present(model: torch.nn.Module, mesh: Any, plan: dict) -> None:
+    """``parallelize_module`` with the entries of ``plan`` whose module ``model`` has (a pipeline stage
+    holds the embedding only on the first stage, the final norm and head only on the last)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    present = {name: style for name, style in plan.items() if hasattr(model, name)}
+    if present:
+        parallelize_module(model, mesh, present)
 
 
 def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any, loss_parallel: bool = False) -> None:
@@ -235,15 +243,11 @@ def _apply_sequence_parallel(model: torch.nn.Module, mesh: Any, loss_parallel: b
         plan.update({m: SequenceParallel() for m in ("input_norm", "post_norm")})
         parallelize_module(layer, mesh, plan)
         parallelize_module(layer, mesh, {m: PrepareModuleOutput(**gather) for m in ("input_norm", "post_norm")})
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": _head_plan(loss_parallel, input_layouts=Shard(1)),
-        },
-    )
+    _parallelize_present(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": _head_plan(loss_parallel, input_layouts=Shard(1)),
+    })
 
 
 def _mixed_precision(cfg: "TruthConfig") -> Any:
@@ -272,8 +276,11 @@ class _Stage(torch.nn.Module):
     """The layers ``[lo, hi)`` of a GPT/Llama model, with the embedding on the first stage and the
     final norm and head on the last (the manual stage split torchtitan uses)."""
 
-    def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, model: torch.nn.Module, lo: int, hi: int, first: bool, last: bool,
+                 seq_shards: int = 1) -> None:
         super().__init__()
+        # sequence parallelism: a later stage receives its TP rank's 1/seq_shards of the sequence
+        self.seq_shards = 1 if first else seq_shards
         self.is_llama = hasattr(model, "layers")
         self.first, self.last = first, last
         if first:
@@ -287,11 +294,10 @@ class _Stage(torch.nn.Module):
         self.head_dim = getattr(model, "head_dim", 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1] * self.seq_shards  # the sequence length (token ids on the first stage)
         if self.first:
-            t = x.shape[1]
             x = self.embed(x) if self.is_llama else self.embed(x) + self.wpe(torch.arange(t))
         if self.is_llama:
-            t = x.shape[1]
             inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
             freqs = torch.outer(torch.arange(t).float(), inv)
             emb = torch.cat((freqs, freqs), dim=-1)
@@ -370,7 +376,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     gen = torch.Generator().manual_seed(1000 + rank)
     if cfg.parallel in ("pp", "pp_fsdp") and cfg.schedule == "interleaved_1f1b":
         return _interleaved_step(cfg, model, rank)
-    if cfg.parallel in ("pp", "pp_tp", "pp_ddp", "pp_fsdp", "pp_hsdp"):
+    if cfg.parallel.startswith("pp"):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         # pp_tp / pp_ddp: a (pp=2, tp or dp) mesh as torchtitan lays it out (pp outer). pp_tp: each
@@ -388,18 +394,21 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
             inner = mesh["replicate", "shard"]
             data_seed = 1000 + mesh["replicate"].get_local_rank() * (cfg.world // 4) + mesh["shard"].get_local_rank()
         elif cfg.parallel != "pp":
-            inner_name = "tp" if cfg.parallel == "pp_tp" else "dp"
+            inner_name = "tp" if cfg.parallel.startswith("pp_tp") else "dp"
             mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", inner_name))
             stages, stage_id, group, inner = 2, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), mesh[inner_name]
             if cfg.parallel in ("pp_ddp", "pp_fsdp"):
                 data_seed = 1000 + inner.get_local_rank()
         lo, hi = stage_layer_ranges(len(layer_list(model)), stages)[stage_id]
-        module = _Stage(model, lo, hi, stage_id == 0, stage_id == stages - 1)
-        if cfg.parallel == "pp_tp":
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            for layer in module.layers:
-                parallelize_module(layer, inner, _tp_plan(cfg.model))
+        module = _Stage(model, lo, hi, stage_id == 0, stage_id == stages - 1,
+                        seq_shards=cfg.world // 2 if cfg.parallel == "pp_tp_sp" else 1)
+        if cfg.parallel in ("pp_tp", "pp_tp_vocab"):
+            # pp_tp_vocab: torchtitan's ends too (the first stage's embedding, the last's head)
+            _apply_tp(module, cfg.model, inner)
+            if cfg.parallel == "pp_tp_vocab":
+                _apply_vocab_parallel(module, inner, cfg.loss_parallel)
+        elif cfg.parallel == "pp_tp_sp":
+            _apply_sequence_parallel(module, inner, cfg.loss_parallel)
         if cfg.parallel in ("pp_fsdp", "pp_hsdp"):
             from torch.distributed.fsdp import fully_shard
 
@@ -420,7 +429,9 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
         target = _labels(cfg, data_seed)
 
-        return _schedule_step(schedule, opt, idx, target, stage_id == 0, stage_id == stages - 1), opt, named
+        return (_schedule_step(schedule, opt, idx, target, stage_id == 0, stage_id == stages - 1,
+                               lambda: _loss_context(cfg)),
+                opt, named)
 
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
     if cfg.parallel == "ddp":
@@ -508,17 +519,19 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
 
 
 def _schedule_step(schedule: Any, opt: Any, idx: torch.Tensor, target: torch.Tensor, first: bool,
-                   last: bool) -> Any:
+                   last: bool, context: Any = None) -> Any:
     """One pipeline training step: the rank holding the first stage feeds the batch, the one holding the
-    last the loss target, then AdamW."""
+    last the loss target, then AdamW. ``context``: makes the context entered around the schedule (loss
+    parallel's, as torchtitan's ``train_context`` wraps ``pp_schedule.step``)."""
 
     def step() -> None:
-        if first:
-            schedule.step(idx)
-        elif last:
-            schedule.step(target=target, losses=[])
-        else:
-            schedule.step()
+        with context() if context is not None else contextlib.nullcontext():
+            if first:
+                schedule.step(idx)
+            elif last:
+                schedule.step(target=target, losses=[])
+            else:
+                schedule.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -714,14 +727,22 @@ def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
     import torch.distributed as dist
 
     step, opt, named = _prepare(cfg, rank)
+    grads: dict[str, list[int]] = {}
+
+    def record_grads(*_: Any) -> None:  # what AdamW steps: each .grad's local shape
+        grads.update({n: list(_local(p.grad).shape) for n, p in named.items() if p.grad is not None})
+
+    hook = opt.register_step_pre_hook(record_grads)
     step()  # AdamW creates its state (and DDP its buckets) on the first step
+    hook.remove()
     dist.barrier()
     params = [_local(p) for p in named.values()]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     start_params = _storage_bytes(params)
     start_opt = _storage_bytes([_local(v) for v in state])
     local = {
-        n: {"shape": list(_local(p).shape), "storage_bytes": _local(p).untyped_storage().nbytes()}
+        n: {"shape": list(_local(p).shape), "storage_bytes": _local(p).untyped_storage().nbytes(),
+            "grad_shape": grads.get(n)}
         for n, p in named.items()
     }
     peaks, collectives = _profiled_steps(step)
@@ -800,6 +821,14 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "hsdp", 4),
             TruthConfig(model, "tp_fsdp", 4),
             TruthConfig(model, "pp_tp", 4, schedule="1f1b"),
+            # torchtitan's plan on the stages: the vocabulary-parallel ends, cross-entropy (gathered, or
+            # loss parallel), and Llama with sequence parallelism
+            TruthConfig(model, "pp_tp_vocab", 4, loss="cross_entropy", loss_parallel=model == "gpt"),
+            *([TruthConfig(model, "pp_tp_vocab", 4, loss="cross_entropy", loss_parallel=True),
+               TruthConfig(model, "pp_tp_sp", 4, loss="cross_entropy", loss_parallel=True),
+               TruthConfig(model, "tp_vocab", 2, loss="cross_entropy"),
+               TruthConfig(model, "tp_vocab", 2, loss="cross_entropy", loss_parallel=True),
+               TruthConfig(model, "tp_sp", 2, loss="cross_entropy", loss_parallel=True)] if model == "llama" else []),
             TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False),
             # DDP's gradient_as_bucket_view, each next to the default at the same shapes: at seq 8 the

@@ -165,10 +165,11 @@ def zoo(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def four_rank_gloo_runs():
     """The 4-rank gloo truth runs of TP x FSDP (test_distributed_tp.py), PP x TP, PP x DDP (also with
-    gradient_as_bucket_view) and PP x FSDP, also with FSDP mixed precision (test_distributed_pp.py), by name, in one spawn (process start-up and ``import torch`` paid once)."""
+    gradient_as_bucket_view), PP x FSDP, also with FSDP mixed precision, and PP x torchtitan's TP plan
+    (test_distributed_pp.py), by name, in one spawn (process start-up and ``import torch`` paid once)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
-    from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION
+    from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB
 
     configs = [truth.TruthConfig(model, parallel, 4, timed_steps=1)
                for parallel in ("tp_fsdp", "pp_tp", "pp_ddp") for model in ("llama", "gpt")]
@@ -176,5 +177,5 @@ def four_rank_gloo_runs():
                 for model in ("llama", "gpt")]
     configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=1)
                 for model in ("llama", "gpt")]
-    configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_INTERLEAVED
+    configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_INTERLEAVED + PP_TP_VOCAB
     return {r.config.name: r for r in truth.run_configs(configs)}

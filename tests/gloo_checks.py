@@ -21,6 +21,13 @@ PP_FSDP_INTERLEAVED = [
     truth.TruthConfig(model, "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False, timed_steps=1)
     for model in ("llama4", "gpt4")]
 
+# pp x torchtitan's TP plan (pp=2 x tp=2): the vocabulary-parallel ends on the first and last stages,
+# with cross-entropy gathered or under loss parallel, and with sequence parallelism
+PP_TP_VOCAB = [
+    truth.TruthConfig("llama", "pp_tp_vocab", 4, timed_steps=1, loss="cross_entropy"),
+    truth.TruthConfig("llama", "pp_tp_sp", 4, timed_steps=1, loss="cross_entropy", loss_parallel=True),
+    truth.TruthConfig("gpt", "pp_tp_vocab", 4, timed_steps=1, loss="cross_entropy", loss_parallel=True)]
+
 
 @functools.lru_cache(maxsize=None)
 def rank_classes(cfg: truth.TruthConfig):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
@@ -299,6 +299,73 @@ def test_pp_tp_collective_sizes_match_the_real_run(cfg, four_rank_gloo_runs, pp_
         assert {n for _, n in predicted} == {1 * 32 * 64}
         for rank in rc.ranks:
             real = sorted((c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives)
+            assert predicted == real
+
+
+@pytest.mark.parametrize("cfg", PP_TP_VOCAB, ids=[c.name for c in PP_TP_VOCAB])
+def test_pp_with_torchtitan_tp_plan_rank_peak_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes,
+                                                         tmp_path_factory) -> None:
+    """pp=2 x tp=2 with torchtitan's plan on each stage module: the first stage's embedding
+    vocabulary-parallel (its weight gradient the whole table, as DTensor leaves it), the last stage's
+    head colwise with its logits gathered or, under loss parallel, kept split into the parallel
+    cross-entropy; with sp the residual stream crosses the stage boundary split on the sequence."""
+    real = four_rank_gloo_runs[cfg.name]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=pp_tp_classes(cfg)[1])
+    assert_peaks_match(cfg, pred, real)
+
+
+@pytest.mark.parametrize("cfg", PP_TP_VOCAB, ids=[c.name for c in PP_TP_VOCAB])
+def test_pp_with_torchtitan_tp_plan_stages_hold_the_vocabulary_shards(cfg, four_rank_gloo_runs,
+                                                                       pp_tp_classes) -> None:
+    """Each stage's parameters are the real stage's TP-local ones (the embedding's and head's
+    vocab / 2 rows included); the first stage's embedding gradient is [vocab, d], twice its weight."""
+    program, classes = pp_tp_classes(cfg)
+    assert [rc.ranks for rc in classes] == [(0, 1), (2, 3)]
+    real = four_rank_gloo_runs[cfg.name].ranks
+    d = truth.MODEL_DIMS[cfg.model]["d"]
+    for rc in classes:
+        shapes = sorted(list(n.meta["val"].shape) for n in rc.program.graph.nodes
+                        if n.op == "placeholder" and rc.program.input_roles.get(n.name) == "param")
+        assert [truth.VOCAB // 2, d] in shapes
+        for rank in rc.ranks:
+            assert shapes == sorted(p["shape"] for p in real[rank].local_params.values())
+            assert resident_bytes(rc.program, "param") == real[rank].start_param_bytes
+    first = classes[0].program
+    embed = [n for n in first.graph.nodes if first.grad_nodes.get(n.name) in ("embed.weight", "wte.weight")]
+    assert embed and all(list(n.meta["val"].shape) == [truth.VOCAB, d] for n in embed)
+    # DTensor's: the real stage's embedding .grad is the whole table, every other gradient its weight's shape
+    for rank in classes[0].ranks:
+        grads = {name: p["grad_shape"] for name, p in real[rank].local_params.items()}
+        embed_name = "embed.weight" if "embed.weight" in grads else "wte.weight"
+        assert grads[embed_name] == [truth.VOCAB, d]
+        assert all(g == real[rank].local_params[name]["shape"] for name, g in grads.items() if name != embed_name)
+
+
+@pytest.mark.parametrize("cfg", [c for c in PP_TP_VOCAB if c.parallel == "pp_tp_sp"],
+                         ids=[c.name for c in PP_TP_VOCAB if c.parallel == "pp_tp_sp"])
+def test_pp_with_sequence_parallel_sends_the_sequence_shard(cfg, four_rank_gloo_runs, pp_tp_classes) -> None:
+    """Under sp the stage boundary carries each TP rank's half of the sequence: per micro-batch one
+    [1, seq / 2, d] send (forward) and receive (backward) on stage 0, the reverse on stage 1, as
+    gloo ran them."""
+    from boomfx.distributed.p2p import is_p2p
+    from boomfx.distributed.pipeline_stages import micro_bindings
+    from boomfx.frontend.capture import resolve_bindings
+    from boomfx.passes.evaluate import Evaluator
+    from boomfx.passes.liveness import _compute_nbytes
+
+    program, classes = pp_tp_classes(cfg)
+    ev = Evaluator(micro_bindings(program, predict.parallel_config(cfg),
+                                  resolve_bindings(program, {}, cfg.batch, cfg.seq)))
+    numel = cfg.batch // cfg.microbatches * cfg.seq // 2 * truth.MODEL_DIMS[cfg.model]["d"]
+    for rc in classes:
+        predicted = sorted(("send" if n.target.__name__.startswith("send") else "recv",
+                            int(ev(_compute_nbytes(n.args[0].meta["val"]))) // 4)
+                           for n in rc.program.graph.nodes if is_p2p(n))
+        assert predicted == sorted([("send", numel), ("recv", numel)] * cfg.microbatches)
+        for rank in rc.ranks:
+            real = sorted((c["op"], c["numel"][0]) for c in four_rank_gloo_runs[cfg.name].ranks[rank].collectives
+                          if c["op"] in ("send", "recv"))
             assert predicted == real
 
 

@@ -120,6 +120,22 @@ def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> 
     assert state == real.start_optimizer_bytes == 2 * params + 4 * len(local)
 
 
+@pytest.mark.parametrize("cfg", TWO_RANKS, ids=[c.name for c in TWO_RANKS])
+def test_tp_gradient_shapes_are_the_real_ones(cfg, tp_gloo_runs, tp_programs) -> None:
+    """Every gradient the program hands AdamW has the shape of the real rank's ``.grad``: its weight's
+    local shape, except a vocabulary-parallel embedding's, which DTensor computes and keeps whole
+    ([256, 64] on each rank for a [128, 64] weight)."""
+    _, (rc,) = tp_programs(cfg)
+    real = tp_gloo_runs[cfg.name].ranks[0].local_params
+    by_name = {n.name: n for n in rc.program.graph.nodes}
+    predicted = {fqn: list(by_name[name].meta["val"].shape) for name, fqn in rc.program.grad_nodes.items()}
+    assert predicted == {fqn: p["grad_shape"] for fqn, p in real.items()}
+    vocab_parallel = cfg.parallel in ("tp_vocab", "tp_sp")
+    embed = "embed.weight" if "embed.weight" in real else "wte.weight"
+    assert predicted[embed] == [truth.VOCAB, 64]
+    assert real[embed]["shape"] == [truth.VOCAB // 2 if vocab_parallel else truth.VOCAB, 64]
+
+
 def _layers(full: dict) -> set[str]:
     return {".".join(fqn.split(".")[:2]) for fqn in full if fqn.split(".")[1:2] and fqn.split(".")[1].isdigit()}
 

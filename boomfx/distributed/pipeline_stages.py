@@ -49,7 +49,10 @@ Known limitations:
   ties a parameter across stages (tied embeddings), is refused.
 
 Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
-(``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces; with
+(``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces (with
+torchtitan's plan: the vocabulary-parallel embedding on the first stage, the head and loss parallel
+on the last, and under ``sp`` a sequence-split residual stream across the boundary; a backward size
+the graph reads off another stage's tensor is read off the stage's own, ``_Split.sizes_in``); with
 ``dp_replicate`` each stage program is DDP-rewritten (``fsdp.ddp_rank_program``) with its gradients
 ready at ``gm.meta[META_GRAD_READY]``: the last micro-batch's accumulations, the only backward
 ``PipelineStage`` runs outside ``DistributedDataParallel.no_sync``; with ``dp_shard`` each stage
@@ -176,6 +179,9 @@ class _Split:
     grad_in: list[Optional[torch.fx.Node]]  # the output gradient a stage receives (None on the last)
     output: torch.fx.Node  # the model's output (the last stage's output chunk)
     params: list[list[torch.fx.Node]]
+    # per stage, backward sizes computed on another stage -> (a tensor of this stage, its dim) to read
+    # them from (a stage's autograd reads its sizes off its own tensors)
+    sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = dataclasses.field(default_factory=list)
 
 
 def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
@@ -258,14 +264,27 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             current = 0 if seen_layer else last
         bwd[current].append(n)
     grad_in: list[Optional[torch.fx.Node]] = [None] * pp
-    for s in range(pp - 1):
+    sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = [{} for _ in range(pp)]
+    for s in range(pp):
+        # a backward size read off another stage's forward tensor is read off one of this stage's
+        here = set(fwd[s]) | {act_in[s]}
+        bwd[s] = [n for n in bwd[s] if not (_is_size(n) and any(
+            a.op == "call_function" and program.phase_of(a) == PHASE_FORWARD and a not in here
+            for a in n.all_input_nodes))]
+    for s in range(pp):
         members = set(bwd[s])
         crossing = {a for n in bwd[s] for a in n.all_input_nodes
                     if a.op == "call_function" and program.phase_of(a) == PHASE_BACKWARD and a not in members}
-        if len(crossing) != 1:
-            raise OptionError(f"pipeline stage {s}: {len(crossing)} gradients cross into its backward "
-                              f"({', '.join(sorted(a.name for a in crossing)[:4])}); one is modelled")
-        (grad_in[s],) = crossing
+        sizes = {a for a in crossing if _is_size(a)}
+        crossing -= sizes
+        if s < pp - 1:
+            if len(crossing) != 1:
+                raise OptionError(f"pipeline stage {s}: {len(crossing)} gradients cross into its backward "
+                                  f"({', '.join(sorted(a.name for a in crossing)[:4])}); one is modelled")
+            (grad_in[s],) = crossing
+        own = ([grad_in[s]] if grad_in[s] is not None else []) + ([act_in[s]] if act_in[s] is not None else [])
+        for a in sorted(sizes, key=lambda a: a.name):
+            sizes_in[s][a] = _size_source(a, own + fwd[s], s)
     for s in range(pp):
         # sizes the backward (checkpointing's recomputation) reads but the stage's forward does not
         fwd[s] = _with_sizes_read_by(fwd[s], bwd[s], fwd_nodes)
@@ -287,7 +306,24 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             owner_of_param[p] = s
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
-    return _Split(fwd, bwd, act_in, grad_in, output, params), names
+    return _Split(fwd, bwd, act_in, grad_in, output, params, sizes_in), names
+
+
+def _size_source(size: torch.fx.Node, tensors: Sequence[torch.fx.Node], s: int) -> tuple[torch.fx.Node, int]:
+    """A tensor of stage ``s`` and the dim of it whose length is ``size``'s value (a backward size the
+    graph computed on another stage's tensor, as sequence parallelism's gathered gradient's
+    ``sym_size``), for the stage to read it off its own."""
+    want = size.meta.get("val")
+    key = want.node.expr if isinstance(want, torch.SymInt) else want
+    for t in tensors:
+        val = t.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, dim in enumerate(val.shape):
+            if (dim.node.expr if isinstance(dim, torch.SymInt) else dim) == key:
+                return t, d
+    raise OptionError(f"pipeline stage {s}: its backward reads the size {size.name} ({want}) of another stage's "
+                      "tensor, and no tensor of the stage has that length")
 
 
 def _model_output(fwd_nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
@@ -603,6 +639,9 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             env[split.grad_in[k]] = call(ops.recv_.default, (buf, peer_next, PP_GROUP), buf.meta["val"],
                                          PHASE_BACKWARD, like)
             env[split.grad_in[k]].meta[META_CHUNK] = k
+        for size, (t, d) in split.sizes_in[k].items():
+            env[size] = call(aten.sym_size.int, (env[t], d), size.meta["val"], PHASE_BACKWARD, size)
+            env[size].meta[META_CHUNK] = k
         copy(split.bwd[k], env, (i + 1) * _SEQ_STRIDE, k, accumulated)
         end = env[split.bwd[k][-1]]
         backward_ends[(kind, i, k)] = end.name

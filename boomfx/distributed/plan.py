@@ -192,8 +192,6 @@ class ParallelConfig:
             return ("--pp-schedule interleaved_1f1b with dp_replicate: torch 2.13's DistributedDataParallel fails "
                     "under ScheduleInterleaved1F1B (its reducer's bucket rebuild asserts at the second step's first "
                     "forward, seen on gloo); gpipe and 1f1b with dp_replicate are modelled")
-        if self.tp > 1 and (self.sp or self.vocab_parallel):
-            return "--parallel pp with sp or a vocabulary-parallel TP plan is not built yet (pp with the default TP plan is)"
         if self.dp_shard > 1 and self.reshard_after_forward:
             return ("--parallel pp with dp_shard and --reshard-after-forward true: resharding between "
                     "micro-batches is not modelled yet (false, torchtitan's default with pp, is)")

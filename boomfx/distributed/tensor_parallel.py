@@ -35,9 +35,11 @@ and the embedding's partial output are reduce-scattered (``sp_scatter``), their 
 all-gathers. The head's seq-split input stays alive until its logits are gathered (the caller's
 frame holds a module's argument).
 
+The vocabulary-parallel embedding's weight gradient is then made the whole table, as DTensor
+computes and keeps it (``vocab_embedding_grad.py``).
+
 Known limitations:
-- Loss parallel (split logits into a parallel cross-entropy) is not built; ``sp`` needs the
-  torchtitan plan (the embedding's output goes straight into ``Shard(1)``).
+- ``sp`` needs the torchtitan plan (the embedding's output goes straight into ``Shard(1)``).
 - Under ``sp`` DTensor leaves the norm weights' gradients ``Partial`` and AdamW's foreach ops
   all-reduce them on each read (3 per weight, [d] each, measured on gloo): not in the program.
 - The masked ids of a vocabulary-parallel embedding are saved for its backward here (autograd's
@@ -63,6 +65,7 @@ from boomfx.core.program import Program
 from boomfx.distributed import tp_ops
 from boomfx.distributed.loss_parallel import vocab_parallel_cross_entropy
 from boomfx.distributed.plan import ParallelConfig
+from boomfx.distributed.vocab_embedding_grad import replicated_embedding_grads
 
 aten = torch.ops.aten
 Split = Optional[int]  # the split dimension of a value, None when replicated
@@ -638,4 +641,13 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
     traced = trace_step(sharded, options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
-    return tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
+    local = tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
+    return replicated_embedding_grads(local, _vocab_parallel_rows(ep, plan))
+
+
+def _vocab_parallel_rows(ep: Any, plan: Mapping[str, str]) -> dict[str, int]:
+    """FQN -> vocabulary rows of each embedding weight the plan splits rowwise (vocabulary-parallel)."""
+    params = ep.graph_signature.inputs_to_parameters
+    return {params[n.name]: int(n.meta["val"].shape[0]) for n in ep.graph.nodes
+            if n.op == "placeholder" and n.name in params and plan.get(params[n.name]) == "rowwise"
+            and _is_embedding_weight(n)}
