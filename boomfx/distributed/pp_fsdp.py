@@ -11,8 +11,9 @@ of the stage's layers, then the stage module as the root):
   a flat all-gather buffer lives until the next unit's all-gather, the last until the first
   forward action ends (the root's post-forward);
 - the gradients accumulate unsharded over the micro-batches (the stage program's ``.grad`` and
-  in-place adds); after the stage's last backward action (``perform_reduce_grad``), one
-  ``_chunk_cat`` + reduce-scatter per unit, root first, then the reshard; ``scale_grads``' in-place
+  in-place adds); after the stage's last backward action (``perform_reduce_grad``), per unit, root
+  first, its reshard, then one ``_chunk_cat`` + reduce-scatter (the previous unit's input freed at
+  this unit's post-backward); ``scale_grads``' in-place
   divides by the micro-batch count follow, on the sharded gradients;
 - AdamW steps the shards.
 
@@ -167,21 +168,25 @@ def _is_root(name: str) -> bool:
 def _reduce_units(edit: GraphEditor, spec: ShardSpec, rank: int, order: list[_Unit], anchor: torch.fx.Node,
                   full_shapes: dict, grad_of: dict[str, torch.fx.Node], fulls_of: dict[str, list[torch.fx.Node]],
                   divisors: list) -> dict[torch.fx.Node, str]:
-    """``perform_reduce_grad`` of ``order``'s units after ``anchor``: per unit a reduce-scatter (its input
-    alive until the next one's), the reshard, then ``scale_grads``' divides on the sharded gradients.
+    """``perform_reduce_grad`` of ``order``'s units after ``anchor``: per unit the reshard, then a
+    reduce-scatter (its input alive until the next unit's post-backward), then ``scale_grads``' divides
+    on the sharded gradients.
     Returned: sharded gradient -> its parameter's placeholder name."""
     phases = edit.phases
     sharded_grads: dict[torch.fx.Node, str] = {}
     previous_input: Optional[torch.fx.Node] = None
     for unit in order:
         unit.bwd_end = anchor
+        # FSDPParamGroup.post_backward reshards (frees the unsharded parameters) before it reduces, and
+        # waits on the previous group's reduce-scatter (its input freed) before this one's copy-in
+        # (seen on gloo: post_backward_reshard, then post_backward_rs_wait, then chunk_cat)
+        edit.keep_alive(anchor, fulls_of[unit.name])
+        if previous_input is not None:
+            edit.keep_alive(anchor, [previous_input])
         unit_grads = [grad_of[p.name] for p in unit.params]
         rs_in, sharded = _reduce_scatter(edit, unit, unit_grads, full_shapes, spec, rank)
-        if previous_input is not None:
-            edit.keep_alive(rs_in, [previous_input])
         previous_input = rs_in
         anchor = sharded[-1]
-        edit.keep_alive(anchor, fulls_of[unit.name])  # the reshard, after the reduce-scatter
         for p, g, s in zip(unit.params, unit_grads, sharded):
             g.replace_all_uses_with(s, delete_user_cb=lambda user: phases.get(user.name) == PHASE_OPTIMIZER)
             sharded_grads[s] = p.name
@@ -286,16 +291,27 @@ def _accumulate_in(dtype: torch.dtype, edit: GraphEditor, units: list[_Unit],
     ends = _post_backwards(graph, units, skip=lambda x: x.target is aten.add_.Tensor and x.args[0] in accumulators)
     owner = {p.name: ROOT if _is_root(u.name) else u.name for u in units for p in u.params}
     moved: dict[str, str] = {}
+    # a unit's parameters are accumulated in their order (each cast's temporary and .grad freed before
+    # the next): each node goes after the one added before it at the same post-backward
+    tail: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def at(key: tuple) -> torch.fx.Node:
+        return tail.get(ends[key], ends[key])
+
     for param, first in list(grad_of.items()):
         if first.meta["val"].dtype == dtype:
             continue
         adds = [u for u in first.users if u.target is aten.add_.Tensor and u.args[0] is first]
-        acc = _tagged(edit.call(ends[(owner[param], first.meta[META_ACTION])], aten._to_copy.default, (first,),
+        key = (owner[param], first.meta[META_ACTION])
+        acc = _tagged(edit.call(at(key), aten._to_copy.default, (first,),
                                 meta_tensor(first.meta["val"].shape, dtype), PHASE_BACKWARD,
                                 kwargs={"dtype": dtype}, like=first, after=True), first)
+        tail[ends[key]] = acc
         for old in adds:
-            new = _tagged(edit.call(ends[(owner[param], old.meta[META_ACTION])], aten.add_.Tensor,
+            key = (owner[param], old.meta[META_ACTION])
+            new = _tagged(edit.call(at(key), aten.add_.Tensor,
                                     (acc, old.args[1]), acc.meta["val"], PHASE_BACKWARD, like=old, after=True), old)
+            tail[ends[key]] = new
             old.replace_all_uses_with(new)
             moved[old.name] = old.prev.name
             graph.erase_node(old)
