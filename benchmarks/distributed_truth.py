@@ -828,7 +828,11 @@ def default_configs() -> list[TruthConfig]:
                TruthConfig(model, "pp_tp_sp", 4, loss="cross_entropy", loss_parallel=True),
                TruthConfig(model, "tp_vocab", 2, loss="cross_entropy"),
                TruthConfig(model, "tp_vocab", 2, loss="cross_entropy", loss_parallel=True),
-               TruthConfig(model, "tp_sp", 2, loss="cross_entropy", loss_parallel=True)] if model == "llama" else []),
+               TruthConfig(model, "tp_sp", 2, loss="cross_entropy", loss_parallel=True),
+               # 8 micro-batches: the last stage peaks at _merge_outputs' cat of its output chunks
+               TruthConfig(model, "pp_tp_vocab", 4, batch=8, microbatches=8, loss="cross_entropy")]
+              if model == "llama" else []),
+            TruthConfig(model, "pp", 2, batch=8, microbatches=8, loss="cross_entropy"),
             TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False),
             # DDP's gradient_as_bucket_view, each next to the default at the same shapes: at seq 8 the

@@ -59,7 +59,9 @@ class GraphEditor:
             node = self.graph.call_function(target, args, kwargs or {})
         node.meta["val"] = val
         source = like if like is not None else anchor
-        for key in ("nn_module_stack", "stack_trace"):
+        # from_node: a lowered op comes from the export node it replaces (pipeline_stages._model_output
+        # tells the model's ops from the loss's by it)
+        for key in ("nn_module_stack", "stack_trace", "from_node"):
             if key in source.meta:
                 node.meta[key] = source.meta[key]
         self.phases[node.name] = phase

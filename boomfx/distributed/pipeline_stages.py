@@ -336,7 +336,8 @@ def _model_output(fwd_nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
     if start == len(fwd_nodes):  # no loss op of its own: the scalar output is the loss
         start -= 1
     loss_ops = set(fwd_nodes[start:])
-    read = {a for n in loss_ops for a in n.all_input_nodes
+    # a size the loss reads may come off any tensor of that length (the trace picks one): not the output
+    read = {a for n in loss_ops if not _is_size(n) for a in n.all_input_nodes
             if a.op == "call_function" and a not in loss_ops and isinstance(a.meta.get("val"), torch.Tensor)}
     if len(read) != 1:
         raise OptionError(f"pipeline parallelism: the loss reads {len(read)} tensors of the model "
@@ -662,13 +663,14 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
     # scale_grads: every .grad divided by the number of micro-batches, in place
     for orig, g in accumulated.items():
         call(aten.div_.Scalar, (g, m), g.meta["val"], PHASE_BACKWARD, orig)
+    # the schedule's step ends here: its send lists go with _step_microbatches' frame, before the merge
+    pipeline_end = list(graph.nodes)[-1]
     merge = None
     if last in chunks:
         cat_val = torch.cat([c.meta["val"] for c in out_chunks], dim=0)
         merge = call(aten.cat.default, (out_chunks, 0), cat_val, PHASE_BACKWARD, split.output).name  # _merge_outputs
         kept += out_chunks
         carried += out_chunks
-    pipeline_end = list(graph.nodes)[-1]
     if releases == "runtime":  # _PipelineScheduleRuntime waits on its send_ops when the step ends
         held = {key: END for key in sent_tensor}
     else:
