@@ -47,7 +47,7 @@ def parallel_config(cfg: truth.TruthConfig):
         fsdp_param_dtype=cfg.param_dtype,
         fsdp_reduce_dtype=cfg.reduce_dtype,
         fsdp_wrap=cfg.fsdp_wrap,
-        loss_parallel=cfg.loss_parallel if cfg.parallel in ("tp_vocab", "tp_sp", "pp_tp_vocab", "pp_tp_sp") else None,
+        loss_parallel=cfg.loss_parallel if degrees.get("vocab_parallel") else None,
         backend="gloo",
     )
 

@@ -85,6 +85,7 @@ from boomfx.core.program import (
 from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.p2p import p2p_ops
 from boomfx.distributed.plan import ParallelConfig
+from boomfx.passes.specs import to_sympy
 from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
 from boomfx.training.expand import STORAGE_KEY
 from boomfx.training.checkpointing import find_layer_list, layer_names
@@ -181,7 +182,7 @@ class _Split:
     params: list[list[torch.fx.Node]]
     # per stage, backward sizes computed on another stage -> (a tensor of this stage, its dim) to read
     # them from (a stage's autograd reads its sizes off its own tensors)
-    sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = dataclasses.field(default_factory=list)
+    sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]]
 
 
 def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
@@ -314,13 +315,12 @@ def _size_source(size: torch.fx.Node, tensors: Sequence[torch.fx.Node], s: int) 
     graph computed on another stage's tensor, as sequence parallelism's gathered gradient's
     ``sym_size``), for the stage to read it off its own."""
     want = size.meta.get("val")
-    key = want.node.expr if isinstance(want, torch.SymInt) else want
     for t in tensors:
         val = t.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         for d, dim in enumerate(val.shape):
-            if (dim.node.expr if isinstance(dim, torch.SymInt) else dim) == key:
+            if to_sympy(dim) == to_sympy(want):
                 return t, d
     raise OptionError(f"pipeline stage {s}: its backward reads the size {size.name} ({want}) of another stage's "
                       "tensor, and no tensor of the stage has that length")
