@@ -12,7 +12,9 @@ Assumed (export graphs are functional: a mutating custom op appears wrapped in
 ``auto_functionalize``): the op returns fresh tensors and mutates nothing.
 
 Its fake kernel raises ``ForeignOpCallError``: the file records each call's output metadata, but the
-op's shape rule and backward live in its library, so it cannot be re-run (``--train``, ``--amp``).
+op's shape rule and backward live in its library, so it cannot be re-run (``--train``, ``--amp``);
+except the few ops with public semantics that ``passes/foreign_rules.py`` knows (``transformers``'
+grouped-mm fallback), whose stand-ins get that shape rule and backward (``can_rerun``).
 
 Example::
 
@@ -26,12 +28,15 @@ from typing import Any, Optional
 
 import torch
 
+from boomfx.passes.foreign_rules import RERUN_RULES, RerunRule
+
 FOREIGN_NAMESPACE = "boomfx_foreign"
 
 _LIBRARY: Optional[torch.library.Library] = None
 _PACKETS: dict[str, list[str]] = {}                # "ns::op" -> stand-in packet names, oldest first
 _OVERLOADS: dict[str, dict[str, str]] = {}         # packet -> overload -> signature
 _ORIGINAL: dict[str, str] = {}                     # packet -> "ns.op"
+_RERUNNABLE: set[str] = set()                      # "packet.overload" of stand-ins given a rule
 
 
 class ForeignOpCallError(NotImplementedError):
@@ -89,10 +94,32 @@ def define_foreign_op(qualified: str, overload: str, signature: str) -> torch._o
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ForeignOpCallError(f"custom op {qualified} has no implementation in this process")
 
-    _library().impl(schema_name, refuse, "Meta")
+    rule = RERUN_RULES.get((qualified, overload, signature))
+    _library().impl(schema_name, rule.fake if rule is not None else refuse, "Meta")
     _library().impl(schema_name, refuse, "CompositeExplicitAutograd")
     _OVERLOADS[packet][overload] = signature
-    return _op(packet, overload)
+    op = _op(packet, overload)
+    if rule is not None:
+        _give_rule(op, rule)
+        _RERUNNABLE.add(f"{packet}.{overload}")
+    return op
+
+
+def _give_rule(op: torch._ops.OpOverload, rule: RerunRule) -> None:
+    """Autograd for a stand-in with a known backward; without one, its gradient is refused when asked for."""
+    if rule.backward is None:
+        return
+    backward = rule.backward
+
+    def run_backward(ctx: Any, *grads: Any) -> Any:
+        return backward(ctx, *grads, define=define_foreign_op)
+
+    torch.library.register_autograd(op, run_backward, setup_context=rule.setup_context, lib=_library())
+
+
+def can_rerun(op: torch._ops.OpOverload) -> bool:
+    """Whether a stand-in has a shape rule (and backward) from ``passes/foreign_rules.py``."""
+    return is_foreign(op) and f"{op._schema.name.split('::')[-1]}.{op._overloadname}" in _RERUNNABLE
 
 
 def is_foreign(op: Any) -> bool:

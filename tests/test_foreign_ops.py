@@ -140,3 +140,66 @@ def test_mixtral_without_transformers_imported_is_priced_as_with_it(zoo, tmp_pat
     here = boomfx.analyze(path, device="h100-sxm", dims={"batch": 2, "seq": 16})
     assert alone["time"]["flops"] == here.time.flops > 0
     assert "transformers.grouped_mm_fallback.default" not in alone["unmodelled_ops"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--train"], ["--train", "--amp", "bf16"]])
+def test_mixtral_trains_without_transformers_imported_as_with_it(zoo, tmp_path: Path, extra: list[str]) -> None:
+    """The stand-in re-runs with transformers' shape rule and backward (passes/foreign_rules.py): the CLI's
+    training step, transformers never imported, has the same kernels, work, peak and time as the step traced
+    with the real op and its real backward registered in this process."""
+    import json
+    _, path = zoo("mixtral")
+    script = textwrap.dedent(f"""
+        import sys
+        from boomfx.cli.main import main
+        code = main(["analyze", {path!r}, "--device", "h100-sxm", "--dim", "batch=2", "--dim", "seq=16",
+                     *{extra!r}, "--json", {str(tmp_path / "r.json")!r}])
+        assert "transformers.integrations.moe" not in sys.modules
+        sys.exit(code)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    alone = json.loads((tmp_path / "r.json").read_text())
+    here = boomfx.analyze(path, device="h100-sxm", dims={"batch": 2, "seq": 16}, train=True,
+                          amp="bf16" if "--amp" in extra else None)
+    assert torch.ops.transformers.grouped_mm_fallback_backward.default is not None   # the real op, here
+    backward = [k for k in here.kernels if "grouped_mm_fallback_backward" in k.op]
+    assert len(backward) == 4 and all(k.flops > 0 for k in backward)   # 2 layers x (gate_up, down)
+    assert alone["time"]["flops"] == here.time.flops > 0
+    assert alone["memory"]["peak_live_bytes"] == here.memory.peak_live_bytes
+    assert alone["time"]["total_ns"] == pytest.approx(here.time.total_ns, rel=1e-9)
+    assert sorted(alone["unmodelled_ops"]) == sorted(here.unmodelled_ops)
+
+
+def test_grouped_mm_stand_in_backward_is_transformers_backward_op() -> None:
+    """Under make_fx on fake tensors, the stand-in's gradient is one call of the backward op's stand-in,
+    with transformers' shapes: grad_input like input [S, K], grad_weight like weight [E, K, N]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from boomfx.passes.foreign_ops import can_rerun, define_foreign_op
+
+    op = define_foreign_op("transformers::grouped_mm_fallback", "default",
+                           "(Tensor input, Tensor weight, Tensor offs) -> Tensor")
+    assert can_rerun(op)
+
+    def step(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = op(x, w, offs)
+        return (y, *torch.autograd.grad(y.sum(), (x, w)))
+
+    with FakeTensorMode():
+        x, w = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4, 8, requires_grad=True)
+        offs = torch.tensor([2, 4, 6], dtype=torch.int32)
+        graph = make_fx(step)(x, w, offs)
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and is_foreign(n.target)]
+    assert [foreign_name(n.target) for n in calls] == ["transformers.grouped_mm_fallback.default",
+                                                      "transformers.grouped_mm_fallback_backward.default"]
+    shapes = [tuple(v.shape) for v in calls[1].meta["val"]]
+    assert tuple(calls[0].meta["val"].shape) == (6, 8) and shapes == [(6, 4), (3, 4, 8)]
+
+
+def test_a_rule_needs_the_exact_schema() -> None:
+    """Another version of the library (another signature) stays a plain stand-in, refused by re-traces."""
+    from boomfx.passes.foreign_ops import can_rerun, define_foreign_op
+    op = define_foreign_op("transformers::grouped_mm_fallback", "default",
+                           "(Tensor input, Tensor weight, Tensor offs, SymInt n) -> Tensor")
+    assert is_foreign(op) and not can_rerun(op)

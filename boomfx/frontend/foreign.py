@@ -133,11 +133,13 @@ def replace_foreign_ops(program: dict, path: str) -> list[str]:
 
 
 def refuse_retrace_of_stand_ins(ep: torch.export.ExportedProgram, what: str) -> None:
-    """``--train``/``--amp`` re-run every op on fake tensors; a stand-in has no shape rule or backward."""
+    """``--train``/``--amp`` re-run every op on fake tensors; a stand-in has no shape rule or backward, unless
+    ``passes/foreign_rules.py`` gives it one (``transformers``' grouped-mm fallback)."""
     from boomfx.core.errors import UnsupportedError
-    from boomfx.passes.foreign_ops import is_foreign
+    from boomfx.passes.foreign_ops import can_rerun, is_foreign
 
-    names = sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function" and is_foreign(n.target)})
+    names = sorted({str(n.target) for n in ep.graph.nodes
+                    if n.op == "call_function" and is_foreign(n.target) and not can_rerun(n.target)})
     if names:
         raise UnsupportedError(
             f"{what} re-runs every op, but custom op(s) {', '.join(names)} have no meta kernel or backward here: "
