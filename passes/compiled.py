@@ -60,7 +60,7 @@ from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.partitioner import _is_tensor, recompute_for_backward
 from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
-from boomfx.core.program import Program
+from boomfx.core.program import META_RUNTIME_USES, Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
 
@@ -96,8 +96,8 @@ def _absorbed_views(members: list[torch.fx.Node], program: Program) -> list[torc
         for user in node.users:
             if user in inside or user.op != "call_function" or node_class(user) != CLASS_NONE:
                 continue
-            if not _is_tensor(user) or program.phase_of(user) != phase:
-                continue
+            if not (_is_tensor(user) or _is_tensor_list(user)) or program.phase_of(user) != phase:
+                continue   # (a multi-output view, chunk/split, is absorbed with its getitems)
             if any(inp not in inside for inp in user.all_input_nodes if _is_tensor(inp)):
                 continue
             if any(inp not in inside and order[inp] > first and _reaches(inside, inp, order, first)
@@ -107,6 +107,11 @@ def _absorbed_views(members: list[torch.fx.Node], program: Program) -> list[torc
             added.append(user)
             frontier.append(user)
     return added
+
+
+def _is_tensor_list(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, torch.Tensor) for v in val)
 
 
 def _reaches(group: set[torch.fx.Node], node: torch.fx.Node, order: dict[torch.fx.Node, int], first: int) -> bool:
@@ -370,7 +375,42 @@ def compile_program(program: Program) -> Program:
             env[view] = new_graph.node_copy(view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    return program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)
+    compiled = program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)
+    runtime = program.gm.meta.get(META_RUNTIME_USES)
+    if runtime:
+        compiled.gm.meta[META_RUNTIME_USES] = _runtime_uses_after_fusion(runtime, env, unit_of, units, rewritten)
+    return compiled
+
+
+def _runtime_uses_after_fusion(runtime: dict[str, tuple[str, ...]], env: dict[torch.fx.Node, torch.fx.Node],
+                               unit_of: dict[torch.fx.Node, int], units: list[list[torch.fx.Node]],
+                               rewritten: set[int]) -> dict[str, tuple[str, ...]]:
+    """A per-rank runtime's frees (``META_RUNTIME_USES``: FSDP's reshard, a pipeline's held tensors) on the
+    compiled graph: a node fused into a kernel frees there (the kernel is its step), and a kept tensor that is
+    no longer a buffer (computed inside a kernel) has nothing to keep."""
+    by_name = {n.name: n for n in unit_of}
+    fused_name: dict[int, str] = {}
+    for node, new in env.items():
+        u = unit_of.get(node)
+        if u in rewritten:
+            fused_name.setdefault(u, new.args[0].name if new.target is operator.getitem else new.name)
+
+    def step_of(name: str) -> Optional[str]:
+        node = by_name.get(name)
+        if node is None:
+            return None
+        if node in env:
+            return env[node].name
+        u = unit_of[node]
+        return fused_name.get(u) if u in rewritten else None
+
+    out: dict[str, tuple[str, ...]] = {}
+    for name, kept in runtime.items():
+        step = step_of(name)
+        buffers = tuple(env[by_name[k]].name for k in kept if k in by_name and by_name[k] in env)
+        if step is not None and buffers:
+            out[step] = tuple(dict.fromkeys(out.get(step, ()) + buffers))
+    return out
 
 
 def fused_nodes(program: Program) -> list[torch.fx.Node]:

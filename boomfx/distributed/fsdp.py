@@ -546,6 +546,12 @@ def _grad_nodes_by_param(program: Program, graph: torch.fx.Graph) -> dict[str, t
     return out
 
 
+def _concrete(shape: Sequence[object]) -> Optional[tuple[int, ...]]:
+    """The shape as ints, or None when a size is symbolic (never a parameter's: compiled optimizer groups
+    can carry an activation-shaped output)."""
+    return tuple(shape) if all(isinstance(d, int) for d in shape) else None
+
+
 def _shard_optimizer(
     program: Program, graph: torch.fx.Graph, full_shapes: Mapping[str, list[int]], n: int, rank: int,
     spec: ShardSpec,
@@ -555,7 +561,7 @@ def _shard_optimizer(
     local = {tuple(s): local_shard_shape(s, n, rank) for s in full_shapes.values()}
 
     def shard(val: object) -> object:
-        if isinstance(val, torch.Tensor) and tuple(val.shape) in local and val.dim() > 0:
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and _concrete(val.shape) in local:
             return meta_tensor(local[tuple(val.shape)], _master(val.dtype, spec))
         if isinstance(val, (list, tuple)):
             return type(val)(shard(v) for v in val)

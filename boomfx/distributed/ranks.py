@@ -14,14 +14,14 @@ pipeline stages (``pp``, one class per stage: ``pipeline_stages.py``; with ``dp_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from boomfx.distributed import mixed_precision
 from boomfx.distributed.fsdp import ShardSpec, ddp_rank_program, fsdp_rank_program, local_shard_shape
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.core.errors import OptionError
-from boomfx.core.program import ROLE_PARAM, Program
+from boomfx.core.program import EAGER_PROGRAM, ROLE_PARAM, Program
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,26 @@ class RankClass:
 
 def rank_programs(program: Program, cfg: ParallelConfig, pipeline_copies: Optional[int] = None) -> list[RankClass]:
     """``pipeline_copies``: pipeline stage programs hold that many micro-batches instead of the config's
-    (a template that ``pipeline_compose`` replays for the config's count)."""
+    (a template that ``pipeline_compose`` replays for the config's count).
+
+    A compiled program (``--compile``) is rewritten from its eager program and each rank's program is
+    then compiled: the collectives, FSDP's copy-in/copy-out and the pipeline's sends are kernels of
+    their own that no fusion crosses, as each compiled region of a real run ends at them (torchtitan
+    compiles each block; FSDP2's hooks and the pipeline's communication stay outside)."""
     if cfg.is_single_device:
         return [RankClass((0,), program, "single device")]
+    if not program.options.compile:
+        return _rank_classes(program, cfg, pipeline_copies)
+    eager = program.derived.get(EAGER_PROGRAM)
+    if eager is None:
+        raise OptionError("--parallel with --compile needs the program as captured (boomfx.capture(..., "
+                          "options=ProgramOptions(compile=True)))")
+    from boomfx.passes.compiled import compile_program
+
+    return [replace(rc, program=compile_program(rc.program)) for rc in _rank_classes(eager, cfg, pipeline_copies)]
+
+
+def _rank_classes(program: Program, cfg: ParallelConfig, pipeline_copies: Optional[int]) -> list[RankClass]:
     reason = cfg.not_modelled()
     if reason:
         raise OptionError(reason)

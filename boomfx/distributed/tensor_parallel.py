@@ -629,8 +629,6 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
 
     if cfg.sp and not cfg.vocab_parallel:
         raise OptionError("--parallel sp: sequence parallelism is built with torchtitan's plan (--tp-plan torchtitan)")
-    if program.options.compile:
-        raise OptionError("--parallel tp with --compile is not modelled yet")
     ep = export_of(program)
     if ep is None or not program.options.train:
         raise OptionError("--parallel tp needs the training program captured from its export "

@@ -20,6 +20,7 @@ from boomfx.core.errors import BoomfxError, DimError, OptionError
 from boomfx.frontend.foreign import refuse_retrace_of_stand_ins
 from boomfx.frontend.torch_caches import fx_source_keys, release_when_collected
 from boomfx.core.program import (
+    EAGER_PROGRAM,
     ROLE_BUFFER, ROLE_CONSTANT, ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions, SymbolInfo,
 )
 from boomfx.frontend.symbols import symbols_of
@@ -90,7 +91,9 @@ def capture(source: Any, *example_inputs: Any, options: ProgramOptions = Program
     program = _capture(source, *example_inputs, options=options, dynamic_shapes=dynamic_shapes, log=log)
     if options.compile:  # compiled execution: rewrite into the kernels Inductor runs (passes/compiled.py)
         from boomfx.passes.compiled import compile_program
+        eager = program
         program = compile_program(program)
+        program.derived[EAGER_PROGRAM] = eager   # per-rank rewrites start from it (boomfx/distributed/ranks.py)
     # what torch's process-wide caches keep of this capture goes with the program (boomfx/torch_caches.py)
     release_when_collected(program.gm, fx_source_keys() - sources_before)
     return program
