@@ -303,7 +303,8 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         for p in used:
             if p in owner_of_param:
                 raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
-                                  f"used by stages {owner_of_param[p]} and {s} (tied weights are not modelled)")
+                                  f"used by stages {owner_of_param[p]} and {s} (tied weights across stages are not modelled: "
+                                  f"export untied, e.g. tie_word_embeddings=False, or parallelise without pp instead)")
             owner_of_param[p] = s
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
@@ -730,4 +731,5 @@ def _refuse_weights_shared_across_stages(program: Program, graph: torch.fx.Graph
         stages = sorted({stage_of[u] for u in p.users if u in stage_of})
         if len(stages) > 1:
             raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
-                              f"used by stages {stages[0]} and {stages[-1]} (tied weights are not modelled)")
+                              f"used by stages {stages[0]} and {stages[-1]} (tied weights across stages are not modelled: "
+                              f"export untied, e.g. tie_word_embeddings=False, or parallelise without pp instead)")
