@@ -272,6 +272,17 @@ def test_an_op_without_a_split_rule_is_refused() -> None:
         rank_programs(program, cfg)
 
 
+def test_a_split_sp_cannot_follow_says_what_to_do_instead() -> None:
+    """The repository's GPT adds its learned position embedding (replicated over the sequence) to the
+    sequence-split token embedding: sp is refused in one line that names tp alone as the way out."""
+    program = capture(str(ROOT / "examples" / "gpt_tiny.pt2"), options=ProgramOptions(True, target_kind="cpu"))
+    with pytest.raises(OptionError, match=r"a replicated operand .* spans the split dimension; try tp without sp "
+                                          r"instead") as err:
+        rank_programs(program, ParallelConfig.parse("tp=2,sp", vocab_parallel=True))
+    assert "\n" not in str(err.value)
+    assert rank_programs(program, ParallelConfig.parse("tp=2", vocab_parallel=True))   # tp alone splits it
+
+
 def _bad(capsys, *argv: str) -> str:
     code = main(list(argv))
     _, err = capsys.readouterr()

@@ -636,11 +636,22 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     plan = module_plan(program, cfg)
     # the loss as the whole model's (a rank's logits need not look like a vocabulary's)
     options = dataclasses.replace(program.options, loss=resolved_loss(ep, program.options.loss))
-    sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
+    try:
+        sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
+    except OptionError as err:   # say what to do instead, where the reason does not
+        raise OptionError(str(err) if "--tp-plan" in str(err) else f"{err}; {_instead(cfg)}") from None
     traced = trace_step(sharded, options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
     local = tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
     return replicated_embedding_grads(local, _vocab_parallel_rows(ep, plan))
+
+
+def _instead(cfg: ParallelConfig) -> str:
+    """What a user can do instead when this model's TP split cannot be followed."""
+    if cfg.sp:
+        return "try tp without sp instead (sp is modelled for Llama-style blocks)"
+    return ("give a --tp-plan that leaves this module replicated instead, or parallelise with dp_shard/pp "
+            "without tp")
 
 
 def _vocab_parallel_rows(ep: Any, plan: Mapping[str, str]) -> dict[str, int]:
