@@ -78,6 +78,10 @@ class AttentionSite:
     causal: bool
     sliding_window: Optional[int] = None       # keys a query sees when the layer slides (None: full)
     cache_inputs: tuple[str, ...] = ()         # past K and V graph inputs of an export carrying a cache
+    # the model hands SDPA fewer K/V heads than query heads, unexpanded and without ``enable_gqa``
+    # (Falcon's multi-query attention): broadcasting, which eager PyTorch's fused kernels refuse, so it
+    # runs the math path (K/V expanded by copies, then bmm + softmax + bmm)
+    broadcast_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,13 @@ def _expansion_chain(start: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.f
     if not expanded:
         return [], start
     return chain, cur
+
+
+def _broadcasts_kv(node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node, k_chain: list[torch.fx.Node]) -> bool:
+    """Whether the SDPA call reads K with fewer heads than Q, unexpanded and without ``enable_gqa``."""
+    if k_chain or bool(_arg(node, 7, "enable_gqa")):
+        return False
+    return str(k.meta["val"].shape[1]) != str(q.meta["val"].shape[1])
 
 
 def _ancestors(roots: list[torch.fx.Node], skip_masks: bool = False) -> set[torch.fx.Node]:
@@ -303,7 +314,8 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
             node=node.name, module=_module_of(node), q_heads=_int(qv.shape[1], "query head count", node),
             kv_heads=_int(kv.shape[1], "KV head count", node), head_dim=_int(kv.shape[3], "head size", node),
             v_head_dim=_int(vv.shape[3], "value head size", node), dtype=kv.dtype,
-            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node), cache_inputs=cache_inputs))
+            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node), cache_inputs=cache_inputs,
+            broadcast_kv=_broadcasts_kv(node, q, k, k_chain)))
     past = _past_symbol(program, pasts, sites)
     mask_only = _ancestors(list(masks.values())) - _ancestors(qkv_bases, skip_masks=True)
     replaced.update(n for n in mask_only if n.op == "call_function")

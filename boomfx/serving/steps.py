@@ -12,7 +12,8 @@ Its time is the sum of five parts (``docs/design.md`` "Where a kernel gets its p
    context; an explicit ``[c, t]`` mask otherwise), and one call for the decode batch: ``B`` single
    queries against their cached K/V (``B x ceil(mean context)`` tokens: the bytes of a paged kernel's
    read are linear in the total context). K/V are passed unexpanded (``enable_gqa``): a memory-bound
-   read of the cache;
+   read of the cache; under ``concat`` a model that broadcasts K/V heads (``AttentionSite.broadcast_kv``)
+   is called as it calls SDPA, on the math path eager PyTorch runs for it;
 3. **KV-cache writes**, per layer: ``paged`` (vLLM ``reshape_and_cache``): ``index_copy_`` of the
    ``N`` new K and V rows into the cache; ``concat`` (``transformers``' ``DynamicCache.update``):
    ``torch.cat`` of each decoding sequence's whole cache with its new token, a copy that grows with
@@ -313,10 +314,13 @@ class StepPricer:
         attn_mask = _spec((1, 1, q_len, kv_len), torch.bool) if mask else None
         out = _spec((batch, s.q_heads, q_len, s.v_head_dim), s.dtype)
         backend = "flash" if self.cpu else ("flash" if s.dtype in (torch.float16, torch.bfloat16) else "efficient")
+        # the engine reads the cache unexpanded (enable_gqa); transformers (``concat``) calls SDPA as the
+        # model's graph does: a model that broadcasts K/V (site.broadcast_kv) runs eager's math path
+        as_model = self.kv_write == KV_WRITE_CONCAT and s.broadcast_kv
         return OpCall.build(aten.scaled_dot_product_attention.default, (q, k, v),
                             {"attn_mask": attn_mask, "is_causal": causal,
-                             "enable_gqa": self.kv_heads != s.q_heads},
-                            (out,), {"sdpa_backend": backend})
+                             "enable_gqa": self.kv_heads != s.q_heads and not as_model},
+                            (out,), {"sdpa_backend": "math" if as_model else backend})
 
     def attention_calls(self, step: Step) -> list[OpCall]:
         """The attention calls of one layer of ``step``."""
