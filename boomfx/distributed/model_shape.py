@@ -54,6 +54,7 @@ COLWISE_NAMES = frozenset(
 )
 ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
 GPT2_MLP_OUT = "c_proj"
+ATTENTION_DENSE = "dense"
 KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
 _SDPA = {
     torch.ops.aten.scaled_dot_product_attention.default,
@@ -93,8 +94,20 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
             plan[fqn] = "rowwise"
     if not explicit:
         _pair_gpt2_mlp_projection(plan, program)
+        _pair_attention_dense(plan, program)
         _keep_routers_replicated(plan)
     return plan
+
+
+def _pair_attention_dense(plan: dict[str, str], program: Program) -> None:
+    """Phi names its attention's output projection ``dense``, beside colwise ``q_proj``/``k_proj``/``v_proj``:
+    rowwise there. Elsewhere ``dense`` is no output projection by name (BERT's ``intermediate.dense`` widens)."""
+    fqns = set(program.param_names.values())
+    for fqn, style in list(plan.items()):
+        parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
+        partner = f"{parent}.{ATTENTION_DENSE}.weight"
+        if leaf in KEY_NAMES and style == "colwise" and partner in fqns and partner not in plan:
+            plan[partner] = "rowwise"
 
 
 def _keep_routers_replicated(plan: dict[str, str]) -> None:
