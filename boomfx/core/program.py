@@ -9,10 +9,11 @@ import torch.fx
 
 from boomfx.core.losses import LOSSES
 
-# Placeholder roles (what an input of the graph is); liveness maps them to memory categories.
 # ``Program.derived`` key of a compiled program's eager program (the capture before ``compile_program``):
 # per-rank rewrites (boomfx/distributed/ranks.py) start from it and compile each rank's program
 EAGER_PROGRAM = "eager program"
+
+# Placeholder roles (what an input of the graph is); liveness maps them to memory categories.
 ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
 ROLE_INPUT = "input"
