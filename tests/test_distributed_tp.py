@@ -363,9 +363,10 @@ def test_view_groups_follow_the_split() -> None:
 def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
     """transformers' GPT-2 keeps Conv1D weights as [in, out] (``addmm(bias, x, weight)``): the
     derived plan splits ``mlp.c_fc`` colwise on dim 1 (and its bias) and ``mlp.c_proj`` rowwise on
-    dim 0 (its bias whole); the fused ``attn.c_attn`` and the attention's ``c_proj`` stay
-    replicated. Per layer: one forward all-reduce (c_proj's partial output) and one backward
-    all-reduce (c_fc's input gradient), each [batch, seq, 64] fp32."""
+    dim 0 (its bias whole); the fused ``attn.c_attn`` ([64, 3 x 64]) is packed colwise (each rank 1/2
+    of q, k and v: 96 columns, and of its bias) and the attention's ``c_proj`` rowwise. Per layer: two
+    forward all-reduces (each c_proj's partial output) and two backward all-reduces (the input
+    gradients of c_attn and c_fc), each [batch, seq, 64] fp32."""
     transformers = pytest.importorskip("transformers")
     from torch.export import Dim
 
@@ -389,7 +390,10 @@ def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
     for layer in ("m.transformer.h.0", "m.transformer.h.1"):
         assert local[f"{layer}.mlp.c_fc.weight"] == [64, 128] and local[f"{layer}.mlp.c_fc.bias"] == [128]
         assert local[f"{layer}.mlp.c_proj.weight"] == [128, 64] and local[f"{layer}.mlp.c_proj.bias"] == [64]
-    split = {f"m.transformer.h.{i}.mlp.{m}" for i in (0, 1) for m in ("c_fc.weight", "c_fc.bias", "c_proj.weight")}
+        assert local[f"{layer}.attn.c_attn.weight"] == [64, 96] and local[f"{layer}.attn.c_attn.bias"] == [96]
+        assert local[f"{layer}.attn.c_proj.weight"] == [32, 64] and local[f"{layer}.attn.c_proj.bias"] == [64]
+    split = {f"m.transformer.h.{i}.{m}" for i in (0, 1) for m in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
+                                                                 "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight")}
     assert {k: v for k, v in local.items() if k not in split} == {k: v for k, v in full.items() if k not in split}
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.core.devices import cpu_spec
@@ -400,7 +404,7 @@ def test_gpt2_conv1d_mlp_is_split_on_its_in_out_dimensions() -> None:
         resolve_bindings(program, {}, 2, 16)
     )
     calls = [(c.op, c.phase, c.input_bytes) for c in collectives(rc.program, ev)]
-    assert calls == [("all_reduce", "forward", 2 * 16 * 64 * 4)] * 2 + [("all_reduce", "backward", 2 * 16 * 64 * 4)] * 2
+    assert calls == [("all_reduce", "forward", 2 * 16 * 64 * 4)] * 4 + [("all_reduce", "backward", 2 * 16 * 64 * 4)] * 4
 
 
 def test_sequence_parallel_splits_the_residual_stream() -> None:

@@ -49,8 +49,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--tp-plan",
         default="",
         metavar="PATTERN=STYLE,...",
-        help="explicit tensor-parallel plan: module fnmatch pattern = colwise|rowwise (an embedding "
-        "rowwise: vocabulary-parallel), or 'torchtitan': the derived plan plus the vocabulary-parallel "
+        help="explicit tensor-parallel plan: module fnmatch pattern = colwise|rowwise|colwise_packed (an "
+        "embedding rowwise: vocabulary-parallel; colwise_packed: a fused q|k|v or gate|up projection, each "
+        "part split), or 'torchtitan': the derived plan plus the vocabulary-parallel "
         "embedding and output head",
     )
     g.add_argument(
@@ -83,7 +84,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
     for item in (i.strip() for i in ("" if preset else args.tp_plan).split(",") if i.strip()):
         pattern, sep, style = item.partition("=")
         if not sep:
-            raise OptionError(f"--tp-plan: {item!r} is not PATTERN=colwise|rowwise")
+            raise OptionError(f"--tp-plan: {item!r} is not PATTERN=colwise|rowwise|colwise_packed")
         plan.append((pattern.strip(), style.strip()))
     return ParallelConfig.parse(
         args.parallel,

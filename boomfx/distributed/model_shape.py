@@ -1,13 +1,19 @@
 """What the parallel plan needs to know of the model, read from the export: layers, heads, TP plan.
 
-The tensor-parallel plan is derived the way torchtitan writes it by hand: inside each layer of the
-main layer list, linear weights whose module is named like an attention input projection (q/k/v) or
-an MLP input projection (gate/up/fc) are split column-wise (output features), those named like an
-output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
+The tensor-parallel plan is derived the way torchtitan writes it by hand: inside each entry of a
+module list (each layer of the main layer list, and of an encoder-decoder's other stack), linear
+weights whose module is named like an attention input projection (q/k/v) or an MLP input
+projection (gate/up/fc) are split column-wise (output features), those named like an output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
 'layers.*.q=colwise,...'``, fnmatch patterns on module paths) replaces the derived one. Fused
-projections (GPT-2's ``c_attn``, one [3d, d] weight) cannot be split by head with a plain column
-split and are left replicated, as ``ColwiseParallel`` would split q, k and v unevenly; with it the
-attention's ``c_proj`` stays replicated and only the MLP's (beside ``c_fc``) is rowwise. With
+projections whose rows stack the parts the model then slices apart (Phi-3's ``qkv_proj`` and
+``gate_up_proj``, GPT-2's ``c_attn``, MPT's ``Wqkv``, Baichuan's ``W_pack``) are ``colwise_packed``:
+a plain column split would give one rank all of q and another k and v, so each rank holds 1/tp of
+every part, as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do (the parts' bounds
+are read where the model splits the output: ``tensor_parallel._Sharder.packed``). GPT-2 names both
+output projections ``c_proj``; each is rowwise beside its colwise ``c_fc`` or packed ``c_attn``.
+GPT-NeoX's and Bloom's ``query_key_value`` interleave q, k and v per head, so a plain column split
+keeps whole heads: it is colwise (a layout that stacks the parts instead, sliced on the split
+dimension, is refused by the walk, never split wrong). With
 ``vocab_parallel`` (``--tp-plan torchtitan``) the token embedding is rowwise and the output head
 colwise (``vocab_ends``).
 
@@ -18,6 +24,7 @@ Heads come from the attention op itself (``scaled_dot_product_attention``'s quer
 from __future__ import annotations
 
 import fnmatch
+import re
 import weakref
 from typing import Optional
 
@@ -50,12 +57,22 @@ COLWISE_NAMES = frozenset(
         "c_fc",
         "w1",
         "w3",
+        "dense_h_to_4h",
+        "query_key_value",
     }
 )
-ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2"})
-GPT2_MLP_OUT = "c_proj"
+ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2",
+                           "dense_4h_to_h"})
+PACKED_QKV_NAMES = frozenset({"qkv_proj", "c_attn", "Wqkv", "W_pack"})  # q|k|v rows stacked
+PACKED_NAMES = PACKED_QKV_NAMES | {"gate_up_proj"}  # gate|up rows stacked
+COLWISE_STYLES = frozenset({"colwise", "colwise_packed"})  # both split the output features
+GPT2_OUT = "c_proj"
+GPT2_INPUTS = frozenset({"c_fc", "c_attn"})
 ATTENTION_DENSE = "dense"
 KEY_NAMES = frozenset({"k", "k_proj", "key", "wk"})
+# per-head interleaved q|k|v (GPT-NeoX: view(b, t, heads, 3 x head_dim); Bloom: view(b, t, heads, 3, head_dim)):
+# a plain column split keeps whole heads, and an attention ``dense`` beside it is rowwise
+INTERLEAVED_QKV_NAMES = frozenset({"query_key_value"})
 _SDPA = {
     torch.ops.aten.scaled_dot_product_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -65,9 +82,7 @@ _SDPA = {
 
 
 def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str, str]:
-    """Weight FQN -> "colwise" | "rowwise" for every projected weight inside the layer list."""
-    prefix = find_layer_list(program.graph)
-    layers = layer_names(program.graph, prefix) if prefix else []
+    """Weight FQN -> "colwise" | "rowwise" | "colwise_packed" for every projected weight inside the layer list."""
     explicit = tuple(cfg.tp_plan) if cfg is not None else ()
     plan: dict[str, str] = {}
     ends = vocab_ends(program) if cfg is not None and cfg.vocab_parallel and not explicit else {}
@@ -83,30 +98,42 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
                 if fnmatch.fnmatchcase(module, pattern):
                     plan[fqn] = style
             continue
-        if not any(module.startswith(layer + ".") for layer in layers):
+        if not _inside_layer_list(module):
             if cfg is not None and cfg.vocab_parallel and name in ends:
                 plan[fqn] = ends[name]
             continue
         leaf = module.rsplit(".", 1)[-1]
         if leaf in COLWISE_NAMES:
             plan[fqn] = "colwise"
+        elif leaf in PACKED_NAMES:
+            plan[fqn] = "colwise_packed"
         elif leaf in ROWWISE_NAMES:
             plan[fqn] = "rowwise"
     if not explicit:
-        _pair_gpt2_mlp_projection(plan, program)
+        _pair_gpt2_output_projections(plan, program)
         _pair_attention_dense(plan, program)
         _keep_routers_replicated(plan)
     return plan
 
 
+_LIST_ENTRY = re.compile(r"(?:^|\.)\d+\.")
+
+
+def _inside_layer_list(module: str) -> bool:
+    """Whether a module sits inside an entry of a module list (``model.layers.3.``, ``transformer.h.0.``,
+    an encoder-decoder's ``encoder.layers.0.`` and ``decoder.layers.0.`` alike), where the derived plan
+    splits projections; the main layer list alone would leave one of an encoder-decoder's stacks whole."""
+    return _LIST_ENTRY.search(module + ".") is not None
+
+
 def _pair_attention_dense(plan: dict[str, str], program: Program) -> None:
-    """Phi names its attention's output projection ``dense``, beside colwise ``q_proj``/``k_proj``/``v_proj``:
-    rowwise there. Elsewhere ``dense`` is no output projection by name (BERT's ``intermediate.dense`` widens)."""
+    """Phi names its attention's output projection ``dense``, beside colwise ``q_proj``/``k_proj``/``v_proj``
+    (GPT-NeoX beside ``query_key_value``): rowwise there. Elsewhere ``dense`` is no output projection by name (BERT's ``intermediate.dense`` widens)."""
     fqns = set(program.param_names.values())
     for fqn, style in list(plan.items()):
         parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
         partner = f"{parent}.{ATTENTION_DENSE}.weight"
-        if leaf in KEY_NAMES and style == "colwise" and partner in fqns and partner not in plan:
+        if leaf in KEY_NAMES | INTERLEAVED_QKV_NAMES and style == "colwise" and partner in fqns and partner not in plan:
             plan[partner] = "rowwise"
 
 
@@ -121,14 +148,14 @@ def _keep_routers_replicated(plan: dict[str, str]) -> None:
             del plan[fqn]
 
 
-def _pair_gpt2_mlp_projection(plan: dict[str, str], program: Program) -> None:
-    """GPT-2 names both output projections ``c_proj``: the MLP's (beside a colwise ``c_fc``) is
-    rowwise; the attention's stays replicated with its fused ``c_attn``."""
+def _pair_gpt2_output_projections(plan: dict[str, str], program: Program) -> None:
+    """GPT-2 names both output projections ``c_proj``: the MLP's (beside a colwise ``c_fc``) and the
+    attention's (beside a packed ``c_attn``) are rowwise."""
     fqns = set(program.param_names.values())
     for fqn, style in list(plan.items()):
         parent, _, leaf = fqn[: -len(".weight")].rpartition(".")
-        partner = f"{parent}.{GPT2_MLP_OUT}.weight"
-        if leaf == "c_fc" and style == "colwise" and partner in fqns:
+        partner = f"{parent}.{GPT2_OUT}.weight"
+        if leaf in GPT2_INPUTS and style in COLWISE_STYLES and partner in fqns:
             plan[partner] = "rowwise"
 
 
@@ -241,9 +268,11 @@ def _model_shape(program: Program, cfg: Optional[ParallelConfig]) -> ModelShape:
             val = vals[fqn]
             vocab_rows = style == "rowwise" and fqn in embeddings  # a vocabulary-parallel embedding
             in_out = fqn in conv1d  # a [in, out] weight: colwise splits dim 1, rowwise dim 0
-            size = int(val.shape[(0 if style == "colwise" or vocab_rows else 1) ^ int(in_out)])
+            size = int(val.shape[(0 if style in COLWISE_STYLES or vocab_rows else 1) ^ int(in_out)])
             projected[fqn] = (style, size)
             leaf = fqn[: -len(".weight")].rsplit(".", 1)[-1]
             if leaf in KEY_NAMES and head_dim:
                 kv_heads = size // head_dim
+            elif leaf in PACKED_QKV_NAMES and style == "colwise_packed" and heads and head_dim:
+                kv_heads = (size - heads * head_dim) // (2 * head_dim)  # q, then k and v of equal width
     return ModelShape(layers=len(layers), heads=heads, kv_heads=kv_heads, projected=projected)

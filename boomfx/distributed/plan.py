@@ -25,7 +25,9 @@ from boomfx.core.errors import OptionError
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TP_STYLES = ("colwise", "rowwise")
+# colwise_packed: a fused projection (q|k|v, gate|up) whose output the model splits into parts; each
+# rank holds 1/tp of every part, as vLLM's QKVParallelLinear / MergedColumnParallelLinear
+TP_STYLES = ("colwise", "rowwise", "colwise_packed")
 FSDP_WRAPS = ("layers", "root")
 DTYPES = {
     "fp32": "float32",
@@ -65,7 +67,7 @@ class ParallelConfig:
     fsdp_wrap: str = "layers"
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     gradient_as_bucket_view: bool = False
-    tp_plan: tuple[tuple[str, str], ...] = ()  # explicit (module pattern, "colwise"|"rowwise")
+    tp_plan: tuple[tuple[str, str], ...] = ()  # explicit (module pattern, a TP_STYLES style)
     # torchtitan's Llama plan (``--tp-plan torchtitan``): the derived layer plan plus the token
     # embedding rowwise over the vocabulary and the output head colwise (logits gathered)
     vocab_parallel: bool = False
@@ -166,7 +168,7 @@ class ParallelConfig:
                 raise OptionError(f"--{name.replace('_', '-')}: {value!r} is not one of {', '.join(DTYPES)}")
         for pattern, style in self.tp_plan:
             if style not in TP_STYLES:
-                raise OptionError(f"--tp-plan: {pattern}={style!r}: the style must be colwise or rowwise")
+                raise OptionError(f"--tp-plan: {pattern}={style!r}: the style must be one of {', '.join(TP_STYLES)}")
         if self.fsdp_wrap not in FSDP_WRAPS:
             raise OptionError(f"--fsdp-wrap: {self.fsdp_wrap!r} is not one of {', '.join(FSDP_WRAPS)}")
         if (self.fsdp_param_dtype or self.fsdp_reduce_dtype) and self.dp_shard == 1:

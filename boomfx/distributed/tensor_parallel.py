@@ -27,6 +27,13 @@ all-gathered to Replicate (``ColwiseParallel(output_layouts=Replicate())``).
 GPT-2's ``Conv1D`` (``addmm(bias, x, weight [in, out])``) splits like a linear on the transposed
 dimensions (colwise: weight dim 1; rowwise: dim 0).
 
+A ``colwise_packed`` projection (a fused q|k|v or gate|up weight) holds 1/tp of every part, as
+vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``: its local output is the parts' local
+blocks side by side, so a bound the model splits the output at (a ``slice``, ``split``, ``chunk``,
+or a ``view`` that makes the parts a dimension) is the global bound / tp (``_Sharder.packed``). The
+parts are only known where the model splits them: any other use of the packed output is refused.
+Its memory, FLOPs and collectives are a colwise linear's.
+
 Sequence parallelism (``sp``, with the torchtitan plan): the activations between blocks are split
 on the sequence dim (``Shard(1)``); the first colwise projection reading a seq-split value
 all-gathers it once (``sp_gather``: q, k and v share it, as behind torchtitan's
@@ -70,6 +77,14 @@ from boomfx.distributed.vocab_embedding_grad import replicated_embedding_grads
 aten = torch.ops.aten
 Split = Optional[int]  # the split dimension of a value, None when replicated
 
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """The output of a ``colwise_packed`` projection: split on ``dim`` part by part (module docstring)."""
+
+    dim: int
+    source: str = ""  # the projection's module path, for messages
+
 _POINTWISE = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.mul.Scalar,
     aten.sub.Scalar, aten.div.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.relu.default,
@@ -86,6 +101,7 @@ _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
 _SPLITS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 _IGNORED = {aten._assert_tensor_metadata.default, aten.sym_size.int}
+_COLWISE = ("colwise", "colwise_packed")
 
 
 def _fail(node: fx.Node, why: str) -> OptionError:
@@ -152,6 +168,8 @@ class _Sharder:
                 for arg in self.tensors(node):
                     if arg is self.split_logits and self.of(arg) == _ndim(arg) - 1:
                         continue  # loss parallel: each rank's [.., vocab / tp] logits go to the loss
+                    if isinstance(self.of(arg), Packed):
+                        raise _fail(arg, "a packed projection's output reaches the model's output unsplit")
                     if self.of(arg) is not None:
                         self.gather_output(node, arg)
             elif node.op == "call_function":
@@ -166,14 +184,16 @@ class _Sharder:
         if style == "rowwise" and val.dim() == 1:
             return None  # a rowwise bias stays whole
         if _is_embedding_weight(node):
+            if style == "colwise_packed":
+                raise OptionError(f"--tp-plan: {fqn}: colwise_packed is for a fused projection, not an embedding")
             if style == "colwise" and not _is_linear_weight(node):
                 raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
                                   "built (rowwise, the vocabulary-parallel one, is)")
             dim = 0  # rowwise embedding: rows of the vocabulary
         elif _is_conv1d_weight(node):  # GPT-2's Conv1D: addmm(bias, x, weight [in, out])
-            dim = 1 if style == "colwise" else 0
+            dim = 1 if style in _COLWISE else 0
         else:
-            dim = 0 if style == "colwise" else 1  # colwise: output rows (and bias); rowwise: input columns
+            dim = 0 if style in _COLWISE else 1  # colwise: output rows (and bias); rowwise: input columns
         if val.shape[dim] % self.tp:
             raise OptionError(f"--parallel: tp={self.tp} does not divide {fqn} ({style}: dimension {val.shape[dim]})")
         shape = list(val.shape)
@@ -194,6 +214,8 @@ class _Sharder:
         if target is operator.getitem:
             parent = self.split.get(node.args[0])
             return parent[node.args[1]] if isinstance(parent, list) else parent
+        if any(isinstance(s, Packed) for s in splits):
+            return self.packed(node, inputs)
         if all(s is None for s in splits):
             return [None] * len(node.meta["val"]) if isinstance(node.meta.get("val"), (list, tuple)) else None
         if target in _IGNORED:
@@ -249,11 +271,12 @@ class _Sharder:
             if d is not None:
                 raise _fail(node, "a replicated linear reads a split input (plan its module rowwise)")
             return None
-        if style == "colwise":
+        if style in _COLWISE:
+            out: Any = Packed(nd - 1, module_path(node)) if style == "colwise_packed" else nd - 1
             if d is not None and self.seq_len is not None and d == nd - 2:
                 node.replace_input_with(x, self.gather_sequence(x))
                 self.seq_inputs[node] = x
-                return nd - 1
+                return out
             if d is not None:
                 raise _fail(node, "a colwise linear reads a split input (DTensor would all-gather it)")
             with self.graph.inserting_before(node):
@@ -262,11 +285,11 @@ class _Sharder:
             entered.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
             node.replace_input_with(x, entered)
             self.split[entered] = None
-            return nd - 1
+            return out
         if d is None:
             raise _fail(node, "a rowwise linear reads a replicated input: the projection feeding it is not split "
-                        "(a fused one, such as qkv_proj or gate_up_proj, stays replicated); give a --tp-plan "
-                        "that leaves both replicated")
+                        "(a fused one the derived plan does not know by name stays replicated); give a --tp-plan "
+                        "that plans it colwise_packed, or leaves both replicated")
         if d != nd - 1:
             raise _fail(node, "a rowwise linear reads an input not split on its last dimension")
         return self.reduce_partial(node)
@@ -300,7 +323,7 @@ class _Sharder:
             if d is not None or self.of(bias) is not None:
                 raise _fail(node, "a replicated Conv1D reads a split input (plan its module rowwise)")
             return None
-        if style == "colwise":
+        if style in _COLWISE:
             if d is not None:
                 raise _fail(node, "a colwise Conv1D reads a split input")
             with self.graph.inserting_before(node):
@@ -309,7 +332,7 @@ class _Sharder:
             entered.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
             node.replace_input_with(x, entered)
             self.split[entered] = None
-            return 1
+            return Packed(1, module_path(node)) if style == "colwise_packed" else 1
         if d != 1:
             raise _fail(node, "a rowwise Conv1D reads an input not split on its last dimension")
         return self.reduce_partial(node)
@@ -394,9 +417,83 @@ class _Sharder:
         if first is None:
             raise _fail(node, "the split dimension disappears in the view")
         sizes = list(node.args[1])
+        if sizes[first] == -1 and outs[first].is_Integer and int(outs[first]) % self.tp:
+            raise _fail(node, f"its inferred size {outs[first]} does not divide by tp={self.tp}")
         sizes[first] = self.local(node, sizes[first])
         node.args = (src, sizes, *node.args[2:])
         return first
+
+    def packed(self, node: fx.Node, inputs: Sequence[fx.Node]) -> Any:
+        """An op reading a packed projection's output. Where it splits the packed dimension into parts
+        (a slice, split, chunk, or a view whose first dimension counts the parts) each local bound is
+        the global one / tp, and the parts come out split like any colwise output; a cast or an op on
+        another dimension keeps it packed; anything else is refused."""
+        src = node.args[0]
+        p = self.of(src)
+        if not isinstance(p, Packed) or any(self.of(a) is not None for a in inputs if a is not src):
+            raise _fail(node, "it reads a packed projection's output with other split values")
+        nd_in, target = _ndim(src), node.target
+        if target in _IGNORED:
+            return None
+        if target in _POINTWISE and len(inputs) == 1:
+            return dataclasses.replace(p, dim=p.dim + _ndim(node) - nd_in)
+        if target in _VIEWS:
+            return self.packed_view(node, p)
+        if target in (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            dim = _dim(node.args[1] if target is aten.slice.Tensor else
+                       node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd_in)
+            if dim != p.dim:
+                return [p] * len(node.meta["val"]) if isinstance(node.meta["val"], (list, tuple)) else p
+            size = _shape(src)[dim]
+            if not size.is_Integer:
+                raise _fail(node, "the packed dimension's size is symbolic")
+            self.split_parts(node, int(size))
+            return [dim] * len(node.meta["val"]) if isinstance(node.meta["val"], (list, tuple)) else dim
+        raise _fail(node, f"the packed output of {p.source or 'a projection'} is read other than split into its parts "
+                    "(by a slice, split, chunk or view); give a --tp-plan that plans it colwise or leaves it replicated")
+
+    def split_parts(self, node: fx.Node, size: int) -> None:
+        """Rewrite the bounds at which ``node`` cuts a packed dimension of ``size`` to each rank's."""
+        args = list(node.args)
+        if node.target is aten.slice.Tensor:
+            start, end = (args + [None, None, None])[2:4]
+            step = args[4] if len(args) > 4 else 1
+            if step != 1:
+                raise _fail(node, "a strided slice of a packed projection's output")
+            bounds = []
+            for bound in (0 if start is None else start, size if end is None else end):
+                bound = min(max(bound + size if bound < 0 else bound, 0), size)
+                if bound % self.tp:
+                    raise _fail(node, f"the packed part's bound {bound} does not divide by tp={self.tp}")
+                bounds.append(bound // self.tp)
+            node.args = (args[0], args[1], *bounds, *args[4:])
+        elif node.target is aten.split.Tensor:
+            node.args = (args[0], self.local(node, args[1]), *args[2:])
+        elif node.target is aten.split_with_sizes.default:
+            node.args = (args[0], [self.local(node, s) for s in args[1]], *args[2:])
+        elif size % (args[1] * self.tp):  # chunk: the same count of parts, each 1/tp
+            raise _fail(node, f"{args[1]} parts of {size} do not divide by tp={self.tp}")
+
+    def packed_view(self, node: fx.Node, p: Packed) -> Any:
+        """A view of a packed output: the packed dimension kept whole stays packed; split as
+        ``[parts, ...]`` (``view(b, t, 3, heads, head_dim)``) the dimension after the parts is divided."""
+        src = node.args[0]
+        ins, outs = _shape(src), _shape(node)
+        group_in, group_out = _group(ins, outs, p.dim)
+        dims = [j for j in group_out if outs[j] != 1]
+        if group_in is None or not dims:
+            raise _fail(node, "the view merges the packed dimension with a dimension before it")
+        sizes = list(node.args[1])
+        if len(dims) == 1:
+            sizes[dims[0]] = self.local(node, sizes[dims[0]])
+            node.args = (src, sizes, *node.args[2:])
+            return dataclasses.replace(p, dim=dims[0])
+        split = dims[1]  # dims[0] counts the parts
+        if sizes[split] == -1 and outs[split].is_Integer and int(outs[split]) % self.tp:
+            raise _fail(node, f"its inferred size {outs[split]} does not divide by tp={self.tp}")
+        sizes[split] = self.local(node, sizes[split])
+        node.args = (src, sizes, *node.args[2:])
+        return split
 
     def expand(self, node: fx.Node) -> Split:
         src = node.args[0]
