@@ -295,7 +295,7 @@ def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
     """(tp not dividing heads / key-value heads: tests/test_distributed_memory.py.) What the TP
     rewrite cannot do yet is one line, exit 2 through the CLI, an OptionError through the API."""
     base = ["analyze", TINY, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
-    assert "a colwise (embedding-dimension) split of an embedding is not built" in _bad(
+    assert "a colwise (embedding-dimension) split of a token embedding is not built" in _bad(
         capsys, *base, "--parallel", "tp=2", "--tp-plan", "embed=colwise"
     )
     assert "--tp-plan torchtitan needs tp > 1" in _bad(capsys, *base, "--parallel", "dp_shard=2", "--tp-plan", "torchtitan")

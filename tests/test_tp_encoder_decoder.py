@@ -60,3 +60,37 @@ def test_whisper_splits_encoder_decoder_and_cross_attention(zoo) -> None:
     for fqn, n in whole.items():
         halved = fqn in plan or (fqn.endswith(".bias") and plan.get(fqn[:-4] + "weight") == "colwise")
         assert local[fqn] * (2 if halved else 1) == n, fqn
+
+
+@pytest.mark.slow  # real-weight export of a transformers model
+def test_t5_splits_its_position_bias_by_head(zoo) -> None:
+    """T5 adds a learned relative-position bias per head (``relative_attention_bias``: an embedding of
+    [buckets, heads], looked up by computed buckets) to every attention's scores through SDPA's mask. Each
+    rank holds its heads' columns of that table (and looks up its own heads); the cross-attention's
+    replicated ``zeros(1, heads, q, k)`` bias is read by each rank's heads. ``wi`` (DenseReluDense) is colwise."""
+    import hf_zoo
+
+    ep, _ = zoo("t5", "cpu")
+    _, inputs, _ = hf_zoo.build("t5", "cpu")
+    program = capture(ep, options=ProgramOptions(True, target_kind="cpu"))
+    plan = tp_plan(program)
+    for stack in ("encoder", "decoder"):
+        block = f"{stack}.block.0"
+        assert plan[f"{block}.layer.0.SelfAttention.relative_attention_bias.weight"] == "colwise"
+        ff = 2 if stack == "decoder" else 1
+        assert (plan[f"{block}.layer.{ff}.DenseReluDense.wi.weight"], plan[f"{block}.layer.{ff}.DenseReluDense.wo.weight"]) \
+            == ("colwise", "rowwise")
+    with torch.no_grad():
+        want = ep.module()(**inputs).logits
+    rplan = module_plan(program, ParallelConfig(tp=2))
+    table = _layout(rplan)
+
+    def layout(fqn: str, value: torch.Tensor):
+        return (1, [value.shape[1]]) if fqn.endswith("relative_attention_bias.weight") else table(fqn, value)
+
+    for out in run_ranks(shard_export(ep, rplan, 2), ep, 2, layout, list(inputs.values())):
+        torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    (rc,) = rank_programs(program, ParallelConfig(tp=2))
+    local = {rc.program.param_names[n.name]: tuple(n.meta["val"].shape) for n in rc.program.graph.nodes
+             if n.op == "placeholder" and rc.program.input_roles.get(n.name) == ROLE_PARAM}
+    assert local["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] == (32, 2)  # 32 buckets

@@ -59,6 +59,10 @@ COLWISE_NAMES = frozenset(
         "w3",
         "dense_h_to_4h",
         "query_key_value",
+        "wi",
+        "wi_0",
+        "wi_1",
+        "relative_attention_bias",
     }
 )
 ROWWISE_NAMES = frozenset({"o", "o_proj", "out_proj", "wo", "down", "down_proj", "fc_out", "fc2", "w2",
@@ -221,9 +225,12 @@ def rowwise_outputs(program: Program) -> list[tuple[str, int, torch.dtype]]:
     return out
 
 
-def _embedding_weights(program: Program) -> set[str]:
+def _embedding_weights(program: Program, by_input: Optional[bool] = None) -> set[str]:
+    """FQNs of the weights an embedding looks up; ``by_input``: only those whose ids are (True) or are not
+    (False) a model input (token embeddings; tables looked up by computed ids, such as T5's position bias)."""
     aten = torch.ops.aten
-    names = {n.args[0].name for n in program.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default}
+    names = {n.args[0].name for n in program.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default
+             and (by_input is None or by_input == (program.input_roles.get(getattr(n.args[1], "name", "")) == ROLE_INPUT))}
     return {program.param_names[n] for n in names if n in program.param_names}
 
 
@@ -263,11 +270,12 @@ def _model_shape(program: Program, cfg: Optional[ParallelConfig]) -> ModelShape:
     vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
     if cfg is None or cfg.tp > 1:
         embeddings = _embedding_weights(program)
+        tables = _embedding_weights(program, by_input=False)
         conv1d = _conv1d_weights(program)
         for fqn, style in tp_plan(program, cfg).items():
             val = vals[fqn]
             vocab_rows = style == "rowwise" and fqn in embeddings  # a vocabulary-parallel embedding
-            in_out = fqn in conv1d  # a [in, out] weight: colwise splits dim 1, rowwise dim 0
+            in_out = fqn in conv1d or (style == "colwise" and fqn in tables)  # [in, out]; a per-head table's heads
             size = int(val.shape[(0 if style in COLWISE_STYLES or vocab_rows else 1) ^ int(in_out)])
             projected[fqn] = (style, size)
             leaf = fqn[: -len(".weight")].rsplit(".", 1)[-1]

@@ -34,6 +34,10 @@ or a ``view`` that makes the parts a dimension) is the global bound / tp (``_Sha
 parts are only known where the model splits them: any other use of the packed output is refused.
 Its memory, FLOPs and collectives are a colwise linear's.
 
+A per-head table (T5's ``relative_attention_bias``: an embedding of [buckets, heads] whose lookup
+becomes SDPA's per-head mask) planned colwise is split on its heads, and each rank looks up its own
+heads; a replicated per-head mask reaching a head-split SDPA is sliced to the rank's heads (a view).
+
 Sequence parallelism (``sp``, with the torchtitan plan): the activations between blocks are split
 on the sequence dim (``Shard(1)``); the first colwise projection reading a seq-split value
 all-gathers it once (``sp_gather``: q, k and v share it, as behind torchtitan's
@@ -94,6 +98,9 @@ _POINTWISE = {
     aten.detach.default, aten.reciprocal.default, aten.where.self, aten.masked_fill.Scalar,
     aten.cos.default, aten.sin.default, aten.square.default, aten.abs.default, aten.erf.default,
     aten.gelu_.default, aten.silu_.default, aten.relu_.default, aten.mul_.Tensor, aten.add_.Tensor,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Tensor,
+    aten.minimum.default, aten.maximum.default, aten.clamp.default, aten.clamp_min.default,
+    aten.clamp_max.default, aten.log.default,
 }
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
@@ -175,6 +182,11 @@ class _Sharder:
             elif node.op == "call_function":
                 self.split[node] = self.call(node)
 
+    def looks_up_input(self, weight: fx.Node) -> bool:
+        """Whether an embedding weight is looked up by a model input (a token embedding)."""
+        return any(u.target is aten.embedding.default and u.args[0] is weight and isinstance(u.args[1], fx.Node)
+                   and u.args[1].op == "placeholder" for u in weight.users)
+
     def placeholder(self, node: fx.Node) -> Split:
         style = self.style.get(node.name)
         if style is None:
@@ -186,10 +198,13 @@ class _Sharder:
         if _is_embedding_weight(node):
             if style == "colwise_packed":
                 raise OptionError(f"--tp-plan: {fqn}: colwise_packed is for a fused projection, not an embedding")
-            if style == "colwise" and not _is_linear_weight(node):
-                raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of an embedding is not "
-                                  "built (rowwise, the vocabulary-parallel one, is)")
-            dim = 0  # rowwise embedding: rows of the vocabulary
+            if style == "colwise" and _is_linear_weight(node):
+                dim = 0  # a head tied to the embedding: the vocabulary rows
+            elif style == "colwise" and self.looks_up_input(node):
+                raise OptionError(f"--tp-plan: {fqn}: a colwise (embedding-dimension) split of a token embedding is "
+                                  "not built (rowwise, the vocabulary-parallel one, is)")
+            else:  # rowwise: rows of the vocabulary; colwise: a per-head table's heads (T5's position bias)
+                dim = 0 if style == "rowwise" else 1
         elif _is_conv1d_weight(node):  # GPT-2's Conv1D: addmm(bias, x, weight [in, out])
             dim = 1 if style in _COLWISE else 0
         else:
@@ -207,6 +222,10 @@ class _Sharder:
             return self.linear(node)
         if target is aten.addmm.default and isinstance(node.args[2], fx.Node) and _is_conv1d_weight(node.args[2]):
             return self.conv1d(node)
+        if target is aten.embedding.default and self.of(node.args[0]) == 1:
+            if self.of(node.args[1]) is not None:
+                raise _fail(node, "the looked-up ids are split")
+            return _ndim(node) - 1  # a per-head table split on its heads: each rank looks up its own heads
         if target is aten.embedding.default and self.of(node.args[0]) is not None:
             return self.vocab_embedding(node)
         inputs = self.tensors(node)
@@ -538,8 +557,25 @@ class _Sharder:
             raise _fail(node, "query, key and value must all be split by head")
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node) and _ndim(mask) == _ndim(q) and _shape(mask)[heads] != 1:
-            raise _fail(node, "a per-head attention mask is not split")
+            if self.of(mask) is None:
+                self.local_heads(node, mask, heads)
+            elif self.of(mask) != heads:
+                raise _fail(node, "a per-head attention mask is split on another dimension")
+        elif isinstance(mask, fx.Node) and self.of(mask) is not None:
+            raise _fail(node, "the attention mask is split but not per head")
         return heads
+
+    def local_heads(self, node: fx.Node, mask: fx.Node, heads: int) -> None:
+        """A replicated per-head mask (T5's cross-attention bias, ``zeros(1, heads, q, k)``): each rank
+        reads its heads' block, a view (the graph is every rank's: the block at 0 stands for each)."""
+        size = _shape(mask)[heads]
+        if not size.is_Integer or int(size) % self.tp:
+            raise _fail(node, f"a per-head attention mask of {size} heads does not divide by tp={self.tp}")
+        with self.graph.inserting_before(node):
+            block = self.graph.call_function(aten.slice.Tensor, (mask, heads, 0, int(size) // self.tp))
+        block.meta.update({k: v for k, v in mask.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.replace_input_with(mask, block)
+        self.split[block] = heads
 
     def reduction(self, node: fx.Node) -> Split:
         src = node.args[0]
