@@ -46,7 +46,8 @@ Known limitations:
   ``ScheduleInterleaved1F1B`` (its reducer's bucket rebuild asserts, seen on gloo); with dp_shard it is
   built for up to 3 chunks per rank (``pp_fsdp.py``: the runtime keeps them all unsharded).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
-  ties a parameter across stages (tied embeddings), is refused.
+  ties a parameter across stages (tied embeddings), is refused. A length the graph reads off an
+  earlier stage's tensor is not a second activation: it is read off the received one.
 
 Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
 (``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces (with
@@ -64,7 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import sympy
@@ -183,6 +184,10 @@ class _Split:
     # per stage, backward sizes computed on another stage -> (a tensor of this stage, its dim) to read
     # them from (a stage's autograd reads its sizes off its own tensors)
     sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]]
+    # per stage, forward sizes the graph reads off an earlier stage's tensor (the tracer keeps one
+    # ``sym_size`` per symbol, on whichever tensor it met first: Phi's layer 1 reads the sequence length
+    # off layer 0's attention output) -> (the stage's received activation, its dim)
+    fwd_sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = field(default_factory=list)
 
 
 def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
@@ -240,10 +245,13 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
     for s in range(pp):
         fwd[s] = _with_sizes_read_by(fwd[s], fwd[s], fwd_nodes)
     act_in: list[Optional[torch.fx.Node]] = [None] * pp
+    fwd_sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = [{} for _ in range(pp)]
     for s in range(1, pp):
         members = set(fwd[s])
         crossing = {a for n in fwd[s] for a in n.all_input_nodes
                     if a.op == "call_function" and a not in members}
+        if len(crossing) > 1:
+            crossing = _resource_sizes(crossing, fwd[s], fwd_sizes_in[s], s)
         if len(crossing) != 1:
             raise OptionError(f"pipeline stage {s}: {len(crossing)} tensors cross into it from earlier stages "
                               f"({', '.join(sorted(a.name for a in crossing)[:4])}); one (the residual stream) "
@@ -288,8 +296,8 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             sizes_in[s][a] = _size_source(a, own + fwd[s], s)
     for s in range(pp):
         # sizes the backward (checkpointing's recomputation) reads but the stage's forward does not
-        fwd[s] = _with_sizes_read_by(fwd[s], bwd[s], fwd_nodes)
-        fwd_set = set(fwd[s]) | ({act_in[s]} if act_in[s] is not None else set())
+        fwd[s] = _with_sizes_read_by(fwd[s], bwd[s], fwd_nodes, exclude=set(fwd_sizes_in[s]))
+        fwd_set = set(fwd[s]) | set(fwd_sizes_in[s]) | ({act_in[s]} if act_in[s] is not None else set())
         for n in bwd[s]:
             for a in n.all_input_nodes:
                 if a.op == "call_function" and program.phase_of(a) == PHASE_FORWARD and a not in fwd_set:
@@ -308,7 +316,31 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             owner_of_param[p] = s
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
-    return _Split(fwd, bwd, act_in, grad_in, output, params, sizes_in), names
+    return _Split(fwd, bwd, act_in, grad_in, output, params, sizes_in, fwd_sizes_in), names
+
+
+def _resource_sizes(crossing: set[torch.fx.Node], stage: list[torch.fx.Node],
+                    sizes: dict[torch.fx.Node, tuple[torch.fx.Node, int]], s: int) -> set[torch.fx.Node]:
+    """The crossing tensors less those the stage only reads sizes of, when one tensor (the residual
+    stream) is left: each such ``sym_size`` is moved out of ``stage`` into ``sizes``, to be read off
+    that tensor (a length the activation has too). Otherwise ``crossing`` unchanged, for the refusal."""
+    members = set(stage)
+    size_only = {a for a in crossing if all(_is_size(u) and u.target is aten.sym_size.int
+                                             for u in a.users if u in members)}
+    rest = crossing - size_only
+    if len(rest) != 1 or not size_only:
+        return crossing
+    (act,) = rest
+    readers = [u for a in size_only for u in a.users if u in members]
+    found: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = {}
+    for u in readers:
+        try:
+            found[u] = _size_source(u, [act], s)
+        except OptionError:
+            return crossing
+    sizes.update(found)
+    stage[:] = [n for n in stage if n not in found]
+    return rest
 
 
 def _size_source(size: torch.fx.Node, tensors: Sequence[torch.fx.Node], s: int) -> tuple[torch.fx.Node, int]:
@@ -347,13 +379,14 @@ def _model_output(fwd_nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
 
 
 def _with_sizes_read_by(stage_fwd: list[torch.fx.Node], readers: Sequence[torch.fx.Node],
-                        fwd_nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+                        fwd_nodes: Sequence[torch.fx.Node], exclude: frozenset = frozenset()) -> list[torch.fx.Node]:
     """``stage_fwd`` plus the forward size computations (``sym_size``, their products) that ``readers``
     use and the stage does not compute yet, with what they read, in graph order."""
     members = set(stage_fwd)
     forward = set(fwd_nodes)
     extra: set[torch.fx.Node] = set()
-    stack = [a for n in readers for a in n.all_input_nodes if a in forward and a not in members and _is_size(a)]
+    stack = [a for n in readers for a in n.all_input_nodes if a in forward and a not in members and _is_size(a)
+             and a not in exclude]
     while stack:
         a = stack.pop()
         if a in extra or a in members or a.op != "call_function":
@@ -620,6 +653,9 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
                 env[split.act_in[k]] = call(ops.recv_.default, (buf, peer_prev, PP_GROUP), buf.meta["val"],
                                             PHASE_FORWARD, like)
                 env[split.act_in[k]].meta[META_CHUNK] = k
+                for size, (t, d) in split.fwd_sizes_in[k].items():
+                    env[size] = call(aten.sym_size.int, (env[t], d), size.meta["val"], PHASE_FORWARD, size)
+                    env[size].meta[META_CHUNK] = k
             copy(split.fwd[k], env, 0, k)
             envs[(k, i)] = env
             if k < last:
