@@ -54,6 +54,7 @@ COLWISE_NAMES = frozenset(
         "up_proj",
         "fc",
         "fc1",
+        "fc_in",
         "c_fc",
         "w1",
         "w3",
@@ -116,6 +117,7 @@ def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str,
     if not explicit:
         _pair_gpt2_output_projections(plan, program)
         _pair_attention_dense(plan, program)
+        _pair_bert_dense(plan, program)
         _keep_routers_replicated(plan)
     return plan
 
@@ -139,6 +141,21 @@ def _pair_attention_dense(plan: dict[str, str], program: Program) -> None:
         partner = f"{parent}.{ATTENTION_DENSE}.weight"
         if leaf in KEY_NAMES | INTERLEAVED_QKV_NAMES and style == "colwise" and partner in fqns and partner not in plan:
             plan[partner] = "rowwise"
+
+
+def _pair_bert_dense(plan: dict[str, str], program: Program) -> None:
+    """BERT-style layers (BERT, RoBERTa, ELECTRA) name three projections ``dense``: beside a colwise
+    ``attention.self.key``, ``attention.output.dense`` is rowwise, ``intermediate.dense`` colwise and the
+    layer's ``output.dense`` rowwise."""
+    fqns = set(program.param_names.values())
+    for fqn, style in list(plan.items()):
+        if style != "colwise" or not fqn.endswith(".attention.self.key.weight"):
+            continue
+        layer = fqn[: -len(".attention.self.key.weight")]
+        pairs = {f"{layer}.attention.output.dense.weight": "rowwise", f"{layer}.intermediate.dense.weight": "colwise",
+                 f"{layer}.output.dense.weight": "rowwise"}
+        if all(p in fqns for p in pairs):
+            plan.update(pairs)
 
 
 def _keep_routers_replicated(plan: dict[str, str]) -> None:

@@ -260,6 +260,10 @@ class _Sharder:
             return self.split_op(node)
         if target is aten.cat.default:
             return self.cat(node)
+        if target is aten.stack.default:
+            return self.stack(node)
+        if target is aten.flatten.using_ints:
+            return self.flatten(node)
         if target in _SDPA:
             return self.sdpa(node)
         if target in _SOFTMAX:
@@ -549,6 +553,29 @@ class _Sharder:
         if _dim(dim, _ndim(node)) == d:
             raise _fail(node, "it concatenates along the split dimension")
         return d
+
+    def stack(self, node: fx.Node) -> Split:
+        """Values split alike, stacked along a new dimension (GPT-J's rotary ``stack((-x2, x1), -1)``)."""
+        splits = {self.of(p) for p in node.args[0]}
+        if len(splits) != 1 or "partial" in splits:
+            raise _fail(node, "it stacks split and replicated values")
+        (d,) = splits
+        at = _dim(node.args[1] if len(node.args) > 1 else 0, _ndim(node))
+        return d + 1 if d >= at else d
+
+    def flatten(self, node: fx.Node) -> Split:
+        """``flatten(x, start, end)``: a split dimension before or after the merged run keeps its place; as
+        the run's first dimension (each rank's block stays contiguous) it becomes the merged one."""
+        d, nd_in = self.of(node.args[0]), _ndim(node.args[0])
+        start = _dim(node.args[1] if len(node.args) > 1 else 0, nd_in)
+        end = _dim(node.args[2] if len(node.args) > 2 else -1, nd_in)
+        if d < start:
+            return d
+        if d > end:
+            return d - (end - start)
+        if d == start:
+            return start
+        raise _fail(node, "it merges the split dimension with a dimension before it")
 
     def sdpa(self, node: fx.Node) -> Split:
         q, k, v = node.args[:3]

@@ -174,8 +174,10 @@ def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:
 
 
 # Ops whose C++ kernel reads sizes as plain ints under fake tensors (torch 2.13); any other such op
-# is caught by training/trace.py's check that no size symbol was fixed.
-SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default}
+# is caught by training/trace.py's check that no size symbol was fixed. baddbmm: its meta function
+# expands a broadcast ``self`` (Bloom's ALiBi bias, [batch x heads, 1, seq]) through the int-only
+# ``expand`` kernel, an error without the Python dispatcher.
+SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default, aten.baddbmm.default}
 
 
 class GraphRunner:
