@@ -18,7 +18,7 @@ from boomfx.core.program import ProgramOptions
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.tensor_parallel import module_plan, shard_export
 from boomfx.frontend.capture import capture
-from tp_lockstep import run_ranks
+from tp_lockstep import plain_layout, run_ranks
 
 V, D, H = 256, 64, 4
 _DECODER = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=H,
@@ -60,16 +60,6 @@ def _export(name: str) -> tuple[torch.export.ExportedProgram, torch.Tensor]:
     return torch.export.export(model, (), {"input_ids": ids}, dynamic_shapes=dims, strict=False), ids
 
 
-def _layout(plan: dict[str, str]):
-    def layout(fqn: str, value: torch.Tensor):
-        style = plan.get(fqn)
-        if style is None or (style == "rowwise" and value.dim() == 1):
-            return None
-        dim = 0 if style == "colwise" else 1
-        return dim, [value.shape[dim]]
-    return layout
-
-
 @pytest.mark.slow  # exports of transformers models
 # projections split per layer: q, k, v, o and the MLP's (gate, up, down, or in, out)
 @pytest.mark.parametrize("name,per_layer", [("qwen2", 7), ("gemma2", 7), ("opt", 6), ("gptj", 6), ("starcoder2", 6),
@@ -83,7 +73,7 @@ def test_every_rank_reproduces_the_model(name: str, per_layer: int) -> None:
     assert sum(plan[f] == "rowwise" for f in split) == 2 * 2  # o and the MLP's output
     with torch.no_grad():
         want = ep.module()(input_ids=ids).logits
-    for out in run_ranks(shard_export(ep, plan, 2), ep, 2, _layout(plan), [ids]):
+    for out in run_ranks(shard_export(ep, plan, 2), ep, 2, plain_layout(plan), [ids]):
         torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
 
 

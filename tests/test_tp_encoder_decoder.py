@@ -16,17 +16,7 @@ from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.ranks import rank_programs
 from boomfx.distributed.tensor_parallel import module_plan, shard_export
 from boomfx.frontend.capture import capture
-from tp_lockstep import run_ranks
-
-
-def _layout(plan: dict[str, str]):
-    def layout(fqn: str, value: torch.Tensor):
-        style = plan.get(fqn)
-        if style is None or (style == "rowwise" and value.dim() == 1):
-            return None
-        dim = 0 if style == "colwise" else 1
-        return dim, [value.shape[dim]]
-    return layout
+from tp_lockstep import plain_layout, run_ranks
 
 
 @pytest.mark.slow  # real-weight export of a transformers model
@@ -49,7 +39,7 @@ def test_whisper_splits_encoder_decoder_and_cross_attention(zoo) -> None:
     with torch.no_grad():
         want = ep.module()(**inputs).logits
     rplan = module_plan(program, ParallelConfig(tp=2))
-    for out in run_ranks(shard_export(ep, rplan, 2), ep, 2, _layout(rplan), list(inputs.values())):
+    for out in run_ranks(shard_export(ep, rplan, 2), ep, 2, plain_layout(rplan), list(inputs.values())):
         torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
     # the training program: every planned weight halved, the rest whole
     (rc,) = rank_programs(program, ParallelConfig(tp=2))
@@ -83,7 +73,7 @@ def test_t5_splits_its_position_bias_by_head(zoo) -> None:
     with torch.no_grad():
         want = ep.module()(**inputs).logits
     rplan = module_plan(program, ParallelConfig(tp=2))
-    table = _layout(rplan)
+    table = plain_layout(rplan)
 
     def layout(fqn: str, value: torch.Tensor):
         return (1, [value.shape[1]]) if fqn.endswith("relative_attention_bias.weight") else table(fqn, value)

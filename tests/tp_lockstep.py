@@ -61,6 +61,18 @@ def local_slice(value: torch.Tensor, dim: int, parts: Sequence[int], rank: int, 
     return torch.cat([p.chunk(world, dim)[rank] for p in value.split(list(parts), dim)], dim)
 
 
+def plain_layout(plan: dict[str, str]) -> Callable[[str, torch.Tensor], tuple[int, Sequence[int]] | None]:
+    """``run_ranks``'s layout for a plan of plain splits: colwise weights (and biases) on their output
+    features, rowwise weights on their input features, rowwise biases whole."""
+    def layout(fqn: str, value: torch.Tensor) -> tuple[int, Sequence[int]] | None:
+        style = plan.get(fqn)
+        if style is None or (style == "rowwise" and value.dim() == 1):
+            return None
+        dim = 0 if style == "colwise" else 1
+        return dim, [value.shape[dim]]
+    return layout
+
+
 def run_ranks(sharded: Any, ep: torch.export.ExportedProgram, world: int,
               layout: Callable[[str, torch.Tensor], tuple[int, Sequence[int]] | None],
               inputs: Sequence[torch.Tensor]) -> list[Any]:
