@@ -213,3 +213,26 @@ def test_gpt_neox_per_head_qkv_is_a_plain_column_split() -> None:
         want = model(input_ids=ids).logits
     for out in _rank_outputs(ep, 2, {}, [ids]):
         torch.testing.assert_close(_logits(out), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # export of a transformers model
+def test_a_packed_multi_query_projection_is_refused_by_its_kv_heads(tmp_path, capsys) -> None:
+    """GPT-BigCode's multi-query ``c_attn`` packs q (64) | k (16) | v (16): the derived plan packs it, and the
+    KV heads read off it, (96 - 4 x 16) / (2 x 16) = 1, do not divide tp=2 (vLLM replicates such KV heads;
+    a split would cut the head dimension): refused in one line before any rewrite."""
+    transformers = pytest.importorskip("transformers")
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    cfg = transformers.GPTBigCodeConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                        use_cache=False, eos_token_id=0, bos_token_id=0)
+    ep = torch.export.export(transformers.GPTBigCodeForCausalLM(cfg).eval(), (), {"input_ids": torch.randint(0, 256, (2, 8))},
+                             dynamic_shapes={"input_ids": {0: Dim("batch", max=64), 1: Dim("seq", min=2, max=64)}},
+                             strict=False)
+    path = tmp_path / "bigcode.pt2"
+    torch.export.save(ep, str(path))
+    program = capture(ep, options=ProgramOptions(True, target_kind="cpu"))
+    assert tp_plan(program)["transformer.h.0.attn.c_attn.weight"] == "colwise_packed"
+    code = main(["analyze", str(path), "--train", "--parallel", "tp=2", "--batch", "2", "--dim", "seq=16"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and err == ["boomfx: error: --parallel: tp=2 does not divide the model's 1 key/value heads"], err
