@@ -3,7 +3,8 @@
 The tensor-parallel plan is derived the way torchtitan writes it by hand: inside each entry of a
 module list (each layer of the main layer list, and of an encoder-decoder's other stack), linear
 weights whose module is named like an attention input projection (q/k/v) or an MLP input
-projection (gate/up/fc) are split column-wise (output features), those named like an output projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
+projection (gate/up/fc) are split column-wise (output features), those named like an output
+projection (o/down/fc_out) row-wise (input features). A user plan (``--tp-plan
 'layers.*.q=colwise,...'``, fnmatch patterns on module paths) replaces the derived one. Fused
 projections whose rows stack the parts the model then slices apart (Phi-3's ``qkv_proj`` and
 ``gate_up_proj``, GPT-2's ``c_attn``, MPT's ``Wqkv``, Baichuan's ``W_pack``) are ``colwise_packed``:
@@ -87,7 +88,8 @@ _SDPA = {
 
 
 def tp_plan(program: Program, cfg: Optional[ParallelConfig] = None) -> dict[str, str]:
-    """Weight FQN -> "colwise" | "rowwise" | "colwise_packed" for every projected weight inside the layer list."""
+    """Weight FQN -> "colwise" | "rowwise" | "colwise_packed" for every projected weight inside a module list's
+    entries (``_inside_layer_list``)."""
     explicit = tuple(cfg.tp_plan) if cfg is not None else ()
     plan: dict[str, str] = {}
     ends = vocab_ends(program) if cfg is not None and cfg.vocab_parallel and not explicit else {}
@@ -134,7 +136,8 @@ def _inside_layer_list(module: str) -> bool:
 
 def _pair_attention_dense(plan: dict[str, str], program: Program) -> None:
     """Phi names its attention's output projection ``dense``, beside colwise ``q_proj``/``k_proj``/``v_proj``
-    (GPT-NeoX beside ``query_key_value``): rowwise there. Elsewhere ``dense`` is no output projection by name (BERT's ``intermediate.dense`` widens)."""
+    (GPT-NeoX beside ``query_key_value``): rowwise there. Elsewhere ``dense`` is no output projection by
+    name (BERT's ``intermediate.dense`` widens: ``_pair_bert_dense``)."""
     fqns = set(program.param_names.values())
     for fqn, style in list(plan.items()):
         parent, _, leaf = fqn[: -len(".weight")].rpartition(".")

@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Collection, Mapping, Optional, Sequence
 
 import sympy
 import torch
@@ -187,7 +187,7 @@ class _Split:
     # per stage, forward sizes the graph reads off an earlier stage's tensor (the tracer keeps one
     # ``sym_size`` per symbol, on whichever tensor it met first: Phi's layer 1 reads the sequence length
     # off layer 0's attention output) -> (the stage's received activation, its dim)
-    fwd_sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = field(default_factory=list)
+    fwd_sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]]
 
 
 def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
@@ -325,8 +325,7 @@ def _resource_sizes(crossing: set[torch.fx.Node], stage: list[torch.fx.Node],
     stream) is left: each such ``sym_size`` is moved out of ``stage`` into ``sizes``, to be read off
     that tensor (a length the activation has too). Otherwise ``crossing`` unchanged, for the refusal."""
     members = set(stage)
-    size_only = {a for a in crossing if all(_is_size(u) and u.target is aten.sym_size.int
-                                             for u in a.users if u in members)}
+    size_only = {a for a in crossing if all(u.target is aten.sym_size.int for u in a.users if u in members)}
     rest = crossing - size_only
     if len(rest) != 1 or not size_only:
         return crossing
@@ -379,7 +378,8 @@ def _model_output(fwd_nodes: Sequence[torch.fx.Node]) -> torch.fx.Node:
 
 
 def _with_sizes_read_by(stage_fwd: list[torch.fx.Node], readers: Sequence[torch.fx.Node],
-                        fwd_nodes: Sequence[torch.fx.Node], exclude: frozenset = frozenset()) -> list[torch.fx.Node]:
+                        fwd_nodes: Sequence[torch.fx.Node], exclude: Collection[torch.fx.Node] = ()
+                        ) -> list[torch.fx.Node]:
     """``stage_fwd`` plus the forward size computations (``sym_size``, their products) that ``readers``
     use and the stage does not compute yet, with what they read, in graph order."""
     members = set(stage_fwd)
@@ -608,6 +608,13 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
         phases[node.name] = phase
         return node
 
+    def read_sizes(sizes: Mapping[torch.fx.Node, tuple[torch.fx.Node, int]], env: dict[torch.fx.Node, torch.fx.Node],
+                   phase: str, chunk: int) -> None:
+        """Each size another stage's tensor gave the graph, read off this stage's own (``_Split.sizes_in``)."""
+        for size, (t, d) in sizes.items():
+            env[size] = call(aten.sym_size.int, (env[t], d), size.meta["val"], phase, size)
+            env[size].meta[META_CHUNK] = chunk
+
     def copy(nodes: Sequence[torch.fx.Node], env: dict[torch.fx.Node, torch.fx.Node], seq_offset: int,
              chunk: int, accumulated: Optional[dict[torch.fx.Node, torch.fx.Node]] = None) -> None:
         """``nodes`` again with ``env``; a parameter's gradient becomes its ``.grad`` (the first
@@ -653,9 +660,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
                 env[split.act_in[k]] = call(ops.recv_.default, (buf, peer_prev, PP_GROUP), buf.meta["val"],
                                             PHASE_FORWARD, like)
                 env[split.act_in[k]].meta[META_CHUNK] = k
-                for size, (t, d) in split.fwd_sizes_in[k].items():
-                    env[size] = call(aten.sym_size.int, (env[t], d), size.meta["val"], PHASE_FORWARD, size)
-                    env[size].meta[META_CHUNK] = k
+                read_sizes(split.fwd_sizes_in[k], env, PHASE_FORWARD, k)
             copy(split.fwd[k], env, 0, k)
             envs[(k, i)] = env
             if k < last:
@@ -677,9 +682,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
             env[split.grad_in[k]] = call(ops.recv_.default, (buf, peer_next, PP_GROUP), buf.meta["val"],
                                          PHASE_BACKWARD, like)
             env[split.grad_in[k]].meta[META_CHUNK] = k
-        for size, (t, d) in split.sizes_in[k].items():
-            env[size] = call(aten.sym_size.int, (env[t], d), size.meta["val"], PHASE_BACKWARD, size)
-            env[size].meta[META_CHUNK] = k
+        read_sizes(split.sizes_in[k], env, PHASE_BACKWARD, k)
         copy(split.bwd[k], env, (i + 1) * _SEQ_STRIDE, k, accumulated)
         end = env[split.bwd[k][-1]]
         backward_ends[(kind, i, k)] = end.name

@@ -439,12 +439,16 @@ class _Sharder:
         first = next((j for j in group_out if outs[j] != 1), None)
         if first is None:
             raise _fail(node, "the split dimension disappears in the view")
-        sizes = list(node.args[1])
-        if sizes[first] == -1 and outs[first].is_Integer and int(outs[first]) % self.tp:
-            raise _fail(node, f"its inferred size {outs[first]} does not divide by tp={self.tp}")
-        sizes[first] = self.local(node, sizes[first])
-        node.args = (src, sizes, *node.args[2:])
+        self.divide_view(node, first, outs)
         return first
+
+    def divide_view(self, node: fx.Node, j: int, outs: list[sympy.Expr]) -> None:
+        """Rewrite size ``j`` of a view to the rank's; an inferred ``-1`` stays, once its size is known to divide."""
+        sizes = list(node.args[1])
+        if sizes[j] == -1 and outs[j].is_Integer and int(outs[j]) % self.tp:
+            raise _fail(node, f"its inferred size {outs[j]} does not divide by tp={self.tp}")
+        sizes[j] = self.local(node, sizes[j])
+        node.args = (node.args[0], sizes, *node.args[2:])
 
     def packed(self, node: fx.Node, inputs: Sequence[fx.Node]) -> Any:
         """An op reading a packed projection's output. Where it splits the packed dimension into parts
@@ -506,17 +510,11 @@ class _Sharder:
         dims = [j for j in group_out if outs[j] != 1]
         if group_in is None or not dims:
             raise _fail(node, "the view merges the packed dimension with a dimension before it")
-        sizes = list(node.args[1])
         if len(dims) == 1:
-            sizes[dims[0]] = self.local(node, sizes[dims[0]])
-            node.args = (src, sizes, *node.args[2:])
+            self.divide_view(node, dims[0], outs)
             return dataclasses.replace(p, dim=dims[0])
-        split = dims[1]  # dims[0] counts the parts
-        if sizes[split] == -1 and outs[split].is_Integer and int(outs[split]) % self.tp:
-            raise _fail(node, f"its inferred size {outs[split]} does not divide by tp={self.tp}")
-        sizes[split] = self.local(node, sizes[split])
-        node.args = (src, sizes, *node.args[2:])
-        return split
+        self.divide_view(node, dims[1], outs)  # dims[0] counts the parts
+        return dims[1]
 
     def expand(self, node: fx.Node) -> Split:
         src = node.args[0]
