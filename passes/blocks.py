@@ -21,7 +21,7 @@ Grouping is exact: each instance gets a *canonical key*, the ordered tuple of it
 its canonical index, and an edge to an outside node is the order of first use plus that node's spec.
 Instances with equal keys are one class, and node ``i`` of instance ``k`` corresponds to node ``i`` of
 instance 0. Instances of one module list whose keys differ only by node order are merged when their
-Weisfeiler-Lehman hashes (networkx) agree and a VF2 isomorphism maps one onto the other; the
+refined colours (1-dimensional Weisfeiler-Lehman with individualisation) give an isomorphism; the
 instance is then re-ordered to instance 0's canonical order and its key re-checked.
 
 Nodes counted in a block are *value nodes*: ``call_function`` nodes producing tensors. Symbolic-size
@@ -48,9 +48,8 @@ Known limitations:
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -211,90 +210,110 @@ def _digest(key: tuple) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Exact grouping of candidate instances into classes
 # ---------------------------------------------------------------------------------------------------
-def _nx_graph(desc: _Describer, nodes: Sequence[torch.fx.Node]) -> Any:
-    import networkx as nx
-
-    g = nx.DiGraph()
-    members = set(nodes)
-    for n in nodes:
-        g.add_node(n, label=repr(desc.label(n)))
-    for n in nodes:
-        for pos, inp in enumerate(n.all_input_nodes):
-            if inp in members:
-                g.add_edge(inp, n, pos=str(pos))
-    return g
-
-
-def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: Sequence[torch.fx.Node],
-                        ref_key: tuple) -> Optional[list[torch.fx.Node]]:
-    """``other`` in the canonical order of ``ref`` if the two are isomorphic (WL hash, then VF2 and the
-    exact key), else None."""
-    import networkx as nx
-
-    if len(ref) != len(other) or len(ref) > VF2_MAX_NODES:
-        return None
-    g_ref, g_other = _nx_graph(desc, ref), _nx_graph(desc, other)
-    with warnings.catch_warnings():  # networkx 3.5 warns that directed-graph hashes changed
-        warnings.simplefilter("ignore")
-        wl = nx.weisfeiler_lehman_graph_hash
-        if wl(g_ref, node_attr="label", edge_attr="pos") != wl(g_other, node_attr="label", edge_attr="pos"):
-            return None
-    matcher = _budgeted_matcher_class()(g_ref, g_other, VF2_WORK_PER_NODE_PAIR * len(ref) ** 2)
-    try:
-        for mapping in matcher.isomorphisms_iter():
-            ordered = [mapping[n] for n in ref]
-            if desc.key(ordered) == ref_key:
-                return ordered
-            break  # NB: only the first mapping is tried; layers are rigid enough in practice
-    except _OutOfWork:
-        return None   # not merged: priced separately, never wrongly
-    return None
-
-
-# VF2's search is exponential in the worst case: instances made of many identical copies (a pipeline
-# stage's layer holds one forward and backward per micro-batch, interleaved with its other chunks')
-# have so many partial matchings that the first isomorphism took minutes. And networkx builds each
-# search state in time linear in the partial mapping, so even a rigid match of n nodes costs ~n^2/2:
-# the budget counts that work (the mapping's size at each feasible pair), two rigid matches' worth.
-# Past VF2_MAX_NODES a pair is not tried at all: on 2,216-node instances of an interleaved 1F1B stage
-# one give-up took 25 s, and no such merge ever succeeded (the price cache already prices equal kernels
-# once; an unmerged instance is its own class, priced the same).
-VF2_WORK_PER_NODE_PAIR = 1
-VF2_MAX_NODES = 1000
-
-
 class _OutOfWork(Exception):
     pass
 
 
-def _label_match(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a["label"] == b["label"]
+# Matching two instances whose keys differ by node order is colour refinement (1-dimensional
+# Weisfeiler-Lehman) of both together, then individualisation: a node still sharing its colour is given
+# a colour of its own together with one candidate of the other instance, and the refinement repeats;
+# a candidate whose refinement leaves the two instances' colour counts unequal is dropped (backtrack).
+# Label-only VF2 (networkx) did this before, and on instances made of near-identical copies (a pipeline
+# stage's chunk: one forward and backward per micro-batch) it backtracked until its budget ran out,
+# ~2.5 s per pair of 868-node chunks; refinement settles such a pair with one individualisation.
+# The work (node signatures computed) is capped at MATCH_WORK_PER_NODE_PAIR x n^2; past MATCH_MAX_NODES
+# a pair is not tried at all. An instance not merged is its own class, priced the same, never wrongly.
+MATCH_WORK_PER_NODE_PAIR = 1
+MATCH_MAX_NODES = 1000
 
 
-def _pos_match(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a["pos"] == b["pos"]
+class _Refiner:
+    """Colour refinement of two equal-size instances side by side: indices ``0..n-1`` are ``ref``'s
+    nodes, ``n..2n-1`` the other's; edges inside an instance carry their input position."""
 
+    def __init__(self, desc: _Describer, ref: Sequence[torch.fx.Node], other: Sequence[torch.fx.Node],
+                 work: int) -> None:
+        self.n, self.work_left = len(ref), work
+        nodes = [*ref, *other]
+        self.ins: list[list[tuple[int, int]]] = [[] for _ in nodes]
+        self.outs: list[list[tuple[int, int]]] = [[] for _ in nodes]
+        labels: dict[str, int] = {}
+        self.labels = [labels.setdefault(repr(desc.label(v)), len(labels)) for v in nodes]
+        for base, side in ((0, ref), (self.n, other)):
+            index = {v: base + i for i, v in enumerate(side)}
+            for v in side:
+                for pos, inp in enumerate(v.all_input_nodes):
+                    if inp in index:
+                        self.ins[index[v]].append((pos, index[inp]))
+                        self.outs[index[inp]].append((pos, index[v]))
 
-@functools.lru_cache(maxsize=None)
-def _budgeted_matcher_class() -> type:
-    from networkx.algorithms import isomorphism   # (networkx imported on first use, as above)
-
-    class Matcher(isomorphism.DiGraphMatcher):
-        """VF2 that gives up (``_OutOfWork``) once its feasible pairs have cost ``work`` (each costs
-        the size of the mapping it extends: the state networkx builds for it)."""
-
-        def __init__(self, g1: Any, g2: Any, work: int) -> None:
-            super().__init__(g1, g2, node_match=_label_match, edge_match=_pos_match)
-            self.work_left = work
-
-        def semantic_feasibility(self, g1_node: Any, g2_node: Any) -> bool:
-            self.work_left -= 1 + len(self.core_1)
+    def refine(self, colour: list[int]) -> Optional[list[int]]:
+        """The stable refinement of ``colour``; None once the two sides' colour counts differ (then no
+        isomorphism respects ``colour``)."""
+        classes = len(set(colour))
+        while True:
+            self.work_left -= len(colour)
             if self.work_left < 0:
                 raise _OutOfWork
-            return super().semantic_feasibility(g1_node, g2_node)
+            ids: dict[tuple, int] = {}
+            colour = [ids.setdefault((colour[i], tuple(sorted((p, colour[j]) for p, j in self.ins[i])),
+                                      tuple(sorted((p, colour[j]) for p, j in self.outs[i]))), len(ids))
+                      for i in range(len(colour))]
+            if Counter(colour[: self.n]) != Counter(colour[self.n :]):
+                return None
+            if len(ids) == classes:
+                return colour
+            classes = len(ids)
 
-    return Matcher
+    def match(self) -> Optional[list[int]]:
+        """For each ``ref`` node, the index (in ``other``) of its image under an isomorphism that keeps
+        labels and input positions; None if there is none."""
+        colour = self.refine(self.labels)
+        if colour is None:
+            return None
+        stack: list[tuple[list[int], int, Any]] = []   # (colouring, individualised node, candidates left)
+        while True:
+            shared = self._shared_colour(colour)
+            if shared is None:   # every colour names one node per side: that is the isomorphism
+                image = {c: i - self.n for i, c in enumerate(colour[self.n :], self.n)}
+                return [image[c] for c in colour[: self.n]]
+            node = next(i for i in range(self.n) if colour[i] == shared)
+            stack.append((colour, node, iter([j for j in range(self.n, 2 * self.n) if colour[j] == shared])))
+            colour = None
+            while stack and colour is None:
+                base, node, candidates = stack[-1]
+                for cand in candidates:
+                    trial = list(base)
+                    trial[node] = trial[cand] = max(base) + 1
+                    colour = self.refine(trial)
+                    if colour is not None:
+                        break
+                else:
+                    stack.pop()
+            if colour is None:
+                return None
 
+    def _shared_colour(self, colour: list[int]) -> Optional[int]:
+        """The colour of ``ref``'s smallest class of two or more nodes (None if all are single)."""
+        counts = Counter(colour[: self.n])
+        shared = [(k, c) for c, k in counts.items() if k > 1]
+        return min(shared)[1] if shared else None
+
+
+def _reorder_isomorphic(desc: _Describer, ref: Sequence[torch.fx.Node], other: Sequence[torch.fx.Node],
+                        ref_key: tuple) -> Optional[list[torch.fx.Node]]:
+    """``other`` in the canonical order of ``ref`` if the two are isomorphic (refinement, then the exact
+    key), else None."""
+    if len(ref) != len(other) or len(ref) > MATCH_MAX_NODES:
+        return None
+    try:
+        image = _Refiner(desc, ref, other, MATCH_WORK_PER_NODE_PAIR * len(ref) ** 2).match()
+    except _OutOfWork:
+        return None   # not merged: priced separately, never wrongly
+    if image is None:
+        return None
+    ordered = [other[i] for i in image]
+    return ordered if desc.key(ordered) == ref_key else None
 
 
 def _group(desc: _Describer, candidates: Sequence[Candidate]

@@ -308,13 +308,13 @@ def test_instances_equal_up_to_node_order_merge_and_map_node_for_node(monkeypatc
     by_name = {n.name: n for n in program.graph.nodes}
     ref, swapped = cls.nodes[0], cls.nodes[1]
     assert [by_name[n].target for n in ref] == [by_name[n].target for n in swapped]
-    # past the size cap VF2 is not tried: the swapped layers become a class of their own, never wrong
-    monkeypatch.setattr(blocks, "VF2_MAX_NODES", len(ref) - 1)
+    # past the size cap no match is tried: the swapped layers become a class of their own, never wrong
+    monkeypatch.setattr(blocks, "MATCH_MAX_NODES", len(ref) - 1)
     capped = block_pass(program)
     assert sorted(c.instances for c in capped.classes) == [("layers.0", "layers.2"), ("layers.1", "layers.3")]
     # so is a pair whose search runs out of its work budget
-    monkeypatch.setattr(blocks, "VF2_MAX_NODES", len(ref))
-    monkeypatch.setattr(blocks, "VF2_WORK_PER_NODE_PAIR", 0)
+    monkeypatch.setattr(blocks, "MATCH_MAX_NODES", len(ref))
+    monkeypatch.setattr(blocks, "MATCH_WORK_PER_NODE_PAIR", 0)
     out_of_work = block_pass(program)
     assert sorted(c.instances for c in out_of_work.classes) == [("layers.0", "layers.2"), ("layers.1", "layers.3")]
 
