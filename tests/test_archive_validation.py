@@ -148,3 +148,29 @@ def test_an_in_place_buffer_write_loads_and_keeps_its_recorded_values(tmp_path: 
     assert list(cache.meta["val"].shape) == [2, 8, 4]
     copy = next(n for n in program.graph.nodes if n.op == "call_function" and "index_copy" in str(n.target))
     assert list(copy.meta["val"].shape) == [2, 8, 4]
+
+
+def test_the_graph_check_runs_once_per_content_and_an_edit_in_place_is_still_caught(
+        tmp_path: Path, examples_dir: Path, monkeypatch) -> None:
+    """Re-running every op on fake tensors is most of a load, so a second load of the same bytes skips it;
+    the same path rewritten with an inconsistent graph is new content and is refused."""
+    import shutil
+
+    import boomfx.frontend.loader as loader
+
+    checked: list[str] = []
+    real_check = loader.check_graph
+    monkeypatch.setattr(loader, "check_graph", lambda ep, name: (checked.append(name), real_check(ep, name)))
+    monkeypatch.setattr(loader, "_CHECKED_GRAPHS", set())
+    path = tmp_path / "model.pt2"
+    shutil.copy(examples_dir / "mlp.pt2", path)
+    load_program(path)
+    load_program(path)
+    assert checked == [str(path)]
+    edited = _edit(examples_dir / "mlp.pt2", tmp_path / "edited.pt2", MODEL,
+                   lambda d: _set(_graph(d)["tensor_values"]["relu"]["sizes"][1], "as_int", 255))
+    shutil.copy(edited, path)   # same path, same size class: only the content says it changed
+    with pytest.raises(LoadError) as err:
+        load_program(path)
+    assert "node relu (aten.relu.default) as [8, 255]" in str(err.value)
+    assert checked == [str(path)] * 2

@@ -22,6 +22,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zipfile
@@ -57,6 +58,7 @@ class ArchiveContents:
     weights_config: dict[str, Any]
     constants_config: dict[str, Any]
     record_sizes_bytes: dict[str, int]
+    digest: str = ""   # sha256 of the JSON records and record sizes: the same digest, the same graph
 
 
 def _root_prefix(names: list[str], path: str) -> str:
@@ -114,9 +116,14 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
                     )
             if prefix + MODEL_JSON not in names:
                 raise LoadError(f"{path} is corrupt: it has no {MODEL_JSON} record.")
-            program = _parse_json(read(MODEL_JSON), MODEL_JSON, path)
-            weights = _parse_json(read(WEIGHTS_CONFIG), WEIGHTS_CONFIG, path) if prefix + WEIGHTS_CONFIG in names else {}
-            consts = _parse_json(read(CONSTANTS_CONFIG), CONSTANTS_CONFIG, path) if prefix + CONSTANTS_CONFIG in names else {}
+            digest = hashlib.sha256()
+            raw = {entry: read(entry) if prefix + entry in names else b"{}"
+                   for entry in (MODEL_JSON, WEIGHTS_CONFIG, CONSTANTS_CONFIG)}
+            for data in raw.values():
+                digest.update(len(data).to_bytes(8, "little") + data)
+            program = _parse_json(raw[MODEL_JSON], MODEL_JSON, path)
+            weights = _parse_json(raw[WEIGHTS_CONFIG], WEIGHTS_CONFIG, path)
+            consts = _parse_json(raw[CONSTANTS_CONFIG], CONSTANTS_CONFIG, path)
             reading = ZIP_DIRECTORY
             sizes = {
                 info.filename[len(prefix) :]: info.file_size
@@ -129,8 +136,9 @@ def read_archive(path: str | os.PathLike) -> ArchiveContents:
         raise LoadError(f"{path} is a corrupt zip archive: {reading} cannot be read ({type(e).__name__}: {e}).") from e
     if not isinstance(program, dict) or "graph_module" not in program:
         raise LoadError(f"{path} is corrupt: {MODEL_JSON} does not describe an exported program.")
+    digest.update(repr(sorted(sizes.items())).encode())
     return ArchiveContents(path, program, _config(weights, WEIGHTS_CONFIG, path), _config(consts, CONSTANTS_CONFIG, path),
-                           sizes)
+                           sizes, digest.hexdigest())
 
 
 def _config(doc: Any, entry: str, path: str) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def load_program(
         fast_error = err
     else:
         say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
-        check_graph(ep, name)
+        _check_graph_once(ep, name, (contents.digest, tuple(foreign), "fast"))
         return _tied(ep, say)
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
     try:
@@ -123,8 +123,23 @@ def load_program(
     except Exception as err:  # noqa: BLE001
         raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
-    check_graph(ep, name)
+    _check_graph_once(ep, name, (contents.digest, tuple(foreign), "torch"))
     return _tied(ep, say)
+
+
+# (archive digest, stand-in ops, deserializer) of every graph that passed ``check_graph`` in this process
+_CHECKED_GRAPHS: set[tuple] = set()
+
+
+def _check_graph_once(ep: torch.export.ExportedProgram, name: str, key: tuple) -> None:
+    """``check_graph`` once per archive content: it re-runs every distinct op on fake tensors (4.7 s of
+    a 5.7 s load for a small Mixtral), and a library user who analyses one file under several options,
+    or a sweep, loads the same bytes again and again. The key holds which ops were stand-ins (one
+    registered later loads as itself) and which deserializer read it."""
+    if key in _CHECKED_GRAPHS:
+        return
+    check_graph(ep, name)
+    _CHECKED_GRAPHS.add(key)
 
 
 def _tied(ep: torch.export.ExportedProgram, say: Callable[[str], None]) -> torch.export.ExportedProgram:
