@@ -10,12 +10,14 @@ the previous step and frees first), the quantity the harness measures.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import torch
 
 import distributed_truth as truth
+from boomfx.core.program import Program
 
 
 def parallel_config(cfg: truth.TruthConfig):
@@ -53,19 +55,39 @@ def parallel_config(cfg: truth.TruthConfig):
 
 
 def export(cfg: truth.TruthConfig) -> torch.export.ExportedProgram:
+    """``cfg``'s model exported at its per-rank shapes (batch and sequence dynamic)."""
+    return _export(cfg.model, cfg.batch, cfg.seq)
+
+
+@functools.lru_cache(maxsize=None)
+def _export(model_name: str, batch: int, seq: int) -> torch.export.ExportedProgram:
     from torch.export import Dim
 
-    model = truth.build_model(cfg.model)
-    idx = torch.randint(0, truth.VOCAB, (cfg.batch, cfg.seq))
+    model = truth.build_model(model_name)
+    idx = torch.randint(0, truth.VOCAB, (batch, seq))
     dims = {"idx": {0: Dim("batch", min=1, max=512), 1: Dim("seq", min=2, max=256)}}
     return torch.export.export(model, (idx,), dynamic_shapes=dims)
 
 
+def training_program(cfg: truth.TruthConfig) -> Program:
+    """``cfg``'s AdamW training step captured for a CPU target, once per model, shapes and loss: the
+    configurations of one model share it (``rank_programs`` rewrites copies and leaves it as it is)."""
+    return _training_program(cfg.model, cfg.batch, cfg.seq, cfg.loss)
+
+
+@functools.lru_cache(maxsize=None)
+def _training_program(model_name: str, batch: int, seq: int, loss: str) -> Program:
+    from boomfx.core.program import ProgramOptions
+    from boomfx.frontend.capture import capture
+
+    return capture(_export(model_name, batch, seq), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=loss))
+
+
 def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=None) -> list[int] | None:
     """Each rank's predicted peak above the step's start; ``classes``: the configuration's rank
-    classes when the caller already built them (``rank_programs`` of ``capture(export(cfg))``)."""
+    classes when the caller already built them (``rank_programs`` of ``training_program(cfg)``)."""
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.frontend.capture import resolve_bindings
     from boomfx.core.devices import cpu_spec
     from boomfx.distributed.pipeline_stages import carried_bytes
     from boomfx.distributed.ranks import rank_programs
@@ -73,13 +95,11 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.measure import Measurer
     from boomfx.kernels_db.store import Store
-    from boomfx.core.program import ProgramOptions
 
     spec = cpu_spec()
     if classes is None:
-        program = capture(export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=cfg.loss))
         try:
-            classes = rank_programs(program, parallel_config(cfg))
+            classes = rank_programs(training_program(cfg), parallel_config(cfg))
         except OptionError:
             return None
     bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)

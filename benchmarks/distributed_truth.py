@@ -3,7 +3,7 @@
 Each configuration (DDP, FSDP2, tensor parallel, pipeline parallel, HSDP, TP x FSDP) runs a few
 real AdamW training steps of a small model in 2 or 4 processes on 127.0.0.1 (one thread each).
 After two warm-up steps (AdamW creates its state on the first), MEASURED_STEPS steps run under the
-profiler and each rank records:
+profiler (RECHECK_STEPS more on every rank when any rank's steps disagree) and each rank records:
 
 - its peak live tensor memory above the step's starting point (the CPU allocator's count of live
   bytes that each profiler ``[memory]`` event carries, counted on every thread: gloo's worker
@@ -100,7 +100,7 @@ class TruthConfig:
     schedule: str = "1f1b"
     microbatches: int = 4
     bucket_cap_mb: float = 25.0
-    timed_steps: int = 3
+    timed_steps: int = 3   # wall-timed steps after the profiled ones (0: none, step_time_s stays 0)
     gradient_as_bucket_view: bool = False  # DDP's option ("ddp", "pp_ddp")
     # FSDP2 MixedPrecisionPolicy(param_dtype, reduce_dtype) as torch dtype names ("bfloat16"); None: off
     param_dtype: Optional[str] = None
@@ -552,7 +552,8 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
 
 
 MEASURED_STEP = "boomfx_truth_measured_step"
-MEASURED_STEPS = 6   # the peak is the min over these steps (see _profiled_steps)
+MEASURED_STEPS = 2   # profiled steps; the peak is the min over them (see _profiled_steps) ...
+RECHECK_STEPS = 6    # ... and over this many more, on every rank, when any rank's steps disagreed
 # c10's switch (``--caffe2_report_cpu_memory_usage``) that makes the CPU allocator count every block it
 # hands out and takes back, on every thread, not only on threads that carry the profiler's state
 _COUNT_EVERY_THREAD_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
@@ -661,8 +662,8 @@ def _window_peaks(windows: list[tuple[int, int]], allocations: list) -> list[int
     return peaks
 
 
-def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
-    """(peak bytes above its start of each of MEASURED_STEPS real steps, collectives of the first).
+def _profiled_steps(step: Any, steps: int = MEASURED_STEPS) -> tuple[list[int], list[dict]]:
+    """(peak bytes above its start of each of ``steps`` real steps, collectives of the first).
 
     The profiler window holds one step before them: a block allocated before the window and freed
     inside it has no allocation event, so its free would be dropped (the profiler warns "Memory block
@@ -683,7 +684,9 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
       (``_waits_let_gloo_release``), so the frees land in program order, as the prediction has them.
     With both, every measured step of every 2-rank test configuration had the same peak in 10 runs
     each; the minimum over the steps stays for a worker that sleeps on a lock before its release,
-    which a settled thread cannot be told apart from.
+    which a settled thread cannot be told apart from. Two steps are profiled (each costs the settle
+    waits and the profiler's bookkeeping: 6 steps made the suite's truth runs twice as long); when
+    they disagree on any rank, ``run_config_on_rank`` profiles RECHECK_STEPS more on every rank.
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -695,7 +698,7 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
             activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True
         ) as prof:
             step()
-            for _ in range(MEASURED_STEPS):
+            for _ in range(steps):
                 gc.collect()
                 time.sleep(0.01)   # let gloo's thread release the last step's buffers before the next starts
                 with record_function(MEASURED_STEP):
@@ -714,6 +717,15 @@ def _profiled_steps(step: Any) -> tuple[list[int], list[dict]]:
             numels = [_numel(s) for s in e.shapes() if s]
             collectives.append({"op": e.name()[len("gloo:") :], "dtype": (e.dtypes() or [""])[0], "numel": numels})
     return peaks, collectives
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the world (one tiny all-reduce, outside any profiled step)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _numel(shape: list[int]) -> int:
@@ -746,6 +758,8 @@ def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
         for n, p in named.items()
     }
     peaks, collectives = _profiled_steps(step)
+    if _any_rank(len(set(peaks)) > 1):   # every rank profiles again, or their collectives would not pair
+        peaks += _profiled_steps(step, RECHECK_STEPS)[0]
     times = []
     for _ in range(cfg.timed_steps):
         dist.barrier()
@@ -754,7 +768,8 @@ def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
         times.append(time.perf_counter() - t0)
     dist.barrier()
     return RankTruth(
-        rank, min(peaks), start_params, start_opt, collectives, local, statistics.median(times), peaks
+        rank, min(peaks), start_params, start_opt, collectives, local, statistics.median(times) if times else 0.0,
+        peaks
     )
 
 

@@ -93,7 +93,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # Under pytest-xdist (-n) each test file is one unit of work, so its module-scoped fixtures (captures,
 # gloo truth runs) are built once; files that share a session fixture share a unit. (xdist's own
 # --dist loadgroup reads marks into node ids that pytest 9 no longer uses, hence this scheduler.)
-_SHARED_UNITS = {"test_distributed_tp.py": "four_rank_gloo", "test_distributed_pp.py": "four_rank_gloo"}
+_SHARED_UNITS = {name: "gloo" for name in ("test_distributed_memory.py", "test_distributed_pp.py",
+                                           "test_distributed_tp.py")}
 
 
 # The longest units first (durations of a 2-worker run, 2026-12-01), so the short files fill the other
@@ -163,19 +164,30 @@ def zoo(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def two_rank_gloo_runs():
+    """The 2-rank gloo truth runs of data (test_distributed_memory.py), pipeline (test_distributed_pp.py)
+    and tensor parallelism (test_distributed_tp.py), by name, in one spawn."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distributed_truth as truth
+    from gloo_checks import MEMORY_TWO_RANKS, PP_TWO_RANKS, TP_TWO_RANKS
+
+    return {r.config.name: r for r in truth.run_configs(MEMORY_TWO_RANKS + PP_TWO_RANKS + TP_TWO_RANKS)}
+
+
+@pytest.fixture(scope="session")
 def four_rank_gloo_runs():
-    """The 4-rank gloo truth runs of TP x FSDP (test_distributed_tp.py), PP x TP, PP x DDP (also with
+    """The 4-rank gloo truth runs of HSDP (test_distributed_memory.py), TP x FSDP (test_distributed_tp.py), PP x TP, PP x DDP (also with
     gradient_as_bucket_view), PP x FSDP, also with FSDP mixed precision, and PP x torchtitan's TP plan
     (test_distributed_pp.py), by name, in one spawn (process start-up and ``import torch`` paid once)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
-    from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB
+    from gloo_checks import MEMORY_FOUR_RANKS, PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB
 
-    configs = [truth.TruthConfig(model, parallel, 4, timed_steps=1)
+    configs = [truth.TruthConfig(model, parallel, 4, timed_steps=0)
                for parallel in ("tp_fsdp", "pp_tp", "pp_ddp") for model in ("llama", "gpt")]
-    configs += [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=1)
+    configs += [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=0)
                 for model in ("llama", "gpt")]
-    configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=1)
+    configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=0)
                 for model in ("llama", "gpt")]
-    configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_INTERLEAVED + PP_TP_VOCAB
+    configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_INTERLEAVED + PP_TP_VOCAB + MEMORY_FOUR_RANKS
     return {r.config.name: r for r in truth.run_configs(configs)}

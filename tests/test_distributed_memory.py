@@ -28,46 +28,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import (BUCKET_VIEW, MEMORY_FOUR_RANKS, MEMORY_TWO_RANKS, MIXED_PRECISION,  # noqa: E402
+                         assert_peaks_match, rank_classes, resident_bytes)
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.fsdp import local_shard_shape, padded_shard_shape  # noqa: E402
 
-# timed_steps=1: the tests read memory and collectives only (the benchmark records step times)
-TWO_RANKS = [
-    truth.TruthConfig(model, parallel, 2, reshard_after_forward=reshard, timed_steps=1)
-    for model in ("llama", "gpt")
-    for parallel, reshard in (("ddp", True), ("fsdp", True), ("fsdp", False))
-]
-# DDP's gradient_as_bucket_view next to the default at the same shapes: at seq 8 the optimizer step,
-# where every gradient is alive without the option, is the peak, so the option changes it
-BUCKET_VIEW = [
-    truth.TruthConfig(model, "ddp", 2, batch=2, seq=8, gradient_as_bucket_view=view, timed_steps=1)
-    for model in ("llama", "gpt")
-    for view in (False, True)
-]
-TWO_RANKS += BUCKET_VIEW
-# FSDP2 MixedPrecisionPolicy: bf16 parameters, fp32 (torchtitan's default) or bf16 gradient reduction
-MIXED_PRECISION = [
-    truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32"),
-    truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, param_dtype="bfloat16", reduce_dtype="bfloat16"),
-    truth.TruthConfig("gpt", "fsdp", 2, reshard_after_forward=False, timed_steps=1, param_dtype="bfloat16",
-                      reduce_dtype="float32"),
-]
-TWO_RANKS += MIXED_PRECISION
-# fully_shard on the whole model only (one unit: every parameter gathered at once)
-TWO_RANKS += [truth.TruthConfig("llama", "fsdp", 2, timed_steps=1, fsdp_wrap="root"),
-              truth.TruthConfig("gpt", "fsdp", 2, reshard_after_forward=False, timed_steps=1, fsdp_wrap="root")]
-FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=1) for model in ("llama", "gpt")] + [
-    truth.TruthConfig("llama", "hsdp", 4, timed_steps=1, param_dtype="bfloat16", reduce_dtype="float32")]
+TWO_RANKS, FOUR_RANKS = MEMORY_TWO_RANKS, MEMORY_FOUR_RANKS
 CONFIGS = TWO_RANKS + FOUR_RANKS
 
 
 @pytest.fixture(scope="session")
-def gloo_runs() -> dict[str, truth.ConfigTruth]:
-    """Every configuration's real run, by name (two spawns: 2 and 4 ranks)."""
-    results = truth.run_configs(TWO_RANKS) + truth.run_configs(FOUR_RANKS)
-    return {r.config.name: r for r in results}
+def gloo_runs(two_rank_gloo_runs, four_rank_gloo_runs) -> dict[str, truth.ConfigTruth]:
+    """Every configuration's real run, by name (from the shared 2- and 4-rank spawns)."""
+    return {c.name: (two_rank_gloo_runs if c.world == 2 else four_rank_gloo_runs)[c.name] for c in CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,9 @@
 The truth is ``benchmarks/distributed_truth.py``: 2 processes run real AdamW steps of a Llama-style
 and a GPT-2-style model (2 layers, one per stage) with ``Schedule1F1B`` and ``ScheduleGPipe`` over 4
 micro-batches of a batch of 4, and record each rank's profiler peak above the step's start, its
-parameter and AdamW storages and the sends/receives gloo ran. All four configurations share one
-spawn (session-scoped).
+parameter and AdamW storages and the sends/receives gloo ran. The 2-rank configurations share one
+spawn with the tensor-parallel ones (``conftest.two_rank_gloo_runs``), the 4-rank ones another
+(``conftest.four_rank_gloo_runs``).
 
 The prediction is boomfx's per-stage program (boomfx/distributed/pipeline_stages.py), each compute
 kernel's scratch measured on this CPU as tests/test_distributed_memory.py does.
@@ -24,27 +25,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB, PP_TWO_RANKS, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
 
-CONFIGS = [
-    truth.TruthConfig(model, "pp", 2, schedule=schedule, timed_steps=1)
-    for model in ("llama", "gpt")
-    for schedule in ("1f1b", "gpipe")
-] + [  # ScheduleInterleaved1F1B: 4 layers, 2 ranks x 2 chunks of one layer
-    truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
-    truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=2, timed_steps=1),
-    truth.TruthConfig("gpt4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=1),
-] + [  # a language model's loss on the last stage: cross-entropy against the micro-batch's labels
-    truth.TruthConfig(model, "pp", 2, timed_steps=1, loss="cross_entropy") for model in ("llama", "gpt")
-]
+CONFIGS = PP_TWO_RANKS
 
 
 @pytest.fixture(scope="session")
-def pp_runs() -> dict[str, truth.ConfigTruth]:
-    return {r.config.name: r for r in truth.run_configs(CONFIGS)}
+def pp_runs(two_rank_gloo_runs) -> dict[str, truth.ConfigTruth]:
+    return {c.name: two_rank_gloo_runs[c.name] for c in CONFIGS}   # the shared 2-rank spawn
 
 
 @pytest.fixture(scope="session")
@@ -210,10 +201,10 @@ def test_max_batch_walks_micro_batches() -> None:
 
 
 # -- pipeline x tensor parallelism (4 ranks: pp=2 x tp=2) -------------------------------------------
-PP_TP = [truth.TruthConfig(model, "pp_tp", 4, timed_steps=1) for model in ("llama", "gpt")]
-PP_DDP = [truth.TruthConfig(model, "pp_ddp", 4, timed_steps=1) for model in ("llama", "gpt")]
+PP_TP = [truth.TruthConfig(model, "pp_tp", 4, timed_steps=0) for model in ("llama", "gpt")]
+PP_DDP = [truth.TruthConfig(model, "pp_ddp", 4, timed_steps=0) for model in ("llama", "gpt")]
 # DDP's gradient_as_bucket_view: at seq 8 the optimizer step, where the default holds every gradient, is the peak
-PP_DDP += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=1)
+PP_DDP += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=0)
            for model in ("llama", "gpt")]
 
 
@@ -432,7 +423,7 @@ def class_collectives(cfg: truth.TruthConfig, program, classes) -> list:
 
 
 # -- pipeline x FSDP (4 ranks: pp=2 x dp_shard=2) ---------------------------------------------------
-PP_FSDP = [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=1)
+PP_FSDP = [truth.TruthConfig(model, "pp_fsdp", 4, reshard_after_forward=False, timed_steps=0)
            for model in ("llama", "gpt")]
 
 
@@ -560,8 +551,8 @@ def test_interleaved_pp_fsdp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classe
 
 
 # -- pipeline x HSDP (8 ranks: pp=2 x dp_replicate=2 x dp_shard=2) -----------------------------------
-PP_HSDP = [truth.TruthConfig("llama", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1),
-           truth.TruthConfig("gpt", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=1,
+PP_HSDP = [truth.TruthConfig("llama", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=0),
+           truth.TruthConfig("gpt", "pp_hsdp", 8, reshard_after_forward=False, timed_steps=0,
                              param_dtype="bfloat16", reduce_dtype="float32")]
 
 
@@ -671,3 +662,23 @@ def test_interleaved_ranks_hold_their_chunks() -> None:
     # rank 0: chunk 0 receives gradients only, chunk 2 both; rank 1: chunk 1 both, chunk 3 activations only
     assert len(buffers[0]) == 4 * 3 and len(buffers[1]) == 4 * 3
 
+
+def test_an_interleaved_stages_chunks_are_one_block_class() -> None:
+    """Rank 0's two chunks (layers.0 and layers.2, each one forward and backward per micro-batch: 868
+    nodes) are equal up to node order: the block pass merges them into one class, node for node. Their
+    near-identical micro-batch copies sent label-only VF2 into backtracking that gave up after seconds;
+    colour refinement with individualisation maps them in a fraction of that."""
+    from torch.utils._pytree import tree_leaves
+
+    from boomfx.passes.blocks import block_pass
+
+    cfg = truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=4)
+    stage = rank_classes(cfg)[1][0].program
+    info = block_pass(stage)
+    assert [(c.name, c.instances) for c in info.classes] == [("layers.*", ("layers.0", "layers.2"))]
+    by_name = {n.name: n for n in stage.graph.nodes}
+    first, second = info.classes[0].nodes
+    assert len(first) == len(second) == 868
+    assert [by_name[n].target for n in first] == [by_name[n].target for n in second]
+    shapes = lambda nodes: [[tuple(t.shape) for t in tree_leaves(by_name[n].meta["val"])] for n in nodes]  # noqa: E731
+    assert shapes(first) == shapes(second)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import assert_peaks_match  # noqa: E402
+from gloo_checks import TP_TWO_RANKS, assert_peaks_match  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.core.errors import OptionError  # noqa: E402
@@ -37,22 +37,15 @@ from boomfx.distributed.plan import ParallelConfig  # noqa: E402
 from boomfx.distributed.ranks import rank_programs  # noqa: E402
 from boomfx.frontend.capture import capture, resolve_bindings  # noqa: E402
 
-TWO_RANKS = [truth.TruthConfig(model, "tp", 2, timed_steps=1) for model in ("llama", "gpt")] + [
-    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1),  # + torchtitan's vocabulary-parallel ends
-    truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1),  # + sequence parallelism
-] + [  # a language model's loss: cross-entropy on the gathered logits, and torchtitan's loss parallel
-    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1, loss="cross_entropy"),
-    truth.TruthConfig("llama", "tp_vocab", 2, timed_steps=1, loss="cross_entropy", loss_parallel=True),
-    truth.TruthConfig("llama", "tp_sp", 2, timed_steps=1, loss="cross_entropy", loss_parallel=True),
-]
-FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=1) for model in ("llama", "gpt")]
+TWO_RANKS = TP_TWO_RANKS
+FOUR_RANKS = [truth.TruthConfig(model, "tp_fsdp", 4, timed_steps=0) for model in ("llama", "gpt")]
 CONFIGS = TWO_RANKS + FOUR_RANKS
 TINY = str(ROOT / "examples" / "llama_tiny.pt2")  # 2 layers, d 64, 4 heads, 2 key/value heads
 
 
 @pytest.fixture(scope="session")
-def tp_gloo_runs(four_rank_gloo_runs) -> dict[str, truth.ConfigTruth]:
-    runs = {r.config.name: r for r in truth.run_configs(TWO_RANKS)}
+def tp_gloo_runs(two_rank_gloo_runs, four_rank_gloo_runs) -> dict[str, truth.ConfigTruth]:
+    runs = {c.name: two_rank_gloo_runs[c.name] for c in TWO_RANKS}   # the shared 2-rank spawn
     runs.update({c.name: four_rank_gloo_runs[c.name] for c in FOUR_RANKS})  # the shared 4-rank spawn
     return runs
 
@@ -63,7 +56,7 @@ def tp_programs():
 
     def get(cfg: truth.TruthConfig):
         if cfg.name not in cache:
-            program = capture(predict.export(cfg), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=cfg.loss))
+            program = predict.training_program(cfg)
             cache[cfg.name] = (program, rank_programs(program, predict.parallel_config(cfg)))
         return cache[cfg.name]
 
