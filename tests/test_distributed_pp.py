@@ -544,7 +544,14 @@ def test_interleaved_pp_fsdp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classe
         assert [op for op, _ in fsdp] == ["all_gather"] * len(gathers) + ["all_reduce"] * len(gathers)
         for rank in rc.ranks:
             ran = [(c["op"], c["numel"][0]) for c in real.ranks[rank].collectives]
-            assert fsdp == [c for c in ran if c[0] not in ("send", "recv")]
+            real_fsdp = [c for c in ran if c[0] not in ("send", "recv")]
+            # gloo runs queued collectives on its two worker threads and the profiler stamps each when a
+            # thread starts it, so two all-gathers issued back to back can swap places in the real list
+            # (seen: 24,992 and 8,256 elements): every all-gather before any all-reduce, as predicted,
+            # and the same sizes in each phase
+            assert [op for op, _ in real_fsdp] == [op for op, _ in fsdp]
+            phases = lambda seq: (Counter(seq[: len(gathers)]), Counter(seq[len(gathers):]))  # noqa: E731
+            assert phases(real_fsdp) == phases(fsdp)
             assert Counter(predicted) == Counter(ran)
             assert resident_bytes(rc.program, "param") == real.ranks[rank].start_param_bytes
             assert resident_bytes(rc.program, "opt_state") == real.ranks[rank].start_optimizer_bytes
