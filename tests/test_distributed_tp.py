@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import TP_TWO_RANKS, assert_peaks_match  # noqa: E402
+from gloo_checks import TP_TWO_RANKS, assert_peaks_match, rank_classes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.core.errors import OptionError  # noqa: E402
@@ -50,24 +50,11 @@ def tp_gloo_runs(two_rank_gloo_runs, four_rank_gloo_runs) -> dict[str, truth.Con
     return runs
 
 
-@pytest.fixture(scope="session")
-def tp_programs():
-    cache: dict[str, tuple] = {}
-
-    def get(cfg: truth.TruthConfig):
-        if cfg.name not in cache:
-            program = predict.training_program(cfg)
-            cache[cfg.name] = (program, rank_programs(program, predict.parallel_config(cfg)))
-        return cache[cfg.name]
-
-    return get
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_rank_peak_matches_gloo(cfg, tp_gloo_runs, tp_programs, tmp_path_factory) -> None:
+def test_rank_peak_matches_gloo(cfg, tp_gloo_runs, tmp_path_factory) -> None:
     real = tp_gloo_runs[cfg.name]
     db = tmp_path_factory.getbasetemp() / "tp_cpu.db"  # one kernel database for the session
-    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=tp_programs(cfg)[1])
+    pred = predict.predicted_rank_peaks(cfg, db=str(db), classes=rank_classes(cfg)[1])
     assert_peaks_match(cfg, pred, real)
 
 
@@ -84,11 +71,11 @@ def _nbytes(vals) -> int:
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> None:
+def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs) -> None:
     """Every local parameter shape equals the real rank's; the planned weights are split (colwise:
     rows / 2, rowwise: columns / 2), all others whole (before FSDP); parameter and AdamW storages
     equal the real rank's start-of-step bytes."""
-    program, (rc,) = tp_programs(cfg)
+    program, (rc,) = rank_classes(cfg)
     real = tp_gloo_runs[cfg.name].ranks[0]
     local = {rc.program.param_names[n]: list(v.shape) for n, v in _placeholders(rc.program, "param").items()}
     full = {program.param_names[n]: list(v.shape) for n, v in _placeholders(program, "param").items()}
@@ -114,11 +101,11 @@ def test_tp_local_parameters_and_adamw_state(cfg, tp_gloo_runs, tp_programs) -> 
 
 
 @pytest.mark.parametrize("cfg", TWO_RANKS, ids=[c.name for c in TWO_RANKS])
-def test_tp_gradient_shapes_are_the_real_ones(cfg, tp_gloo_runs, tp_programs) -> None:
+def test_tp_gradient_shapes_are_the_real_ones(cfg, tp_gloo_runs) -> None:
     """Every gradient the program hands AdamW has the shape of the real rank's ``.grad``: its weight's
     local shape, except a vocabulary-parallel embedding's, which DTensor computes and keeps whole
     ([256, 64] on each rank for a [128, 64] weight)."""
-    _, (rc,) = tp_programs(cfg)
+    _, (rc,) = rank_classes(cfg)
     real = tp_gloo_runs[cfg.name].ranks[0].local_params
     by_name = {n.name: n for n in rc.program.graph.nodes}
     predicted = {fqn: list(by_name[name].meta["val"].shape) for name, fqn in rc.program.grad_nodes.items()}
@@ -134,7 +121,7 @@ def _layers(full: dict) -> set[str]:
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> None:
+def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs) -> None:
     """The rank program's collectives in order against gloo's: TP all-reduces of [batch, seq, d]
     (rowwise outputs forward, colwise input gradients backward), FSDP's all-gathers of the flat
     shard and reduce-scatters (which gloo runs as an all_reduce of the whole [N x T] input)."""
@@ -142,7 +129,7 @@ def test_collective_sizes_match_the_real_run(cfg, tp_gloo_runs, tp_programs) -> 
     from boomfx.core.devices import cpu_spec
     from boomfx.distributed.analysis import collectives
 
-    program, (rc,) = tp_programs(cfg)
+    program, (rc,) = rank_classes(cfg)
     spec = cpu_spec()
     ev = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db="none")).evaluator(
         resolve_bindings(program, {}, cfg.batch, cfg.seq)
@@ -284,7 +271,7 @@ def _bad(capsys, *argv: str) -> str:
     return lines[0]
 
 
-def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
+def test_bad_tensor_parallel_input(capsys) -> None:
     """(tp not dividing heads / key-value heads: tests/test_distributed_memory.py.) What the TP
     rewrite cannot do yet is one line, exit 2 through the CLI, an OptionError through the API."""
     base = ["analyze", TINY, "--train", "--batch", "2", "--seq", "16", "--device", "h100-sxm"]
@@ -292,7 +279,7 @@ def test_bad_tensor_parallel_input(capsys, tp_programs) -> None:
         capsys, *base, "--parallel", "tp=2", "--tp-plan", "embed=colwise"
     )
     assert "--tp-plan torchtitan needs tp > 1" in _bad(capsys, *base, "--parallel", "dp_shard=2", "--tp-plan", "torchtitan")
-    program, _ = tp_programs(TWO_RANKS[0])
+    program, _ = rank_classes(TWO_RANKS[0])
     with pytest.raises(OptionError, match="sequence parallelism is built with torchtitan's plan"):
         rank_programs(program, ParallelConfig(tp=2, sp=True))
     with pytest.raises(OptionError, match="no linear of the model matches"):
@@ -431,11 +418,11 @@ def test_sequence_parallel_splits_the_residual_stream() -> None:
 LOSS_PAIR = (TWO_RANKS[-3], TWO_RANKS[-2])  # cross-entropy on gathered logits, then with loss parallel
 
 
-def test_loss_parallel_saves_what_the_real_run_saves(tp_gloo_runs, tp_programs, tmp_path_factory) -> None:
+def test_loss_parallel_saves_what_the_real_run_saves(tp_gloo_runs, tmp_path_factory) -> None:
     """Loss parallel keeps [tokens, vocab / 2] logits and log-probabilities instead of the gathered
     [tokens, vocab] ones: the predicted saving equals the real runs' within 5%."""
     db = str(tmp_path_factory.getbasetemp() / "tp_cpu.db")
-    gathered, split = (predict.predicted_rank_peaks(c, db=db, classes=tp_programs(c)[1])[0] for c in LOSS_PAIR)
+    gathered, split = (predict.predicted_rank_peaks(c, db=db, classes=rank_classes(c)[1])[0] for c in LOSS_PAIR)
     real_gathered, real_split = (tp_gloo_runs[c.name].ranks[0].peak_bytes for c in LOSS_PAIR)
     saved, real_saved = gathered - split, real_gathered - real_split
     tokens = LOSS_PAIR[0].batch * LOSS_PAIR[0].seq
@@ -443,7 +430,7 @@ def test_loss_parallel_saves_what_the_real_run_saves(tp_gloo_runs, tp_programs, 
     assert abs(saved - real_saved) <= 0.05 * real_saved, (saved, real_saved)
 
 
-def test_loss_parallel_is_torchtitans_default_with_its_plan(tp_programs) -> None:
+def test_loss_parallel_is_torchtitans_default_with_its_plan() -> None:
     """``--tp-plan torchtitan`` with a cross-entropy loss: the logits are not gathered and the loss's
     max is all-reduced; with a mean loss (or ``loss_parallel=False``) the logits are gathered."""
     import dataclasses
@@ -455,12 +442,12 @@ def test_loss_parallel_is_torchtitans_default_with_its_plan(tp_programs) -> None
         return sum("all_gather" in str(n.target) for n in program.graph.nodes if n.op == "call_function")
 
     ce = LOSS_PAIR[0]
-    program, _ = tp_programs(ce)
+    program, _ = rank_classes(ce)
     (default,) = rank_programs(program, ParallelConfig(tp=2, vocab_parallel=True, backend="gloo"))
     assert "max" in reduce_ops(default.program) and gathers(default.program) == 0
     (off,) = rank_programs(program, ParallelConfig(tp=2, vocab_parallel=True, loss_parallel=False, backend="gloo"))
     assert "max" not in reduce_ops(off.program) and gathers(off.program) == 1
-    mean, _ = tp_programs(dataclasses.replace(ce, loss="mean"))
+    mean, _ = rank_classes(dataclasses.replace(ce, loss="mean"))
     (plain,) = rank_programs(mean, ParallelConfig(tp=2, vocab_parallel=True, backend="gloo"))
     assert "max" not in reduce_ops(plain.program) and gathers(plain.program) == 1
     with pytest.raises(OptionError, match="--loss-parallel true needs a cross-entropy loss"):
