@@ -24,6 +24,7 @@ _SCRIPT = textwrap.dedent("""
     import ctypes, gc, json, os, re, sys
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from boomfx.analysis.analysis import analyze
+    from boomfx.frontend.trace_cache import clear_traces
     try:
         libc = ctypes.CDLL("libc.so.6")
         class MallInfo2(ctypes.Structure):
@@ -56,6 +57,7 @@ _SCRIPT = textwrap.dedent("""
     points = [int(a) for a in sys.argv[2:]]
     for i in range(1, points[-1] + 1):
         analyze(sys.argv[1], device="cpu", db="none", train=True, batch=8)
+        clear_traces()   # every analysis re-traces its step (a kept trace would be reused, hiding a leak there)
         if i in points:
             out[str(i)] = sample()
     print(json.dumps(out))

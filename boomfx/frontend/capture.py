@@ -23,7 +23,9 @@ from boomfx.core.program import (
     EAGER_PROGRAM,
     ROLE_BUFFER, ROLE_CONSTANT, ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions, SymbolInfo,
 )
+from boomfx.frontend.loader import archive_key
 from boomfx.frontend.symbols import symbols_of
+from boomfx.frontend.trace_cache import cached_trace, keep_trace, trace_key
 
 __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", "symbols_of", "program_from_traced",
            "to_exported_program", "load_exported", "trace_step", "export_of", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
@@ -117,7 +119,14 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label,
                        export=ep)
     refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
-    program = program_from_traced(trace_step(ep, options), symbols, options, label)
+    key = trace_key(archive_key(ep), options)
+    program = cached_trace(key, options, label)
+    if program is not None:
+        if log is not None:
+            log(f"reused the step traced earlier from the same archive content under the same options ({label})")
+    else:
+        program = program_from_traced(trace_step(ep, options), symbols, options, label)
+        keep_trace(key, program)
     if options.train:   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
         program = dataclasses.replace(program, export=ep)
     return program

@@ -41,7 +41,9 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -115,16 +117,31 @@ def load_program(
         fast_error = err
     else:
         say(f"loaded {name} with the fast path in {time.perf_counter() - start:.2f} s")
-        _check_graph_once(ep, name, (contents.digest, tuple(foreign), "fast"))
-        return _tied(ep, say)
+        return _checked(ep, name, (contents.digest, tuple(foreign), "fast"), say)
     say(f"fast path failed ({_short(fast_error)}); falling back to torch's deserializer")
     try:
         ep = pt2_fast.deserialize_torch(contents.program, state_dict, constants)
     except Exception as err:  # noqa: BLE001
         raise LoadError(f"{name}: {MODEL_JSON} could not be deserialized ({_short(err)}).") from err
     say(f"loaded {name} with torch's deserializer in {time.perf_counter() - start:.2f} s")
-    _check_graph_once(ep, name, (contents.digest, tuple(foreign), "torch"))
+    return _checked(ep, name, (contents.digest, tuple(foreign), "torch"), say)
+
+
+def _checked(ep: torch.export.ExportedProgram, name: str, key: tuple,
+             say: Callable[[str], None]) -> torch.export.ExportedProgram:
+    _check_graph_once(ep, name, key)
+    _ARCHIVE_KEYS[ep] = key
     return _tied(ep, say)
+
+
+# the content key of every ExportedProgram this loader returned (while it lives)
+_ARCHIVE_KEYS: "weakref.WeakKeyDictionary[torch.export.ExportedProgram, tuple]" = weakref.WeakKeyDictionary()
+
+
+def archive_key(ep: torch.export.ExportedProgram) -> Optional[tuple]:
+    """(archive digest, stand-in ops, deserializer) of an ExportedProgram ``load_program`` read, else None:
+    two loads of the same bytes have the same key (``frontend/trace_cache.py`` reuses traces by it)."""
+    return _ARCHIVE_KEYS.get(ep)
 
 
 # (archive digest, stand-in ops, deserializer) of every graph that passed ``check_graph`` in this process
