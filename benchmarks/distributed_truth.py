@@ -585,6 +585,7 @@ def _cpu_allocator_counts_every_thread():
 
 
 _SETTLE_LIMIT_S = 1.0   # a thread that stays runnable this long is not gloo finishing a Work: stop waiting
+_SETTLE_POLL_S = 0.0002   # between looks at the threads
 
 
 def _other_threads_settled() -> None:
@@ -600,15 +601,17 @@ def _other_threads_settled() -> None:
     me = str(threading.get_native_id())
     deadline = time.monotonic() + _SETTLE_LIMIT_S
     while time.monotonic() < deadline:
-        runnable = False
-        for task in tasks.iterdir():
-            if task.name == me:
-                continue
-            with contextlib.suppress(OSError):
-                runnable = runnable or (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
-        if not runnable:
+        if not any(_runnable(task) for task in tasks.iterdir() if task.name != me):
             return
-        os.sched_yield()
+        time.sleep(_SETTLE_POLL_S)   # not a spin: the threads waited for need this core
+
+
+def _runnable(task: Path) -> bool:
+    """Whether the thread ``/proc/self/task/<tid>`` is running or waiting for a core (state R)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+    except OSError:   # the thread ended meanwhile
+        return False
 
 
 @contextlib.contextmanager
