@@ -14,8 +14,10 @@ profiler (RECHECK_STEPS more on every rank when any rank's steps disagree) and e
 - its local parameter shapes and storage sizes (FSDP2 pads dim-0 shards; the storage shows it);
 - the median wall time of the steps after warm-up (for the collective time model, issue 18).
 
-All configurations of one world size run in ONE spawn, one after the other, so a test session pays
-for process start-up and ``import torch`` once per world size.
+All configurations of one world size run in ONE start of ``world`` processes, one after the other.
+The processes are forked from a forkserver that imported torch and this module once (``_START``): a
+test session pays ``import torch`` once, not once per rank (2 + 4 + 8 ranks), and no rank is forked
+from a process whose thread pools already run (the pytest worker's).
 
 Used by ``benchmarks/distributed_gloo.py`` (all configurations, results in ``benchmarks/results/``)
 and by ``tests/test_distributed_memory.py`` (session-scoped runs). Never used inside predictions.
@@ -813,6 +815,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_START = "forkserver"
+
+
+def _use_forkserver() -> None:
+    """Have the forkserver (started at its first use, with this process's sys.path and environment)
+    import torch, torch.distributed's parallel APIs and this module before it forks any rank."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "torch.distributed.fsdp",
+                                            "torch.distributed.tensor.parallel", __name__])
+
+
 def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
     """Run every configuration (all with the same world size) in one spawn of ``world`` processes."""
     import torch.multiprocessing as mp
@@ -826,7 +840,9 @@ def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            mp.spawn(_worker, (world, _free_port(), list(configs), out_dir), nprocs=world, join=True)
+            _use_forkserver()
+            mp.start_processes(_worker, (world, _free_port(), list(configs), out_dir), nprocs=world, join=True,
+                               start_method=_START)
         finally:
             for k, v in old.items():
                 if v is None:
