@@ -778,17 +778,21 @@ def run_config_on_rank(cfg: TruthConfig, rank: int) -> RankTruth:
     )
 
 
-def _freeze_imported_heap() -> None:
-    """Import what the configurations use, collect, and freeze the heap (``gc.freeze``): each profiled
-    step is preceded by ``gc.collect()``, which otherwise walks every object of torch, dynamo and
-    pipelining again (180 ms a call on this VM, about 2 CPU-minutes over the test suite's truth runs).
-    The steps' own garbage is created after the freeze, so the collections still free it."""
-    import torch.distributed._functional_collectives  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.pipelining  # noqa: F401
-    import torch.distributed.tensor.parallel  # noqa: F401
-    from torch.profiler import profile  # noqa: F401
+# what the configurations import: the forkserver imports them before forking any rank
+# (``_use_forkserver``), and each rank's frozen heap holds them (``_freeze_imported_heap``)
+_PRELOADED = ("torch", "torch.distributed._functional_collectives", "torch.distributed.fsdp",
+              "torch.distributed.pipelining", "torch.distributed.tensor.parallel", "torch.profiler")
 
+
+def _freeze_imported_heap() -> None:
+    """Import ``_PRELOADED``, collect, and freeze the heap (``gc.freeze``): each profiled step is
+    preceded by ``gc.collect()``, which otherwise walks every object of torch, dynamo and pipelining
+    again (180 ms a call on this VM, about 2 CPU-minutes over the test suite's truth runs). The steps'
+    own garbage is created after the freeze, so the collections still free it."""
+    import importlib
+
+    for name in _PRELOADED:
+        importlib.import_module(name)
     gc.collect()
     gc.freeze()
 
@@ -820,15 +824,14 @@ _START = "forkserver"
 
 def _use_forkserver() -> None:
     """Have the forkserver (started at its first use, with this process's sys.path and environment)
-    import torch, torch.distributed's parallel APIs and this module before it forks any rank."""
+    import ``_PRELOADED`` and this module before it forks any rank."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.pipelining", "torch.distributed.fsdp",
-                                            "torch.distributed.tensor.parallel", __name__])
+    multiprocessing.set_forkserver_preload([*_PRELOADED, __name__])
 
 
 def run_configs(configs: list[TruthConfig]) -> list[ConfigTruth]:
-    """Run every configuration (all with the same world size) in one spawn of ``world`` processes."""
+    """Run every configuration (all with the same world size) in one start of ``world`` processes."""
     import torch.multiprocessing as mp
 
     worlds = {c.world for c in configs}

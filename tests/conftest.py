@@ -179,7 +179,7 @@ def four_rank_gloo_runs():
     """The 4-rank gloo truth runs of HSDP (test_distributed_memory.py), TP x FSDP
     (test_distributed_tp.py), PP x TP, PP x DDP (also with gradient_as_bucket_view), PP x FSDP, also
     with FSDP mixed precision, and PP x torchtitan's TP plan (test_distributed_pp.py), by name, in one
-    spawn (process start-up and ``import torch`` paid once)."""
+    start of 4 processes (forked from distributed_truth's forkserver)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
     from gloo_checks import MEMORY_FOUR_RANKS, PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB
