@@ -262,10 +262,12 @@ NOTES: list[str] = [
     "+244..+279%, except OPT inference -20.7%). The default-protocol eager summary is therefore dominated by "
     "load; the later cells (load 1.3-4) are all under, -6..-45%. The one-thread column (thread CPU time) is "
     "the load-robust one. The JSON keeps the commands in order.",
-    "MoE (Mixtral): the expert matmuls' token counts are data-dependent (unbacked symbols from the router's "
-    "nonzero); boomfx binds data-dependent sizes to 1 (analysis DATA_DEPENDENT_SCALAR_VALUE), so each expert's "
-    "mm is priced for one token instead of tokens x top_k / experts (256 here): the in-situ mm time is "
-    "6.2 ms against 0.0 ms predicted in inference. Not fixed (needs a model of routed token counts).",
+    "MoE (Mixtral): transformers 5.24 exports the experts as transformers::grouped_mm_fallback (one mm per "
+    "expert over the rows offs assigns it). Until 2026-12-03 the database measured that op with random offs, "
+    "which left most experts empty (7x fast in isolation); kernels_db/keys.py now builds balanced cumulative "
+    "offsets (every expert its share of tokens x top_k). Mixtral rerun with --append, eager: one-thread "
+    "inference -44.3% -> -6.8%, training -42.3% -> -15.7%; default protocol -44.7% -> -33.3% and -41.2% -> "
+    "+33.6% (wall clock on this shared VM). Its compiled cells are the earlier run's.",
     "T5 compiled: the Inductor-compiled step aborted the process (C++ 'index out of bounds: 0 <= tmp18 < 32' in "
     "generated code, the relative-position buckets) and is not in the table; eager T5 ran.",
     "Compiled op table: Inductor's generated kernels run outside aten ops, so in situ they land in "

@@ -21,7 +21,10 @@ Example::
 
 Known limitations:
 - Integer tensors whose valid range this module does not know get values in ``[0, smallest dim)``,
-  always valid as indices but possibly unrealistic for data-dependent kernels.
+  always valid as indices but possibly unrealistic for data-dependent kernels. The group offsets of
+  grouped matmuls (``offs``: MoE experts) are the exception: random values there made most groups
+  empty (a 7x too-fast measurement of transformers' fallback), so they are set to balanced cumulative
+  ends (``INT_VALUES``), the split the cost rule assumes (``passes/costs/grouped_mm.py``).
 - Float tensors are uniform in [0.25, 0.75): valid for log/sqrt/BCE-style domains, not e.g. for
   Cholesky (needs SPD matrices).
 """
@@ -216,6 +219,43 @@ for _p in _packets(
     INDEX_BOUNDS[_p] = _bound_advanced_index
 
 
+def _grouped_total(a: Any, b: Any) -> Optional[int]:
+    """The size a grouped product's groups split (``passes/costs/grouped_mm.py``'s table): the rows of a
+    2-D ``a`` against a 3-D ``b`` (MoE tokens), K of 2-D x 2-D, N of 3-D x 2-D."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return None
+    ranks = (len(a["shape"]), len(b["shape"]))
+    return {(2, 3): a["shape"][0], (2, 2): a["shape"][1], (3, 2): b["shape"][-1]}.get(ranks)
+
+
+def _balanced_group_offsets(args: dict, t: dict) -> Optional[list[int]]:
+    """``offs[g] = (g + 1) * total // G``: every group gets its share of the grouped dimension, ending at
+    its size, as a router that spreads tokens evenly over the experts does."""
+    if t["arg"] != "offs" or len(t["shape"]) != 1:
+        return None
+    a = args.get("self", args.get("input"))
+    total = _grouped_total(a, args.get("mat2", args.get("weight")))
+    if total is None:
+        return None
+    groups = t["shape"][0]
+    return [(g + 1) * total // groups for g in range(groups)]
+
+
+IntValues = Callable[[dict, dict], Optional[list[int]]]   # (resolved args, tensor entry) -> flat values
+# integer tensors that hold a structure, not indices; keyed by the op's packet name as keys spell it
+INT_VALUES: dict[str, IntValues] = {name: _balanced_group_offsets for name in (
+    "aten._grouped_mm", "aten._scaled_grouped_mm",
+    "transformers.grouped_mm_fallback", "transformers.grouped_mm_fallback_backward")}
+
+
+def int_values(data: dict, entry: dict) -> Optional[list[int]]:
+    """The values integer tensor ``entry`` must hold for the call to do its real work (None: any index)."""
+    rule = INT_VALUES.get(data["op"].rsplit(".", 1)[0])
+    if rule is None:
+        return None
+    return rule({k: _resolve(v, data["tensors"]) for k, v in data["args"].items()}, entry)
+
+
 def _resolve(value: Any, tensors: list[dict]) -> Any:
     if isinstance(value, dict) and "$t" in value:
         return tensors[value["$t"]]
@@ -261,6 +301,10 @@ def make_tensor(
         base = (torch.rand(numel, generator=generator, device=where) * 0.5 + 0.25).to(
             device=device, dtype=dtype
         )
+    elif (values := int_values(data, entry)) is not None:
+        base = torch.zeros(numel, dtype=dtype, device=device)
+        base.as_strided(entry["shape"], entry["stride"], entry["offset"]).copy_(
+            torch.tensor(values, dtype=dtype).reshape(entry["shape"]))
     else:
         high = int_upper_bound(op, data, entry)
         base = torch.randint(0, high, (numel,), generator=generator, device=where).to(
