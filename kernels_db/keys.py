@@ -24,7 +24,8 @@ Known limitations:
   always valid as indices but possibly unrealistic for data-dependent kernels. The group offsets of
   grouped matmuls (``offs``: MoE experts) are the exception: random values there made most groups
   empty (a 7x too-fast measurement of transformers' fallback), so they are set to balanced cumulative
-  ends (``INT_VALUES``), the split the cost rule assumes (``passes/costs/grouped_mm.py``).
+  ends (``INT_VALUES``), the split the cost rule assumes (``passes/costs/grouped_mm.py``); so are
+  ``embedding_bag``'s bag offsets (random ones were refused by the op: never measured).
 - Float tensors are uniform in [0.25, 0.75): valid for log/sqrt/BCE-style domains, not e.g. for
   Cholesky (needs SPD matrices).
 """
@@ -189,7 +190,7 @@ def _packets(*names: str) -> list:
 
 
 INDEX_BOUNDS: dict[Any, IndexBound] = {}
-for _p in _packets("embedding"):
+for _p in _packets("embedding", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only"):
     INDEX_BOUNDS[_p] = _bound_embedding
 for _p in _packets("embedding_dense_backward", "embedding_backward"):
     INDEX_BOUNDS[_p] = _bound_num_weights
@@ -241,11 +242,26 @@ def _balanced_group_offsets(args: dict, t: dict) -> Optional[list[int]]:
     return [(g + 1) * total // groups for g in range(groups)]
 
 
+def _bag_offsets(args: dict, t: dict) -> Optional[list[int]]:
+    """``embedding_bag``'s ``offsets``: bag starts, the first 0 (the op refuses anything else), the indices
+    split evenly over the bags; with ``include_last_offset`` the last entry is the number of indices."""
+    indices = args.get("indices")
+    if t["arg"] != "offsets" or len(t["shape"]) != 1 or not isinstance(indices, dict):
+        return None
+    total = math.prod(indices["shape"])
+    count = t["shape"][0]
+    bags = count - 1 if args.get("include_last_offset") else count
+    return [min(b, bags) * total // max(bags, 1) for b in range(count)]
+
+
 IntValues = Callable[[dict, dict], Optional[list[int]]]   # (resolved args, tensor entry) -> flat values
 # integer tensors that hold a structure, not indices; keyed by the op's packet name as keys spell it
 INT_VALUES: dict[str, IntValues] = {name: _balanced_group_offsets for name in (
     "aten._grouped_mm", "aten._scaled_grouped_mm",
     "transformers.grouped_mm_fallback", "transformers.grouped_mm_fallback_backward")}
+INT_VALUES.update({name: _bag_offsets for name in (
+    "aten.embedding_bag", "aten._embedding_bag", "aten._embedding_bag_forward_only", "aten._embedding_bag_backward",
+    "aten._embedding_bag_dense_backward", "aten._embedding_bag_per_sample_weights_backward")})
 
 
 def int_values(data: dict, entry: dict) -> Optional[list[int]]:

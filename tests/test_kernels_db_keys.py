@@ -124,6 +124,23 @@ def test_transformers_grouped_mm_fallback_runs_every_expert() -> None:
     assert torch.allclose(out, expected) and bool((out != 0).all())
 
 
+def test_embedding_bag_offsets_start_at_zero_and_split_the_indices() -> None:
+    """Random offsets were refused by the op ('offsets[0] has to be 0'): the call was never measured."""
+    weight, indices = spec((1000, 16), torch.float32), spec((400,), torch.int64)
+    call = build_call(aten._embedding_bag.default, (weight, indices, spec((8,), torch.int64)))
+    op, args, kwargs = make_inputs(kernel_key(call), CPU)
+    assert args[2].tolist() == [0, 50, 100, 150, 200, 250, 300, 350]
+    assert int(args[1].max()) < 1000 and int(args[1].max()) >= 16      # indices span the table's rows
+    bags = op(*args, **kwargs)[0]
+    assert bags.shape == (8, 16)
+    assert torch.allclose(bags[1], args[0][args[1][50:100]].sum(0), rtol=1e-4)
+    last = build_call(aten._embedding_bag.default, (weight, indices, spec((5,), torch.int64), False, 0, False,
+                                                    None, True))
+    op, args, kwargs = make_inputs(kernel_key(last), CPU)
+    assert args[2].tolist() == [0, 100, 200, 300, 400]
+    assert op(*args, **kwargs)[0].shape == (4, 16)
+
+
 def test_optional_tensor_lists_and_bool_masks() -> None:
     key = kernel_key(
         build_call(aten.index.Tensor, (spec((10, 20), torch.float32), [None, spec((7,), torch.int64)]))
