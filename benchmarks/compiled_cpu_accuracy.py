@@ -146,7 +146,8 @@ def predict(model: torch.nn.Module, x: dict[str, torch.Tensor], train: bool, db:
             flush_bytes: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     ep = torch.export.export(model, (), x, strict=False)
-    program = capture(ep, options=ProgramOptions(train=train, compile=True, target_kind="cpu"))
+    # foreach: the real step's AdamW(foreach=True) (a CPU target's default is torch's per-parameter loop)
+    program = capture(ep, options=ProgramOptions(train=train, compile=True, target_kind="cpu", foreach=True))
     device = get_device("cpu")
     analysis = Analysis(program, device)
     bindings = resolve_bindings(program, {})

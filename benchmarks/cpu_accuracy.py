@@ -203,7 +203,8 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
     from boomfx.core.program import ProgramOptions
     spec = cpu_spec()
     t0 = time.perf_counter()
-    program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu"))
+    # foreach: the real step's AdamW(foreach=True) (a CPU target's default is torch's per-parameter loop)
+    program = capture(ep, options=ProgramOptions(train, "adamw", target_kind="cpu", foreach=True))
     bindings = resolve_bindings(program, {}, dims.get("batch"), dims.get("seq"))
     unpriced = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
     calls = unpriced.kernel_calls(bindings)

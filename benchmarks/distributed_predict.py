@@ -80,7 +80,8 @@ def _training_program(model_name: str, batch: int, seq: int, loss: str) -> Progr
     from boomfx.core.program import ProgramOptions
     from boomfx.frontend.capture import capture
 
-    return capture(_export(model_name, batch, seq), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=loss))
+    return capture(_export(model_name, batch, seq), options=ProgramOptions(True, "adamw", target_kind="cpu", loss=loss,
+                                                                                 foreach=True))   # as the truth's AdamW
 
 
 def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=None) -> list[int] | None:

@@ -228,7 +228,7 @@ def stage_export(run: Run) -> None:
 def _program_options(case: Case, run: Run) -> Any:
     from boomfx.core.program import ProgramOptions
     return ProgramOptions(case.train, "adamw", case.amp, False, target_kind=run.target.kind,
-                          compile=case.compiled)
+                          compile=case.compiled, foreach=True)   # the real step's AdamW(foreach=True)
 
 
 def stage_capture(run: Run) -> None:

@@ -12,12 +12,14 @@ benchmarks/cpu_accuracy.py, which reports both.)
 
 Training is the eager step boomfx's ``--train`` traces: cross-entropy against next-token labels for
 the language models (``LANGUAGE_MODELS``, --train's default loss for logits over a vocabulary),
-``first_output.mean()`` for the others, ``loss.backward()``, foreach ``AdamW.step()``, ``zero_grad(set_to_none=True)``, measured after a
-warm-up step so the optimizer state already exists.
+``first_output.mean()`` for the others, ``loss.backward()``, ``AdamW.step()`` as torch defaults to on CPU (its
+per-parameter loop; ``--train``'s default for a CPU target) and, in a second case, ``foreach=True`` (every
+parameter's temporaries at once), ``zero_grad(set_to_none=True)``, measured after a warm-up step so the
+optimizer state already exists.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -60,10 +62,11 @@ def step_loss(loss: str) -> Any:
 
 
 def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_to_none: bool = True,
-              loss: str = "mean") -> int:
+              loss: str = "mean", foreach: Optional[bool] = None) -> int:
     """Profiler peak of one real eager step (after two warm-ups); ``set_to_none=False`` keeps the .grad
     buffers between steps (the --resident-grads steady state). ``loss="cross_entropy"``: a language
-    model's training loss against random next-token labels (drawn once, resident like a batch's)."""
+    model's training loss against random next-token labels (drawn once, resident like a batch's).
+    ``foreach``: AdamW's argument (None: torch's default, the per-parameter loop on CPU)."""
     gm = ep.module()
     reduce = step_loss(loss)
 
@@ -72,7 +75,7 @@ def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_
             with torch.no_grad():
                 gm(*inputs)
     else:
-        opt = torch.optim.AdamW(list(gm.parameters()), foreach=True)
+        opt = torch.optim.AdamW(list(gm.parameters()), foreach=foreach)
 
         def step() -> None:
             reduce(gm(*inputs)).backward()
@@ -106,22 +109,25 @@ def predicted_peak(ep: torch.export.ExportedProgram, inputs: tuple, options: Pro
 # the language models (logits over the vocabulary their embedding reads): --train's default loss is
 # cross-entropy for them, the mean of the output for the others
 LANGUAGE_MODELS = {"gpt", "llama", "hf_gpt2"}
-CASES = [(name, train) for name in ("mlp", "cnn", "gpt", "hf_bert", "hf_gpt2") for train in (False, True)]
+# training twice: AdamW as torch defaults to on CPU (None: its per-parameter loop) and with foreach=True
+CASES = [(name, train, foreach) for name in ("mlp", "cnn", "gpt", "hf_bert", "hf_gpt2")
+         for train, foreach in ((False, None), (True, None), (True, True))]
 
 
 def _case_id(case: Any) -> str:
-    name, train = case
-    return f"{name}-{'train' if train else 'infer'}"
+    name, train, foreach = case
+    return f"{name}-{'train' if train else 'infer'}{'-foreach' if foreach else ''}"
 
 
-@pytest.mark.parametrize("name,train", CASES, ids=[_case_id(c) for c in CASES])
-def test_cpu_peak_matches_profiler(name: str, train: bool, tmp_path) -> None:
+@pytest.mark.parametrize("name,train,foreach", CASES, ids=[_case_id(c) for c in CASES])
+def test_cpu_peak_matches_profiler(name: str, train: bool, foreach: Optional[bool], tmp_path) -> None:
     model, inputs, dynamic_shapes = make_model(name)
     model.train(train)
     ep = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
-    options = ProgramOptions(train, "adamw", target_kind="cpu")
+    options = ProgramOptions(train, "adamw", target_kind="cpu", foreach=foreach)
     predicted, workspace = predicted_peak(ep, inputs, options, str(tmp_path / "cpu.db"))
-    real = real_peak(ep, inputs, train, loss="cross_entropy" if name in LANGUAGE_MODELS else "mean")
+    real = real_peak(ep, inputs, train, loss="cross_entropy" if name in LANGUAGE_MODELS else "mean",
+                     foreach=foreach)
     assert real > 0
     assert abs(predicted - real) <= TOLERANCE * real, (
         f"{name} {'train' if train else 'inference'}: predicted peak above start {predicted} B "

@@ -29,10 +29,12 @@ def run_analyze(args: argparse.Namespace) -> int:
         raise OptionError("--optimizer needs --train (an inference step has no optimizer)")
     if args.loss != "auto" and not args.train:
         raise OptionError("--loss needs --train (an inference step has no loss)")
+    if args.foreach is not None and not args.train:
+        raise OptionError("--foreach/--no-foreach needs --train (an inference step has no optimizer)")
     options = ProgramOptions(args.train, args.optimizer or DEFAULT_OPTIMIZER, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
-                             resident_grads=args.resident_grads, loss=args.loss)
+                             resident_grads=args.resident_grads, loss=args.loss, foreach=args.foreach)
     if args.search:   # --search: the fastest parallel plans that fit (boomfx/distributed/search_cli.py)
         from boomfx.distributed.search_cli import run_search
         return run_search(args, device, options, dims, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,

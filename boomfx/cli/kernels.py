@@ -23,6 +23,8 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--checkpoint", action="store_true")
     c.add_argument("--checkpoint-layers", default="", metavar="NAME,NAME")
     c.add_argument("--resident-grads", action="store_true")
+    c.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --train: as analyze's --foreach/--no-foreach")
     c.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS", help="with --train: as analyze's --loss")
     c.add_argument("--compile", action="store_true",
                    help="with --for: the kernels torch.compile (Inductor) runs; each unique fused group is "

@@ -92,7 +92,8 @@ def _collect(args: argparse.Namespace) -> int:
                                                                 target_kind=spec.kind,
                                                                 checkpoint_layers=args.checkpoint_layers,
                                                                 resident_grads=args.resident_grads,
-                                                                compile=args.compile, loss=args.loss))
+                                                                compile=args.compile, loss=args.loss,
+                                                                foreach=args.foreach))
         bindings = resolve_bindings(program, dict(parse_dim(d) for d in args.dim), args.batch, args.seq)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)

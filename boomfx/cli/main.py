@@ -61,6 +61,10 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident-grads", action="store_true",
                    help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
                         "accumulation); default: freed after each step (needs --train)")
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.optim's implementation: --foreach (all parameters at once, eager's default on CUDA) or "
+                        "--no-foreach (its per-parameter loop, eager's default on CPU); default: as eager on --device "
+                        "(needs --train)")
     # compiled execution (passes/compiled.py)
     p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
     p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")

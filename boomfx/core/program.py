@@ -78,6 +78,16 @@ class ProgramOptions:
     # with train: how the step reduces the model's output to a loss (training/trace.py ``_loss_of``):
     # "auto", "cross_entropy", "mean" or "output"
     loss: str = "auto"
+    # with train: how torch.optim steps. True: foreach (``torch._foreach_*`` over every parameter at once,
+    # temporaries the size of all parameters); False: its per-parameter loop (one parameter's temporaries at
+    # a time); None: torch's default for the target (``torch.optim.optimizer._default_to_fused_or_foreach``:
+    # foreach for CUDA tensors, the loop for CPU ones). See ``uses_foreach``
+    foreach: Optional[bool] = None
+
+    @property
+    def uses_foreach(self) -> bool:
+        """Whether the traced optimizer step is foreach (``foreach``, else torch's default for the target)."""
+        return self.foreach if self.foreach is not None else self.target_kind == "cuda"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

@@ -82,7 +82,8 @@ def compute_program(program: Program, mp: MixedPrecision) -> Program:
         if ep is None or not program.options.train:
             raise OptionError("--fsdp-param-dtype needs the training program captured from its export "
                               "(boomfx.frontend.capture.capture with train=True)")
-        options = dataclasses.replace(program.options, param_dtype=name)
+        # every rank rewrite starts from the foreach step (ranks.foreach_step)
+        options = dataclasses.replace(program.options, param_dtype=name, foreach=True)
         traced = program_from_traced(trace_step(ep, options), program.symbols, options, program.source)
         program.derived[key] = dataclasses.replace(traced, export=ep, warnings=program.warnings, derived={})
     return program.derived[key]

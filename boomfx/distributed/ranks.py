@@ -58,6 +58,7 @@ def _rank_classes(program: Program, cfg: ParallelConfig, pipeline_copies: Option
     reason = cfg.not_modelled()
     if reason:
         raise OptionError(reason)
+    program = foreach_step(program)
     mp = mixed_precision.policy(program, cfg)
     program = mixed_precision.compute_program(program, mp)   # bf16 parameters: the step re-traced
     if cfg.pp > 1:   # stages cut from that step
@@ -159,3 +160,27 @@ def _by_shard_shapes(program: Program, ranks: Sequence[int], cfg: ParallelConfig
         key = tuple(tuple(local_shard_shape(s, cfg.dp_shard, shard)) for s in shapes)
         by_signature.setdefault(key, []).append(rank)
     return list(by_signature.values())
+
+
+FOREACH_STEP = "foreach_step"     # Program.derived key of the step re-traced with the foreach optimizer
+
+
+def foreach_step(program: Program) -> Program:
+    """The step every rank rewrite starts from: its optimizer traced foreach (torch's default for CUDA
+    tensors). The rewrites read the foreach ops (FSDP's sharded optimizer, a pipeline stage's cut of
+    the foreach lists, TP's reads of DTensor gradients), so a step traced with torch.optim's
+    per-parameter loop (``--no-foreach``, or a CPU target's default) is traced again with foreach, once
+    per program (kept in ``program.derived``). Known limitation: on CPU ranks (gloo) torch's default
+    is that loop; per rank its temporaries are modelled as foreach's (all parameters' at once)."""
+    options = program.options
+    if not options.train or options.uses_foreach or options.optimizer == "none":
+        return program
+    if FOREACH_STEP not in program.derived:
+        from boomfx.frontend.capture import capture, export_of
+
+        ep = export_of(program)
+        if ep is None:
+            raise OptionError("--parallel rewrites the step traced with the foreach optimizer: give the program as "
+                              "captured from its export (boomfx.capture(..., options=ProgramOptions(train=True)))")
+        program.derived[FOREACH_STEP] = capture(ep, options=replace(options, foreach=True))
+    return program.derived[FOREACH_STEP]

@@ -793,7 +793,8 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
     # the loss as the whole model's (a rank's logits need not look like a vocabulary's)
-    options = dataclasses.replace(program.options, loss=resolved_loss(ep, program.options.loss))
+    # foreach: every rank rewrite starts from the foreach step (ranks.foreach_step)
+    options = dataclasses.replace(program.options, loss=resolved_loss(ep, program.options.loss), foreach=True)
     try:
         sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
     except OptionError as err:   # say what to do instead, where the reason does not

@@ -138,19 +138,22 @@ def trace_step(ep: Any, options: ProgramOptions) -> Any:
     from boomfx.training import trace as training
     if options.train:
         # depth-free: trace 4 layers and replicate (boomfx/training/truncate.py); None -> full trace
-        # (not without an optimizer: the synthesis extends the optimizer's foreach lists)
+        # (not without an optimizer or with its per-parameter loop: the synthesis extends foreach lists)
         from boomfx.training.truncate import build_training_program_fast
-        traced = None if options.optimizer == NO_OPTIMIZER else build_training_program_fast(
-            ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
-            fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
-            resident_grads=options.resident_grads, param_dtype=options.param_dtype, loss=options.loss)
+        traced = None
+        if options.optimizer != NO_OPTIMIZER and options.uses_foreach:
+            traced = build_training_program_fast(
+                ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
+                fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
+                resident_grads=options.resident_grads, param_dtype=options.param_dtype, loss=options.loss)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,
                                                      fused_attention=options.target_kind == "cuda",
                                                      checkpoint_layers=options.checkpoint_layers,
                                                      resident_grads=options.resident_grads,
-                                                     param_dtype=options.param_dtype, loss=options.loss)
+                                                     param_dtype=options.param_dtype, loss=options.loss,
+                                                     foreach=options.uses_foreach)
         return traced
     return training.build_inference_program(ep, amp=options.amp, fused_attention=options.target_kind == "cuda")
 

@@ -56,7 +56,8 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
                      for s in report.symbols) or "static"
     opts = [report.mode]
     if report.options.get("optimizer"):
-        opts.append(report.options["optimizer"])
+        foreach = report.options.get("foreach")
+        opts.append(report.options["optimizer"] + {True: " (foreach)", False: " (per-parameter loop)"}.get(foreach, ""))
     if report.options.get("amp"):
         opts.append(f"amp {report.options['amp']}")
     if report.options.get("checkpoint_layers"):

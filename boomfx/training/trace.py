@@ -3,9 +3,9 @@
 Why: users export a model for inference (often built on the meta device), but want the time and
 memory of a *training* step. We re-run the export graph under ``make_fx`` on fake tensors that
 carry the export's own size symbols (``s0``, ``s1``), reduce the output to a loss, differentiate with
-``torch.autograd.grad`` and trace a ``torch.optim`` step (``foreach=True``, as eager CUDA defaults
-to). No real memory is allocated. GPU dispatch decisions (CUDA autocast lists, fused attention
-kernels) come from :mod:`boomfx.training.amp`, since the fake tensors live on CPU (see ``_FAKE_DEVICE``).
+``torch.autograd.grad`` and trace a ``torch.optim`` step (foreach, as eager CUDA defaults to, or the
+per-parameter loop eager CPU defaults to: ``foreach=False``). No real memory is allocated. GPU
+dispatch decisions (CUDA autocast lists, fused attention kernels) come from :mod:`boomfx.training.amp`, since the fake tensors live on CPU (see ``_FAKE_DEVICE``).
 
 Example::
 
@@ -510,7 +510,8 @@ def _accumulated_grad(buf: torch.Tensor, tracer: Any) -> str | None:
 
 def _optimizer_step(opt_cls: Any, opt_kwargs: dict[str, Any], state_keys: tuple[str, ...], with_step: bool,
                     params: list[torch.Tensor], grads: Sequence[torch.Tensor], state: list[Any]) -> Any:
-    """Run ``torch.optim``'s own step (foreach) on the traced params with pre-allocated state."""
+    """Run ``torch.optim``'s own step (foreach or its loop, as ``opt_kwargs`` say) on the traced params with
+    pre-allocated state."""
     n = len(params)
     opt = opt_cls(params, **opt_kwargs)  # params are the graph's leaf inputs: updated in place
     for i, p in enumerate(params):
@@ -602,13 +603,15 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
                            checkpoint: bool = False, loss: str = "auto", *, fused_attention: bool = True,
                            optimizer_kwargs: dict[str, Any] | None = None,
                            checkpoint_layers: Sequence[str] = (), resident_grads: bool = False,
-                           param_dtype: str | None = None) -> TracedProgram:
+                           param_dtype: str | None = None, foreach: bool = True) -> TracedProgram:
     """Trace forward + loss + backward + ``torch.optim`` step of ``ep`` on fake tensors.
 
     Args:
         ep: an inference export (meta-device weights are fine); its symbols are kept.
-        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"`` (``foreach=True``, as eager on GPU), or
-            ``"none"``: forward and backward only (the gradients are outputs of the step).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``, or ``"none"``: forward and backward only (the
+            gradients are outputs of the step).
+        foreach: the optimizer's foreach implementation (eager's default on GPU) or, ``False``, its
+            per-parameter loop (eager's default on CPU); an explicit ``optimizer_kwargs["foreach"]`` wins.
         amp: ``None``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights; fp16 adds
             GradScaler's unscale and update kernels).
         checkpoint: checkpoint each instance of the model's main layer list.
@@ -639,7 +642,7 @@ def build_training_program(ep: ExportedProgram, optimizer: str = "adamw", amp: s
         raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)}, got {optimizer!r}")
     if loss not in ("auto", "mean", "cross_entropy", "output"):
         raise ValueError(f"unknown loss {loss!r}")
-    return _trace(ep, train=True, optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
+    return _trace(ep, train=True, optimizer=optimizer, optimizer_kwargs={"foreach": foreach, **(optimizer_kwargs or {})},
                   amp=amp, checkpoint=checkpoint, loss=loss, fused_attention=fused_attention,
                   checkpoint_layers=tuple(checkpoint_layers or ()), resident_grads=resident_grads,
                   param_dtype=param_dtype)

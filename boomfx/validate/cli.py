@@ -18,6 +18,9 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--amp", default=None, help="bf16 | fp16 autocast")
     v.add_argument("--compile", action="store_true", help="torch.compile the model (Inductor)")
     v.add_argument("--resident-grads", action="store_true", help="zero_grad(set_to_none=False) steady state")
+    v.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --train: torch.optim's foreach implementation or its per-parameter loop (default: "
+                        "torch's for the device; the real step uses the same)")
     v.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS",
                    help="with --train: as analyze's --loss (the real step computes the same loss)")
     v.add_argument("--db", default="auto", help="kernel database for the prediction (path, auto, default, none)")
@@ -39,7 +42,7 @@ def run_validate(args: argparse.Namespace) -> int:
     result = validate(args.file, train=args.train, optimizer=args.optimizer, amp=args.amp, compile=args.compile,
                       resident_grads=args.resident_grads, dims=dict(_dim(d) for d in args.dim), batch=args.batch,
                       seq=args.seq, db=args.db, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
-                      device=args.device, calibrate=args.calibrate, loss=args.loss)
+                      device=args.device, calibrate=args.calibrate, loss=args.loss, foreach=args.foreach)
     if args.json == "-":
         print(result.to_json())
         return 0

@@ -3,7 +3,8 @@
 Inference is the exported graph under ``no_grad``. Training is what ``--train`` traces
 (boomfx/training/trace.py): the loss ``resolved_loss`` names (the scalar output itself; cross-entropy of
 the first floating output against next-token labels drawn once and kept, as a data loader's batch is;
-else its ``mean``), ``loss.backward()``, a foreach ``torch.optim`` step, ``zero_grad(set_to_none=True)`` (or, with
+else its ``mean``), ``loss.backward()``, a ``torch.optim`` step (foreach, or its per-parameter loop with
+``foreach=False``: the prediction's ``ProgramOptions.uses_foreach``), ``zero_grad(set_to_none=True)`` (or, with
 ``resident_grads``, ``set_to_none=False``). ``optimizer="none"`` stops after the backward: the
 micro-batch step of gradient accumulation (the gradients are dropped at the end of the step, so the
 next one starts from the same state). ``compile`` wraps the model and its loss in ``torch.compile``
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-# torch.optim classes of the optimizers --train knows (boomfx/training.py traces the same ones, foreach)
+# torch.optim classes of the optimizers --train knows (boomfx/training/trace.py traces the same ones)
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -97,9 +98,10 @@ def _autocast(device: torch.device, amp: Optional[str]) -> contextlib.AbstractCo
 
 def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, optimizer: str = "adamw",
                amp: Optional[str] = None, compile: bool = False, resident_grads: bool = False,
-               device: torch.device | str = "cpu", loss: str = "mean") -> RealStep:
+               device: torch.device | str = "cpu", loss: str = "mean", foreach: Optional[bool] = True) -> RealStep:
     """The step as a closure over real tensors (first call not made: warm-up is the caller's).
-    ``loss``: ``"cross_entropy"``, ``"mean"`` or ``"output"``, as ``training.trace.resolved_loss`` names it."""
+    ``loss``: ``"cross_entropy"``, ``"mean"`` or ``"output"``, as ``training.trace.resolved_loss`` names it;
+    ``foreach``: the optimizer's argument (None: torch's default for the parameters' device)."""
     device = torch.device(device)
     if not train:
         fn = torch.compile(module) if compile else module
@@ -112,7 +114,7 @@ def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: boo
     if compile:
         loss_fn = torch.compile(loss_fn)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = _OPTIMIZERS[optimizer](params, foreach=True) if optimizer != "none" else None
+    opt = _OPTIMIZERS[optimizer](params, foreach=foreach) if optimizer != "none" else None
 
     def train_step() -> None:
         with _autocast(device, amp):

@@ -26,14 +26,16 @@ def validate(source: Any, *, train: bool = False, optimizer: str = "adamw", amp:
              compile: bool = False, resident_grads: bool = False, dims: Optional[Mapping[str, int]] = None,
              batch: Optional[int] = None, seq: Optional[int] = None, db: Optional[str] = "auto",
              threads: Optional[int] = None, repeats: int = 10, warmup: int = 3, device: str = "auto",
-             calibrate: bool = False, seed: int = 0, loss: str = "auto") -> ValidationResult:
+             calibrate: bool = False, seed: int = 0, loss: str = "auto",
+             foreach: Optional[bool] = None) -> ValidationResult:
     """Predicted vs measured step time and peak memory of ``source`` on this machine.
 
     Args:
         source: a ``.pt2`` path or an ExportedProgram (weights without data are drawn at random:
             boomfx/validate/materialize.py).
-        train/optimizer/amp/compile/resident_grads/loss: the step, as ``boomfx analyze`` takes them
-            (``optimizer="none"``: forward and backward only).
+        train/optimizer/amp/compile/resident_grads/loss/foreach: the step, as ``boomfx analyze`` takes them
+            (``optimizer="none"``: forward and backward only; ``foreach=None``: torch's default for the
+            device, in the prediction and in the real step).
         dims/batch/seq: sizes; unbound ones take the export's example size. Sizes not given are
             lowered until the step fits this machine; sizes given that do not fit raise OptionError.
         db: the kernel database pricing the prediction (as ``--db``: a path, auto, default, none).
@@ -58,14 +60,15 @@ def validate(source: Any, *, train: bool = False, optimizer: str = "adamw", amp:
         torch.set_num_threads(threads)
     try:
         return _validate(source, train, optimizer, amp, compile, resident_grads, dims, batch, seq, db, repeats,
-                         warmup, device, calibrate, seed, loss)
+                         warmup, device, calibrate, seed, loss, foreach)
     finally:
         torch.set_num_threads(before)
 
 
 def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], compile: bool, resident_grads: bool,
               dims: Optional[Mapping[str, int]], batch: Optional[int], seq: Optional[int], db: Optional[str],
-              repeats: int, warmup: int, device: str, calibrate: bool, seed: int, loss: str) -> ValidationResult:
+              repeats: int, warmup: int, device: str, calibrate: bool, seed: int, loss: str,
+              foreach: Optional[bool]) -> ValidationResult:
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.frontend.capture import capture, to_exported_program
     from boomfx.core.program import ProgramOptions
@@ -73,7 +76,7 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
     spec = _local_spec(local)
     ep = to_exported_program(source)
     options = ProgramOptions(train, optimizer, amp, target_kind=spec.kind, compile=compile,
-                             resident_grads=resident_grads, loss=loss)
+                             resident_grads=resident_grads, loss=loss, foreach=foreach)
     program = capture(ep, options=options)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
     bindings, reduced = fitting_bindings(analysis, dims or {}, batch, seq, free_memory_bytes(local))
@@ -88,7 +91,7 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
     real = materialise(ep, by_name, local, seed)
     step = build_step(real.module, real.args, real.kwargs, train=train, optimizer=optimizer, amp=amp,
                       compile=compile, resident_grads=resident_grads, device=local,
-                      loss=resolved_loss(ep, loss))
+                      loss=resolved_loss(ep, loss), foreach=options.uses_foreach if train else None)
     step.run()                                       # optimizer state, compilation, first-touch pages
     densify_optimizer_state(step.optimizer, seed)
     timed = time_step(step.run, repeats, warmup, local)
@@ -120,7 +123,8 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
         source=str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__,
         device=spec.description, mode="train" if train else "inference",
         options={"optimizer": optimizer if train else None, "amp": amp, "compile": compile,
-                 "resident_grads": resident_grads, "loss": resolved_loss(ep, loss) if train else None},
+                 "resident_grads": resident_grads, "loss": resolved_loss(ep, loss) if train else None,
+                 "foreach": options.uses_foreach if train else None},
         bindings=by_name, bindings_reduced=reduced, threads=timed.threads,
         predicted_time_ns=report.time.total_ns, measured_time_ns=timed.median_ns,
         measured_time_samples_ns=timed.samples_ns,
