@@ -14,7 +14,7 @@ Known limitations:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import sympy
@@ -73,6 +73,8 @@ class MemoryPoint:
 class LivenessInfo:
     intervals: tuple[StorageInterval, ...]
     order: tuple[str, ...]          # node name at each step
+    # node name -> the storage ids its outputs hold (a view: its base's), for rules that extend lifetimes
+    node_storages: Mapping[str, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def timeline(self, ev: Evaluator) -> list[int]:
         """Live bytes at each step: a difference array over the intervals, prefix-summed."""
@@ -239,7 +241,8 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                         storage_cat[i] or Category.TEMP)
         for i in range(len(storage_nodes))
     )
-    return LivenessInfo(intervals, order)
+    node_storages = {n.name: tuple(s for s in sids if s is not None) for n, sids in out_sids.items()}
+    return LivenessInfo(intervals, order, node_storages)
 
 
 def _inputs_of(uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]]
@@ -285,10 +288,12 @@ def step_liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -
     """The liveness of one step as PyTorch runs it: ``liveness_pass`` for inference; for training, eager
     autograd's release rules (``_eager_autograd_liveness``), gradients held by ``.grad`` to the step's
     end (``_grads_held_to_step_end``) and the per-parameter optimizer loop's locals held until the next
-    parameter rebinds them (``_loop_locals_held``). Every rule that decides a tensor's lifetime lives in
+    parameter rebinds them (``_loop_locals_held``); in inference, the model's own Python locals and
+    arguments (``passes/python_locals.py``). Every rule that decides a tensor's lifetime lives in
     this module."""
-    if not program.options.train:
-        return am.get(liveness_pass) if am is not None else liveness_pass(program)
+    if not program.options.train:   # eager Python's locals (passes/python_locals.py)
+        from boomfx.passes.python_locals import python_locals_held
+        return python_locals_held(am.get(liveness_pass) if am is not None else liveness_pass(program), program)
     return _loop_locals_held(_grads_held_to_step_end(_eager_autograd_liveness(program), program), program)
 
 

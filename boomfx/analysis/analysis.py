@@ -257,7 +257,7 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
             dynamic_shapes: Any = None, log: Optional[Callable[[str], None]] = None, compile: bool = False,
             cudagraphs: bool = False, checkpoint_layers: tuple[str, ...] | list[str] | str = (),
             resident_grads: bool = False, device_spec: Optional[str] = None, loss: str = "auto",
-            foreach: Optional[bool] = None) -> Report:
+            foreach: Optional[bool] = None, python_locals: bool = True) -> Report:
     """Predict time and memory of one step of ``source`` on ``device``.
 
     ``compile=True`` predicts ``torch.compile`` (Inductor kernels, see ``passes/compiled.py``);
@@ -269,6 +269,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     ``training.trace.token_logits``), ``"cross_entropy"``, ``"mean"`` or ``"output"``.
     ``foreach`` (with ``train``): torch.optim's foreach implementation or (False) its per-parameter loop;
     None: eager's default on the device (foreach on a GPU, the loop on a CPU).
+    ``python_locals`` (inference): tensors bound to the model's Python locals live until rebound or returned,
+    as the nn.Module runs eagerly; False: freed at last use, as the export's graph runs.
     ``device_spec="my_gpu.json"``: an unlisted device described in JSON (``boomfx/core/device_spec_file.py``);
     it replaces ``device``.
 
@@ -290,7 +292,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
                       options=ProgramOptions(train, optimizer, amp, checkpoint, target_kind=spec.kind,
                                                      compile=compile or cudagraphs, cudagraphs=cudagraphs,
                                                      checkpoint_layers=checkpoint_layers,
-                                                     resident_grads=resident_grads, loss=loss, foreach=foreach),
+                                                     resident_grads=resident_grads, loss=loss, foreach=foreach,
+                                                     python_locals=python_locals),
                       dynamic_shapes=dynamic_shapes, log=log)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
     bindings = resolve_bindings(program, dims or {}, batch, seq)

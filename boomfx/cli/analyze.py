@@ -34,7 +34,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     options = ProgramOptions(args.train, args.optimizer or DEFAULT_OPTIMIZER, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
-                             resident_grads=args.resident_grads, loss=args.loss, foreach=args.foreach)
+                             resident_grads=args.resident_grads, loss=args.loss, foreach=args.foreach,
+                             python_locals=args.python_locals)
     if args.search:   # --search: the fastest parallel plans that fit (boomfx/distributed/search_cli.py)
         from boomfx.distributed.search_cli import run_search
         return run_search(args, device, options, dims, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,

@@ -65,6 +65,10 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
                    help="torch.optim's implementation: --foreach (all parameters at once, eager's default on CUDA) or "
                         "--no-foreach (its per-parameter loop, eager's default on CPU); default: as eager on --device "
                         "(needs --train)")
+    p.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
+                   help="inference memory as the nn.Module runs eagerly: tensors bound to its Python locals live "
+                        "until rebound or returned (default); --no-python-locals: freed at their last use, as the "
+                        "exported graph (ep.module()) runs")
     # compiled execution (passes/compiled.py)
     p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
     p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")

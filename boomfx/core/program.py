@@ -83,6 +83,10 @@ class ProgramOptions:
     # a time); None: torch's default for the target (``torch.optim.optimizer._default_to_fused_or_foreach``:
     # foreach for CUDA tensors, the loop for CPU ones). See ``uses_foreach``
     foreach: Optional[bool] = None
+    # inference: tensors bound to Python locals of the model's forward live until rebound or returned, as the
+    # nn.Module runs eagerly (passes/python_locals.py); False: freed at last use, as the export's graph
+    # (``ep.module()``) runs, which is what ``boomfx validate`` measures
+    python_locals: bool = True
 
     @property
     def uses_foreach(self) -> bool:

@@ -119,6 +119,8 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
             model = serving_model(program)
             weights_per_rank = model.weights_bytes
             collectives = CollectiveTimes(program, device, tensor_parallel_size, db)
+    if program.options.python_locals:   # the engine runs its own model code, compiled: the graph's frees
+        program = dataclasses.replace(program, options=dataclasses.replace(program.options, python_locals=False))
     analysis = Analysis(program, device, AnalyzeOptions(device.name, db=db, outside_memory=outside_memory))
     profile_tokens = config.max_num_batched_tokens
     activation = profile_activation_bytes(analysis, model, profile_tokens, min(config.max_num_seqs, profile_tokens))
@@ -224,7 +226,8 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
     from boomfx.frontend.capture import capture
     from boomfx.serving.workload import read_dataset
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
-    program = capture(source, options=ProgramOptions(target_kind=spec.kind))
+    # python_locals off: the engine runs its own model code, compiled (vLLM V1's default), not the export's Python
+    program = capture(source, options=ProgramOptions(target_kind=spec.kind, python_locals=False))
     s = setup(program, spec, db=db, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,

@@ -76,7 +76,8 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
     spec = _local_spec(local)
     ep = to_exported_program(source)
     options = ProgramOptions(train, optimizer, amp, target_kind=spec.kind, compile=compile,
-                             resident_grads=resident_grads, loss=loss, foreach=foreach)
+                             resident_grads=resident_grads, loss=loss, foreach=foreach,
+                             python_locals=False)   # the real step runs the export's graph: its frees
     program = capture(ep, options=options)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
     bindings, reduced = fitting_bindings(analysis, dims or {}, batch, seq, free_memory_bytes(local))
