@@ -154,13 +154,16 @@ def _nodb_peak_above_start(path: Path, train: bool, compiled: bool) -> int:
     from boomfx.frontend.capture import capture
     from boomfx.core.devices import cpu_spec
     from boomfx.core.program import ProgramOptions
-    program = capture(str(path), options=ProgramOptions(train, "adamw", target_kind="cpu", compile=compiled))
+    # python_locals off: the real step (boomfx.validate) runs the export's graph, not the nn.Module
+    program = capture(str(path), options=ProgramOptions(train, "adamw", target_kind="cpu", compile=compiled,
+                                                        python_locals=False))
     memory = Analysis(program, cpu_spec(), AnalyzeOptions("cpu", db="none")).evaluate({}).report.memory   # (workspace needs prices)
     return int(memory.peak_live_bytes - memory.resident_bytes)
 
 
 def run_cell(path: Path, row: dict[str, Any], protocol: str, directory: Path, repeats: int) -> None:
-    """One (case, protocol) cell: collect, validate, and on the first protocol the no-database memory."""
+    """One (case, protocol) cell: collect, validate, and on the row's first cell of this run the no-database
+    memory (the caller drops an appended row's old value first)."""
     from boomfx.validate import validate
     train, compiled = row["mode"] == "train", row["exec"] == "compiled"
     threads = 1 if protocol == "one-thread" else None
@@ -262,12 +265,20 @@ NOTES: list[str] = [
     "+244..+279%, except OPT inference -20.7%). The default-protocol eager summary is therefore dominated by "
     "load; the later cells (load 1.3-4) are all under, -6..-45%. The one-thread column (thread CPU time) is "
     "the load-robust one. The JSON keeps the commands in order.",
-    "MoE (Mixtral): transformers 5.24 exports the experts as transformers::grouped_mm_fallback (one mm per "
-    "expert over the rows offs assigns it). Until 2026-12-03 the database measured that op with random offs, "
-    "which left most experts empty (7x fast in isolation); kernels_db/keys.py now builds balanced cumulative "
-    "offsets (every expert its share of tokens x top_k). Mixtral rerun with --append, eager: one-thread "
-    "inference -44.3% -> -6.8%, training -42.3% -> -15.7%; default protocol -44.7% -> -33.3% and -41.2% -> "
-    "+33.6% (wall clock on this shared VM). Its compiled cells are the earlier run's.",
+    "One-thread eager cells rerun 2026-12-03 ~14:50 UTC on a quiet VM (`--append --exec eager --protocols "
+    "one-thread --repeats 5`), after that day's changes: grouped matmuls measured with balanced offsets "
+    "(kernels_db/keys.py; MoE experts had been measured 7x fast with random offsets: Mixtral one-thread "
+    "inference -44.3% -> -6.8% in a first rerun), and no-DB memory recomputed per rerun row (an appended row "
+    "used to keep its old value). Default-protocol cells: 2026-12-01 (load up to 11), Mixtral's 2026-12-03 "
+    "13:26; compiled cells 2026-12-01.",
+    "Tried and reverted the same day: tracing AdamW as eager runs it on CPU tensors (its per-parameter loop, "
+    "now `--no-foreach`), with validate's real step following. Memory stayed exact. Time: the two quiet "
+    "one-thread runs (loop 14:39, foreach 14:51 UTC) have the same median |training error| (17.1% vs "
+    "17.6%; real steps moved up to 30% between the runs), but for the same real optimizer time (T5's opt.step "
+    "21.9 ms loop, 22.2 ms foreach) the loop was predicted lower: T5 95.6 vs 110.6 ms, Qwen2 80.8 vs 99.4, "
+    "Mixtral 99.8 vs 136.1 (each from its own database). Its per-parameter ops are short enough to be "
+    "measured hot (batched, no cache flush) where foreach's long ops are flushed. So --train keeps the "
+    "foreach step by default. This table's cells are foreach.",
     "T5 compiled: the Inductor-compiled step aborted the process (C++ 'index out of bounds: 0 <= tmp18 < 32' in "
     "generated code, the relative-position buckets) and is not in the table; eager T5 ran.",
     "Compiled op table: Inductor's generated kernels run outside aten ops, so in situ they land in "
@@ -277,9 +288,9 @@ NOTES: list[str] = [
     "training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%. Mixtral's .pt2 cannot be loaded by boomfx in a "
     "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
     "run's own.",
-    "Memory with a database, open: T5 training +44.4% and OPT training +11.6/+12.7% over the profiler peak in "
-    "every protocol (the predicted peak sits in AdamW's foreach ops, gradients + temporaries the size of all "
-    "parameters; not analysed further), Qwen2/Mistral compiled training +8.3/+7.8%.",
+    "Memory, eager: T5 and OPT training, +44.4% / +11.6% over the profiler in the first run, are exact with "
+    "the current code (one-thread cells); default-protocol cells keep the first run's values. Open: the "
+    "compiled training cells (2026-12-01) OPT +12.7%, Qwen2 +8.3%, Mistral +7.8%, GPTBigCode +2.4%.",
 ]
 
 
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         previous_commands = old["meta"].get("commands", [old["meta"].get("command", "")])
         load_start = tuple(old["meta"].get("load_start", load_start))
         protocols = list(dict.fromkeys(old["meta"].get("protocols", protocols) + protocols))
+    renewed: set[tuple[str, str, str]] = set()
     for ex, protocol in passes:
         for name in names:
             for mode in modes:
@@ -331,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                         files[(name, mode)] = export_file(name, mode == "train", directory)
                     if row is None:
                         row = {"model": name, "mode": mode, "exec": ex}
+                    if key not in renewed:    # an appended row's no-DB memory is the old code's: recompute
+                        row.pop("mem_nodb_err", None)
+                        row.pop("mem_nodb_pred_bytes", None)
+                        renewed.add(key)
                     run_cell(files[(name, mode)], row, protocol, directory, args.repeats)
                 except Exception as exc:   # a case that cannot run is reported, not hidden
                     failures.append({"case": case, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})

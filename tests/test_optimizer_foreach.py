@@ -1,10 +1,10 @@
-"""torch.optim's implementation follows eager's default for the target (``ProgramOptions.foreach``).
+"""torch.optim's foreach step or its per-parameter loop (``ProgramOptions.foreach``, ``--no-foreach``).
 
-On CPU tensors torch.optim steps with its per-parameter loop (``_default_to_fused_or_foreach`` gives
-foreach only to CUDA-like devices), on CUDA with foreach: all parameters' temporaries at once. The
-peak that follows is checked against the profiler in tests/test_cpu_memory_accuracy.py (both
-variants); here: the default, the traced ops, the loop's temporaries by hand, the CLI flag, and the
-per-rank rewrites, which start from the foreach step.
+On CPU tensors torch.optim's default is its per-parameter loop (``_default_to_fused_or_foreach`` gives
+foreach only to CUDA-like devices); on CUDA foreach: all parameters' temporaries at once. boomfx traces
+foreach unless told otherwise (core/program.py says why). The peak of each is checked against the
+profiler in tests/test_cpu_memory_accuracy.py; here: the default, the traced ops, the loop's
+temporaries by hand, the CLI flag, and the per-rank rewrites, which start from the foreach step.
 """
 from __future__ import annotations
 
@@ -40,18 +40,19 @@ def _optimizer_nodes(program) -> list[torch.fx.Node]:
     return [n for n in program.graph.nodes if program.phases.get(n.name) == PHASE_OPTIMIZER]
 
 
-def test_default_follows_torch_for_the_target() -> None:
+def test_default_is_foreach_and_torch_loops_on_cpu() -> None:
     from torch.optim.optimizer import _default_to_fused_or_foreach
     assert _default_to_fused_or_foreach([torch.nn.Parameter(torch.ones(2))], False, False) == (False, False)
-    assert ProgramOptions(True, target_kind="cpu").uses_foreach is False
+    assert ProgramOptions(True, target_kind="cpu").uses_foreach is True
     assert ProgramOptions(True, target_kind="cuda").uses_foreach is True
+    assert ProgramOptions(True, target_kind="cpu", foreach=False).uses_foreach is False
     assert ProgramOptions(True, target_kind="cpu", foreach=True).uses_foreach is True
     assert ProgramOptions(True, target_kind="cuda", foreach=False).uses_foreach is False
 
 
 def test_loop_steps_each_parameter_with_its_own_ops() -> None:
     ep = _export()
-    loop = _optimizer_nodes(capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu")))
+    loop = _optimizer_nodes(capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", foreach=False)))
     both = _optimizer_nodes(capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", foreach=True)))
     assert not any("_foreach_" in str(n.target) for n in loop)
     assert [n.target for n in loop].count(aten.addcdiv_.default) == 2          # one update per parameter
@@ -74,7 +75,7 @@ def test_loop_denominator_lives_until_the_next_parameter_rebinds_it() -> None:
     bound: 20 KiB. Foreach: one ``sqrt`` of every ``exp_avg_sq`` (4 + 8 KiB), divided in place."""
     ep = _export()
     small, large = 4 * SMALL[0] * SMALL[1], 4 * LARGE[0] * LARGE[1]
-    loop = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    loop = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", foreach=False))
     assert _optimizer_temporary_peak(loop) == small + 2 * large
     both = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", foreach=True))
     assert _optimizer_temporary_peak(both) == small + large
@@ -82,7 +83,7 @@ def test_loop_denominator_lives_until_the_next_parameter_rebinds_it() -> None:
 
 def test_rank_rewrites_start_from_the_foreach_step() -> None:
     ep = _export()
-    loop = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    loop = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu", foreach=False))
     start = foreach_step(loop)
     assert start is not loop and start.options.foreach is True and loop.derived[FOREACH_STEP] is start
     assert foreach_step(loop) is start                                       # traced once per program
@@ -94,9 +95,9 @@ def test_rank_rewrites_start_from_the_foreach_step() -> None:
 def test_cli_foreach_flag(capsys, exported) -> None:
     _, path = exported("mlp")
     common = ["analyze", path, "--device", "cpu", "--db", "none", "--batch", "8", "--json"]
-    assert main(common + ["--train"]) == 0
+    assert main(common + ["--train", "--no-foreach"]) == 0
     loop = capsys.readouterr().out
-    assert main(common + ["--train", "--foreach"]) == 0
+    assert main(common + ["--train"]) == 0
     both = capsys.readouterr().out
     assert '"_foreach_sqrt' not in loop and "_foreach_sqrt" in both
     assert main(common + ["--foreach"]) == 2

@@ -14,9 +14,9 @@ def test_report_options_and_text_name_every_mode_switch(exported):
     resident = boomfx.analyze(ep, device="a100-80gb", batch=2, seq=8, train=True, resident_grads=True)
     assert resident.options["resident_grads"] is True and resident.options["compile"] is False
     assert "gradients resident between steps" in render_text(resident).splitlines()[1]
-    # torch.optim as eager defaults to on the device: foreach on a GPU, the per-parameter loop on a CPU
+    # torch.optim's foreach step by default, its per-parameter loop with foreach=False
     assert resident.options["foreach"] is True and compiled.options["foreach"] is None
     assert "adamw (foreach)" in render_text(resident).splitlines()[1]
-    on_cpu = boomfx.analyze(ep, device="cpu", db="none", batch=2, seq=8, train=True)
+    on_cpu = boomfx.analyze(ep, device="cpu", db="none", batch=2, seq=8, train=True, foreach=False)
     assert on_cpu.options["foreach"] is False
     assert "adamw (per-parameter loop)" in render_text(on_cpu).splitlines()[1]

@@ -267,8 +267,8 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
     ``loss`` (with ``train``): ``"auto"`` (cross-entropy for a language model's logits, see
     ``training.trace.token_logits``), ``"cross_entropy"``, ``"mean"`` or ``"output"``.
-    ``foreach`` (with ``train``): torch.optim's foreach implementation or (False) its per-parameter loop;
-    None: eager's default on the device (foreach on a GPU, the loop on a CPU).
+    ``foreach`` (with ``train``): torch.optim's foreach implementation (None/True) or (False) its
+    per-parameter loop, eager's default on CPU tensors (core/program.py says why it is not the default here).
     ``python_locals`` (inference): tensors bound to the model's Python locals live until rebound or returned,
     as the nn.Module runs eagerly; False: freed at last use, as the export's graph runs.
     ``device_spec="my_gpu.json"``: an unlisted device described in JSON (``boomfx/core/device_spec_file.py``);

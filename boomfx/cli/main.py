@@ -62,9 +62,9 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
                    help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
                         "accumulation); default: freed after each step (needs --train)")
     p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.optim's implementation: --foreach (all parameters at once, eager's default on CUDA) or "
-                        "--no-foreach (its per-parameter loop, eager's default on CPU); default: as eager on --device "
-                        "(needs --train)")
+                   help="torch.optim's implementation: --foreach (all parameters at once; the default, eager's on "
+                        "CUDA) or --no-foreach (its per-parameter loop, eager's default on CPU tensors: exact memory, "
+                        "but its small ops are priced hot, so its optimizer time comes out low) (needs --train)")
     p.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
                    help="inference memory as the nn.Module runs eagerly: tensors bound to its Python locals live "
                         "until rebound or returned (default); --no-python-locals: freed at their last use, as the "

@@ -169,8 +169,8 @@ def foreach_step(program: Program) -> Program:
     """The step every rank rewrite starts from: its optimizer traced foreach (torch's default for CUDA
     tensors). The rewrites read the foreach ops (FSDP's sharded optimizer, a pipeline stage's cut of
     the foreach lists, TP's reads of DTensor gradients), so a step traced with torch.optim's
-    per-parameter loop (``--no-foreach``, or a CPU target's default) is traced again with foreach, once
-    per program (kept in ``program.derived``). Known limitation: on CPU ranks (gloo) torch's default
+    per-parameter loop (``--no-foreach``) is traced again with foreach, once per program (kept in
+    ``program.derived``). Known limitation: on CPU ranks (gloo) torch's default
     is that loop; per rank its temporaries are modelled as foreach's (all parameters' at once)."""
     options = program.options
     if not options.train or options.uses_foreach or options.optimizer == "none":

@@ -101,7 +101,7 @@ def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: boo
                device: torch.device | str = "cpu", loss: str = "mean", foreach: Optional[bool] = True) -> RealStep:
     """The step as a closure over real tensors (first call not made: warm-up is the caller's).
     ``loss``: ``"cross_entropy"``, ``"mean"`` or ``"output"``, as ``training.trace.resolved_loss`` names it;
-    ``foreach``: the optimizer's argument (None: torch's default for the parameters' device)."""
+    ``foreach``: the optimizer's argument (None would be torch's default for the parameters' device)."""
     device = torch.device(device)
     if not train:
         fn = torch.compile(module) if compile else module

@@ -34,8 +34,8 @@ def validate(source: Any, *, train: bool = False, optimizer: str = "adamw", amp:
         source: a ``.pt2`` path or an ExportedProgram (weights without data are drawn at random:
             boomfx/validate/materialize.py).
         train/optimizer/amp/compile/resident_grads/loss/foreach: the step, as ``boomfx analyze`` takes them
-            (``optimizer="none"``: forward and backward only; ``foreach=None``: torch's default for the
-            device, in the prediction and in the real step).
+            (``optimizer="none"``: forward and backward only; ``foreach``: the prediction's and the real
+            step's optimizer, foreach unless False).
         dims/batch/seq: sizes; unbound ones take the export's example size. Sizes not given are
             lowered until the step fits this machine; sizes given that do not fit raise OptionError.
         db: the kernel database pricing the prediction (as ``--db``: a path, auto, default, none).
