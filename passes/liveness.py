@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from boomfx.passes.aliasing import output_aliases
+from boomfx.passes.python_locals import python_locals_held
 from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
@@ -75,6 +76,15 @@ class LivenessInfo:
     order: tuple[str, ...]          # node name at each step
     # node name -> the storage ids its outputs hold (a view: its base's), for rules that extend lifetimes
     node_storages: Mapping[str, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def extended(self, ends: Mapping[int, int]) -> "LivenessInfo":
+        """The same liveness with each storage of ``ends`` (storage id -> step) alive at least to that
+        step: what the rules that hold tensors longer than their last use return (resident ones stay)."""
+        if not ends:
+            return self
+        return replace(self, intervals=tuple(
+            replace(iv, end_step=max(iv.end_step, ends[iv.storage_id]))
+            if iv.storage_id in ends and not iv.resident else iv for iv in self.intervals))
 
     def timeline(self, ev: Evaluator) -> list[int]:
         """Live bytes at each step: a difference array over the intervals, prefix-summed."""
@@ -291,8 +301,7 @@ def step_liveness_pass(program: Program, am: Optional[AnalysisManager] = None) -
     parameter rebinds them (``_loop_locals_held``); in inference, the model's own Python locals and
     arguments (``passes/python_locals.py``). Every rule that decides a tensor's lifetime lives in
     this module."""
-    if not program.options.train:   # eager Python's locals (passes/python_locals.py)
-        from boomfx.passes.python_locals import python_locals_held
+    if not program.options.train:
         return python_locals_held(am.get(liveness_pass) if am is not None else liveness_pass(program), program)
     return _loop_locals_held(_grads_held_to_step_end(_eager_autograd_liveness(program), program), program)
 
@@ -375,18 +384,7 @@ def _grads_held_to_step_end(info: LivenessInfo, program: Program) -> LivenessInf
     opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
     if not opt_steps:
         return info
-    end = opt_steps[-1]
-    intervals = tuple(replace(iv, end_step=max(iv.end_step, end))
-                      if iv.category == Category.GRAD and not iv.resident else iv for iv in info.intervals)
-    return replace(info, intervals=intervals)
-
-
-def _updated_tensor(node: torch.fx.Node) -> torch.fx.Node:
-    """Through a chain of in-place ops (``div`` -> ``add_``) to the node that created the storage."""
-    while (node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node)
-           and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.endswith("_")):
-        node = node.args[0]
-    return node
+    return info.extended({iv.storage_id: opt_steps[-1] for iv in info.intervals if iv.category == Category.GRAD})
 
 
 def _loop_locals_held(info: LivenessInfo, program: Program) -> LivenessInfo:
@@ -407,28 +405,26 @@ def _loop_locals_held(info: LivenessInfo, program: Program) -> LivenessInfo:
     opt_steps = [i for i, name in enumerate(info.order) if program.phases.get(name) == PHASE_OPTIMIZER]
     if not opt_steps:
         return info
-    params = {n for n in program.graph.nodes if n.op == "placeholder" and program.input_roles.get(n.name) == ROLE_PARAM}
-    final_update: dict[torch.fx.Node, torch.fx.Node] = {}
+    param_storages = {sid for n in program.graph.nodes if n.op == "placeholder"
+                      and program.input_roles.get(n.name) == ROLE_PARAM for sid in info.node_storages.get(n.name, ())}
+    final_update: dict[int, torch.fx.Node] = {}    # parameter storage -> its last in-place update
     for node in program.graph.nodes:
-        if (node.op == "call_function" and program.phases.get(node.name) == PHASE_OPTIMIZER and node.args
-                and isinstance(node.args[0], torch.fx.Node) and _updated_tensor(node.args[0]) in params
-                and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.endswith("_")):
-            final_update[_updated_tensor(node.args[0])] = node
+        updated = info.node_storages.get(node.name, ())
+        if (node.op == "call_function" and program.phases.get(node.name) == PHASE_OPTIMIZER
+                and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.endswith("_")
+                and len(updated) == 1 and updated[0] in param_storages):
+            final_update[updated[0]] = node
     step_of = {name: i for i, name in enumerate(info.order)}
     updates = sorted(final_update.values(), key=lambda n: step_of[n.name])
-    temp_of = {iv.node: iv for iv in info.intervals if not iv.resident and iv.category == Category.TEMP}
+    temp_of = {iv.storage_id: iv for iv in info.intervals if not iv.resident and iv.category == Category.TEMP}
     held: dict[int, int] = {}      # storage id -> new end step
     for k, update in enumerate(updates):
         following = updates[k + 1] if k + 1 < len(updates) else None
         for j, arg in enumerate(update.args[1:], start=1):
-            iv = temp_of.get(_updated_tensor(arg).name) if isinstance(arg, torch.fx.Node) else None
+            storages = info.node_storages.get(arg.name, ()) if isinstance(arg, torch.fx.Node) else ()
+            iv = temp_of.get(storages[0]) if len(storages) == 1 else None
             if iv is None or program.phases.get(iv.node) != PHASE_OPTIMIZER:
                 continue
             rebinding = following.args[j] if following is not None and j < len(following.args) else None
-            end = step_of[rebinding.name] if isinstance(rebinding, torch.fx.Node) else opt_steps[-1]
-            held[iv.storage_id] = max(iv.end_step, end)
-    if not held:
-        return info
-    intervals = tuple(replace(iv, end_step=held[iv.storage_id]) if iv.storage_id in held else iv
-                      for iv in info.intervals)
-    return replace(info, intervals=intervals)
+            held[iv.storage_id] = step_of[rebinding.name] if isinstance(rebinding, torch.fx.Node) else opt_steps[-1]
+    return info.extended(held)

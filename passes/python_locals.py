@@ -30,7 +30,6 @@ Known limitations:
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -71,8 +70,7 @@ def _frame_key(frames: list[Frame], modules: list[str], level: int) -> tuple:
 
 def python_locals_held(info, program: Program):
     """``info`` (a ``passes.liveness.LivenessInfo``) with the storages the two rules hold extended."""
-    options = program.options
-    if options.train or options.compile or not options.python_locals or not info.node_storages:
+    if not program.options.holds_python_locals or not info.node_storages:
         return info
     step_of = {name: i for i, name in enumerate(info.order)}
     rows: list[tuple[torch.fx.Node, list[Frame], list[str]]] = []
@@ -114,9 +112,8 @@ def python_locals_held(info, program: Program):
     def hold(storages, end_row: int) -> None:
         end = step_of[rows[end_row][0].name]
         for sid in storages:
-            iv = interval_of.get(sid)
-            if iv is not None and end > max(iv.end_step, new_end.get(sid, -1)):
-                new_end[sid] = end
+            if sid in interval_of:
+                new_end[sid] = max(new_end.get(sid, -1), end)
 
     for frame, storages in reads.items():          # rule 2: arguments live until the frame returns
         first = step_of[rows[frame_first[frame]][0].name]
@@ -129,7 +126,4 @@ def python_locals_held(info, program: Program):
             release = next((later for later_names, later in bound[k + 1:] if set(names) & set(later_names)),
                            frame_last[frame])
             hold(info.node_storages.get(rows[row][0].name, ()), release)
-    if not new_end:
-        return info
-    return replace(info, intervals=tuple(replace(iv, end_step=new_end[iv.storage_id]) if iv.storage_id in new_end
-                                         else iv for iv in info.intervals))
+    return info.extended(new_end)

@@ -135,3 +135,15 @@ def test_cli_flag(capsys, exported) -> None:
     graph = json.loads(capsys.readouterr().out)
     assert module["options"]["python_locals"] is True and graph["options"]["python_locals"] is False
     assert module["memory"]["peak_live_bytes"] > graph["memory"]["peak_live_bytes"]
+
+
+def test_serving_plans_with_the_graphs_frees(examples_dir) -> None:
+    """The engine runs its own compiled model code: its profiling peak is the graph's, whatever the
+    program's python_locals says (serving.setup turns it off)."""
+    from boomfx.core.devices import get_device
+    from boomfx.serving.serve import setup
+    path = str(examples_dir / "llama_tiny.pt2")
+    setups = [setup(capture(path, options=ProgramOptions(target_kind="cuda", python_locals=flag)),
+                    get_device("h100-80gb"), db="none", max_model_len=4096) for flag in (True, False)]
+    assert not setups[0].analysis.program.options.holds_python_locals
+    assert setups[0].plan.activation_peak_bytes == setups[1].plan.activation_peak_bytes > 0

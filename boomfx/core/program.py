@@ -91,6 +91,11 @@ class ProgramOptions:
     python_locals: bool = True
 
     @property
+    def holds_python_locals(self) -> bool:
+        """Whether the liveness holds the model's Python locals (eager inference; passes/python_locals.py)."""
+        return self.python_locals and not self.train and not self.compile
+
+    @property
     def uses_foreach(self) -> bool:
         """Whether the traced optimizer step is foreach (unless ``foreach=False``)."""
         return self.foreach is not False

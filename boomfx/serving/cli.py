@@ -61,8 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     progress = StageProgress(enabled=True if args.verbose else None)
     device = get_device(args.device)
     progress.stage("loading and capturing the program")
-    # python_locals off: the engine runs its own model code, compiled (vLLM V1's default), not the export's Python
-    program = capture(args.file, options=ProgramOptions(target_kind=device.kind, python_locals=False))
+    program = capture(args.file, options=ProgramOptions(target_kind=device.kind))
     progress.stage("planning the KV cache")
     s = setup(program, device, get_engine(args.engine), db=args.db, block_size=args.block_size,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,

@@ -226,8 +226,7 @@ def serve(source: Any, device: str | DeviceSpec = "a100-80gb", db: Optional[str]
     from boomfx.frontend.capture import capture
     from boomfx.serving.workload import read_dataset
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
-    # python_locals off: the engine runs its own model code, compiled (vLLM V1's default), not the export's Python
-    program = capture(source, options=ProgramOptions(target_kind=spec.kind, python_locals=False))
+    program = capture(source, options=ProgramOptions(target_kind=spec.kind))
     s = setup(program, spec, db=db, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,

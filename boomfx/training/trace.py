@@ -5,7 +5,8 @@ memory of a *training* step. We re-run the export graph under ``make_fx`` on fak
 carry the export's own size symbols (``s0``, ``s1``), reduce the output to a loss, differentiate with
 ``torch.autograd.grad`` and trace a ``torch.optim`` step (foreach, as eager CUDA defaults to, or the
 per-parameter loop eager CPU defaults to: ``foreach=False``). No real memory is allocated. GPU
-dispatch decisions (CUDA autocast lists, fused attention kernels) come from :mod:`boomfx.training.amp`, since the fake tensors live on CPU (see ``_FAKE_DEVICE``).
+dispatch decisions (CUDA autocast lists, fused attention kernels) come from :mod:`boomfx.training.amp`,
+since the fake tensors live on CPU (see ``_FAKE_DEVICE``).
 
 Example::
 
