@@ -51,7 +51,7 @@ import torch.fx
 
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
-from boomfx.passes.fusion import CLASS_NONE, backend_for, fusion_groups, node_class
+from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import channels_last_convolutions
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
@@ -60,9 +60,10 @@ from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.partitioner import _is_tensor, recompute_for_backward
 from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
-from boomfx.core.program import META_RUNTIME_USES, Program
+from boomfx.core.program import META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
+_RECOMPUTED_NORMALISERS = (torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default)
 
 # --cudagraphs (torch.compile mode="reduce-overhead"). Host side: the step's kernels are issued by one
 # graph replay, so per-kernel issue cost is ~0 and the replay costs once: cudaGraphLaunch plus the
@@ -155,28 +156,96 @@ def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], li
     return {"ops": ops}, tensor_inputs, scalar_nodes, scalars
 
 
-def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], inside: set) -> tuple:
+def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], inside: set,
+                   order: dict[torch.fx.Node, int], held: frozenset = frozenset(), backward: bool = False,
+                   saved: frozenset = frozenset()) -> tuple:
     """Inductor writes a pointwise kernel's output into an input buffer that dies there (``buf1 = buf0;
     del buf0  # reuse`` in its output code) when size and dtype match. An input qualifies when it is a
-    fresh kernel output (not a graph input, view or getitem) read only by this group."""
+    kernel's output (not a graph input or getitem; a reshape of one is read at the same index) whose
+    storage no later node reads: within one
+    phase that is a buffer of the same graph; in the backward it may be an activation the forward saved,
+    which AOTAutograd hands the backward graph as a *donated* buffer (``buf1 = mm; del mm  # reuse``:
+    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive."""
+    first = min(order[n] for n in inside)
     taken: set[int] = set()
     result = []
     for out in outputs:
         val = out.meta["val"]
         pick = None
-        for i, inp in enumerate(inputs):
-            v = inp.meta.get("val")
-            if i in taken or inp.op != "call_function" or node_class(inp) == CLASS_NONE:
+        for i, inp in sorted(enumerate(inputs), key=lambda item: not _donated(item[1], saved)):
+            v, base = inp.meta.get("val"), inp
+            while (node_class(base) == CLASS_NONE and is_view_node(base) and base.args
+                   and isinstance(base.args[0], torch.fx.Node)):
+                base = base.args[0]      # a reshape of a buffer reads it at the same index
+            b = base.meta.get("val")
+            if i in taken or base.op != "call_function" or node_class(base) == CLASS_NONE or base.name in held:
                 continue
-            if not isinstance(v, torch.Tensor) or any(u not in inside for u in inp.users):
+            if not isinstance(v, torch.Tensor) or not isinstance(b, torch.Tensor) or b.numel() != v.numel() \
+                    or not _dense(b) or not _dies_in(base, inside, first, order) \
+                    or not _read_pointwise(inp, inside, backward):
                 continue
-            if v.dtype == val.dtype and v.shape == val.shape and v.is_contiguous() and val.is_contiguous():
+            # the same element at the same offset: same shape and strides (a channels-last convolution's
+            # output takes its BatchNorm + ReLU in place as a contiguous one does)
+            if v.dtype == val.dtype and v.shape == val.shape and _dense(v) and v.stride() == val.stride():
                 pick = i
                 break
         if pick is not None:
             taken.add(pick)
         result.append(pick)
     return tuple(result)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its storage exactly once in a layout Inductor writes (contiguous or channels-last)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _donated(node: torch.fx.Node, saved: frozenset) -> bool:
+    """A backward kernel's input saved by the forward (AOTAutograd donates it). Taken first for an in-place
+    output: Inductor takes the first qualifying load, and the decompositions of activation backwards load
+    the saved input before the gradient (``threshold_backward``: ``where(relu <= 0, 0, grad)``; measured on
+    OPT's compiled backward, ``buf11 = relu_1; del relu_1  # reuse``)."""
+    while node_class(node) == CLASS_NONE and is_view_node(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node in saved
+
+
+def _read_pointwise(node: torch.fx.Node, inside: set, backward: bool) -> bool:
+    """Whether every member of the kernel reading ``node`` (directly or through views of the kernel) reads it
+    element for element: Inductor writes over an input only when its one read is at the output's own index
+    (scheduler.py ``can_inplace``, ``single_index_in_fused_node``), never when a reduction also reads it
+    (a LayerNorm backward's incoming gradient gets a new buffer). A ``_log_softmax`` in the backward is
+    a recomputation from saved per-row statistics (``partitioner.recompute_for_backward``): pointwise."""
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in inside:
+                continue
+            if node_class(user) == CLASS_NONE and is_view_node(user):
+                stack.append(user)
+            elif node_class(user) != CLASS_POINTWISE and not (backward and user.target in _RECOMPUTED_NORMALISERS):
+                return False
+    return True
+
+
+def _dies_in(node: torch.fx.Node, inside: set, first: int, order: dict[torch.fx.Node, int]) -> bool:
+    """Whether ``node``'s storage is read by no node after the group starting at ``first`` (views of it
+    followed to their readers; a graph output or an alias kept by a view is a read)."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            if user in inside or user in seen:
+                continue
+            if user.op == "output":
+                return False
+            if is_view_node(user) and user.args and user.args[0] is n:
+                seen.add(user)
+                stack.append(user)
+                continue
+            if order.get(user, first + 1) > first:
+                return False
+    return True
 
 
 def _view_chain(node: torch.fx.Node, inside: set) -> Optional[list[torch.fx.Node]]:
@@ -310,16 +379,22 @@ def compile_program(program: Program) -> Program:
     new_graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     phases = dict(program.phases)
+    held = frozenset(k for kept in (program.gm.meta.get(META_RUNTIME_USES) or {}).values() for k in kept)
+    forward_made = frozenset(n for n in nodes if n.op == "call_function" and program.phase_of(n) == PHASE_FORWARD)
     renamed: dict[str, str] = {}
     k = 0
     for u in emitted:
         body = units[u]
         if u not in rewritten:
             node = body[0]
+            if _is_assert(node) and any(a not in env for a in node.all_input_nodes):
+                continue        # it checked a value the kernels no longer store
             env[node] = new_graph.node_copy(node, lambda n: env[n])
             continue
         inside = set(body)
-        outputs = [n for n in body if any(user not in inside for user in n.users) and _is_tensor(n)]
+        # a metadata assert reads no data (Inductor drops it): it does not make a member a buffer
+        outputs = [n for n in body if any(user not in inside and not _is_assert(user) for user in n.users)
+                   and _is_tensor(n)]
         # An absorbed view read outside the group is not a buffer of its own: Inductor returns its base
         # and the view is a free ``reinterpret_tensor``. Output the base member once and re-apply the
         # view chain after the fused node (before: each view was materialised as a fresh copy, e.g. the
@@ -349,7 +424,9 @@ def compile_program(program: Program) -> Program:
                     for n in body if node_class(n) != CLASS_NONE)
         kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
                              tuple(scalars), in_specs, out_specs, cost, phase)
-        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside)
+        backward = phase == PHASE_BACKWARD
+        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, backward,
+                                        forward_made if backward else frozenset())
         first = body[0]
         fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
         fused.name = name

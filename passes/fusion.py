@@ -51,6 +51,10 @@ relative to ``torch/_inductor``):
 6. **Inlined values** belong to the group of the first stored node (graph order) that computes them,
    as in Inductor's output, where later kernels recompute them (``FusionInfo.inlined``;
    ``compiled.recompute_inlined`` gives each other kernel its own copy).
+7. **Cross-entropy.** ``nll_loss_forward`` joins the group of the ``log_softmax`` it reads when nothing
+   else of its phase reads it: Inductor computes per-row statistics and the gather evaluates the
+   pointwise tail at the target only, so the log-probabilities are never stored
+   (``partitioner.recompute_for_backward`` then saves the logits for the backward, not the log-probabilities).
 
 GPU (default) and CPU (``fusion_groups(program, backend="cpu")``, Inductor's C++ backend, used by the
 tests on machines without a GPU) differ in:
@@ -121,6 +125,9 @@ _POINTWISE = _packets(
     "view_copy", "t_copy", "transpose_copy", "split_with_sizes_copy", "unsqueeze_copy", "squeeze_copy",
     "native_dropout_backward", "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward",
     "tanh_backward", "_unsafe_view",
+    # decomposed into zeros + scatter(-1.0 at the target class) * grad: Inductor's joint-graph pass
+    # ``scatter_upon_const_tensor`` (one index per row) rewrites that into a pointwise ``where(iota == target)``
+    "nll_loss_backward", "nll_loss2d_backward",
 )
 _REDUCTION = _packets(
     "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "var", "var_mean", "std", "std_mean", "prod",
@@ -135,7 +142,6 @@ _GATHER = _packets("embedding", "index", "gather", "index_select", "_unsafe_inde
 _SCATTER = _packets(
     "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put", "scatter", "scatter_", "scatter_add",
     "scatter_add_", "scatter_reduce", "index_add", "index_add_", "embedding_dense_backward",
-    "nll_loss_backward", "nll_loss2d_backward",
 )
 # Not memory-bound by ``kernels.op_class`` (or untagged), but Inductor lowers them as pointwise loops:
 # ``outer`` is decomposed into a broadcasting mul, ``diff`` into a sub of two slices, the rest are
@@ -440,6 +446,31 @@ def _producers(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
     return _reachable(node.all_input_nodes, visit, breadth_first=True)
 
 
+_LOG_SOFTMAX = _packets("_log_softmax", "log_softmax")
+_NLL_FORWARD = _packets("nll_loss_forward", "nll_loss2d_forward")
+
+
+def _gathers_log_probs(node: torch.fx.Node, prod: torch.fx.Node, phase: str, program: Program) -> bool:
+    """Rule 7: ``node`` is cross-entropy's ``nll_loss_forward`` reading a ``log_softmax`` no other node of
+    its phase reads. Inductor decomposes the log-softmax into per-row statistics (max, log-sum-exp) and a
+    pointwise tail that the loss's gather evaluates at the target index only: the log-probabilities are
+    never stored, whatever the two kernels' iteration spaces."""
+    if not (isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket in _NLL_FORWARD
+            and isinstance(prod.target, torch._ops.OpOverload) and prod.target.overloadpacket in _LOG_SOFTMAX):
+        return False
+    stack = [prod]
+    while stack:
+        cur = stack.pop()
+        for user in cur.users:
+            if user is node or program.phase_of(user) != phase:
+                continue
+            if is_view_node(user) and user.args and user.args[0] is cur:
+                stack.append(user)
+                continue
+            return False
+    return True
+
+
 def _dead_nodes(nodes: Sequence[torch.fx.Node], cls_of: Mapping[torch.fx.Node, str]) -> set[torch.fx.Node]:
     """Kernel-class nodes whose value nothing uses (Inductor's dead-code elimination drops them)."""
     dead: set[torch.fx.Node] = set()
@@ -625,10 +656,12 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                 g = find(g)
                 if group_kind[g] != "fused" or group_phase[g] != phase:
                     continue
-                if not (_same_space(group_space[g], space) or (
+                if _gathers_log_probs(node, prod, phase, program):
+                    pass      # rule 7: cross-entropy's gather evaluates the log-softmax it reads in place
+                elif not (_same_space(group_space[g], space) or (
                         cls == CLASS_POINTWISE and any(_same_space(r, space) for r in group_rows[g]))):
                     continue
-                if cls == CLASS_REDUCTION and not _mix_order_ok(group_rows[g], _rows(node), space, backend):
+                elif cls == CLASS_REDUCTION and not _mix_order_ok(group_rows[g], _rows(node), space, backend):
                     continue
                 # no cycle: no other input of the node may depend on the group through an outside node
                 if not any(via_outside(inp, g, (g,)) for inp in node.all_input_nodes):

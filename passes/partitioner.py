@@ -14,6 +14,10 @@ from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, fusion_groups, node_class
 from boomfx.passes.specs import to_sympy
 
+# Row normalisers: Inductor decomposes them into per-row statistics (reductions, small) and a pointwise
+# expression of the input and those statistics, so the partitioner can recompute their output in the
+# backward from the input, saving the input (and the statistics) instead of the output.
+_NORMALISERS = frozenset((torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default))
 _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
     "native_dropout", "bernoulli", "rand_like", "randn_like", "rand", "randn", "randint", "randperm", "normal",
     "uniform", "exponential", "multinomial") if hasattr(torch.ops.aten, n))
@@ -77,18 +81,46 @@ def recompute_for_backward(program: Program) -> Program:
                     stack.append(u)
         return False
 
+    def fused_away(o: torch.fx.Node, g: int) -> bool:
+        """Whether ``o`` is no buffer of the forward: every forward reader (through views) is in its group."""
+        stack = [o]
+        while stack:
+            for u in stack.pop().users:
+                if phase(u) != PHASE_FORWARD:
+                    continue
+                if node_class(u) == CLASS_NONE and is_view_node(u):
+                    stack.append(u)
+                elif group_of.get(u.name) != g:
+                    return False
+        return True
+
     for o in list(graph.nodes):
-        if phase(o) != PHASE_FORWARD or node_class(o) != CLASS_POINTWISE or not _is_tensor(o):
+        if phase(o) != PHASE_FORWARD or not _is_tensor(o):
+            continue
+        normaliser = o.target in _NORMALISERS
+        if node_class(o) != CLASS_POINTWISE and not normaliser:
             continue
         g = group_of.get(o.name)
         if g is None or kinds[g] != "fused" or o.target.overloadpacket in _RANDOM:
             continue
-        bw_users = [u for u in o.users if phase(u) == PHASE_BACKWARD]
-        if not bw_users or any(node_class(u) not in FUSIBLE for u in bw_users):
+        if normaliser and not fused_away(o, g):
             continue
-        if any(phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE and
+        # backward readers, directly or through forward views of ``o`` (each view re-applied to the copy)
+        fw_views = [u for u in o.users if phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE
+                    and is_view_node(u) and u.args and u.args[0] is o
+                    and any(phase(w) == PHASE_BACKWARD for w in u.users)]
+        if fw_views and not normaliser:
+            continue   # read in backward through a forward view: only for the normalisers
+        if any(any(phase(w) == PHASE_FORWARD and node_class(w) == CLASS_NONE for w in v.users) for v in fw_views):
+            continue   # a view of a view: not handled
+        bw_users = [u for u in o.users if phase(u) == PHASE_BACKWARD]
+        bw_reads = bw_users + [w for v in fw_views for w in v.users if phase(w) == PHASE_BACKWARD]
+        if not bw_reads or any(node_class(u) not in FUSIBLE and not (node_class(u) == CLASS_NONE and is_view_node(u))
+                               for u in bw_reads):
+            continue
+        if any(phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE and u not in fw_views and
                any(phase(w) == PHASE_BACKWARD for w in u.users) for u in o.users):
-            continue   # read in backward through a forward view: not handled
+            continue
         chain: list[torch.fx.Node] = []
         leaves: list[torch.fx.Node] = []
         stack, seen, ok = [o], set(), True
@@ -100,7 +132,7 @@ def recompute_for_backward(program: Program) -> Program:
             inner = (n.op == "call_function" and phase(n) == PHASE_FORWARD and isinstance(n.target, torch._ops.OpOverload)
                      and ((node_class(n) == CLASS_POINTWISE and group_of.get(n.name) == g)
                           or (node_class(n) == CLASS_NONE and is_view_node(n))))
-            if n is o or inner:
+            if n is o or (inner and not saved_anyway(n)):   # a value saved anyway is a leaf
                 if n.target.overloadpacket in _RANDOM:
                     ok = False
                 chain.append(n)
@@ -113,6 +145,7 @@ def recompute_for_backward(program: Program) -> Program:
             continue
         size = numel(o)
         free = True
+        extra: Any = sympy.Integer(0)    # elements newly saved so that ``o`` need not be
         for leaf in leaves:
             if saved_anyway(leaf):
                 continue
@@ -122,19 +155,30 @@ def recompute_for_backward(program: Program) -> Program:
                     continue
             except TypeError:
                 pass
+            if normaliser and small is not None:
+                extra = extra + small
+                continue
             free = False
             break
+        if normaliser and free:
+            try:   # the min-cut weighs saving a value its forward never stores as twice its size
+                free = size is not None and bool(extra < 2 * size)
+            except TypeError:
+                free = False
         if not free:
             continue
-        first = min(bw_users, key=order.__getitem__)
+        first = min(bw_reads, key=order.__getitem__)
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         with graph.inserting_before(first):
-            for n in sorted(chain, key=order.__getitem__):
+            for n in sorted(chain, key=order.__getitem__) + fw_views:
                 copy = graph.node_copy(n, lambda a: env.get(a, a))
                 env[n] = copy
                 phases[copy.name] = PHASE_BACKWARD
         for u in bw_users:
             u.replace_input_with(o, env[o])
+        for v in fw_views:
+            for w in [w for w in v.users if phase(w) == PHASE_BACKWARD]:
+                w.replace_input_with(v, env[v])
         recomputed.add(o)
     return program.rewritten(graph, phases=phases)
 

@@ -30,7 +30,7 @@ def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[in
         if iv.resident:
             events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), 0, iv.node,
                                      ((node_module.get(iv.node, ""), 0, iv.node),)))
-    next_id = len(liveness.intervals)
+    next_id = 1 + max((iv.storage_id for iv in liveness.intervals), default=-1)   # ids need not be dense
     for label, size in outside.allocator_sizes():
         events.append(AllocEvent("alloc", next_id, size, 0, label, (("", 0, label),)))
         next_id += 1

@@ -1,0 +1,143 @@
+"""Compiled (``torch.compile``) peak memory against real compiled steps, on architectures nobody tuned for.
+
+For each architecture of ``benchmarks/broad_cpu_accuracy.py`` (transformers models from small configs)
+and each mode (inference, training with AdamW and the export's loss), in a fresh subprocess (an
+Inductor crash ends only its case):
+
+1. export it and save the ``.pt2``;
+2. ``boomfx.validate(FILE, compile=True, db="none", threads=1, repeats=1, warmup=0)``: the predicted peak
+   above the step's start against the profiler peak of the real compiled step (memory does not depend
+   on the database or the clock).
+
+The compiled-training mechanisms of 2026-12-03 (passes/fusion.py rule 7 and ``nll_loss_backward`` as a
+pointwise kernel, ``partitioner.recompute_for_backward``'s normalisers and saved-anyway leaves,
+``compiled._inplace_reuse`` over donated buffers, metadata asserts storing nothing) were worked out on
+OPT and Qwen2 timelines; every other row is held out. The ``before`` column is the same cell of
+``broad_cpu_accuracy.json`` (its compiled rows, 2026-12-01 code) where there is one.
+
+Run: ``python benchmarks/compiled_memory.py [--models opt,qwen2,...] [--modes train,inference]``;
+writes ``benchmarks/results/compiled_memory.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DESIGNED_ON = ("opt", "qwen2")
+
+_ONE = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from broad_cpu_accuracy import export_file
+from boomfx.validate import validate
+train = sys.argv[2] == "train"
+path = export_file(sys.argv[1], train, Path(sys.argv[3]))
+r = validate(str(path), train=train, compile=True, db="none", threads=1, repeats=1, warmup=0, device="cpu")
+print(json.dumps({"pred": r.predicted_peak_above_start_bytes, "real": r.measured_peak_above_start_bytes,
+                  "err": r.memory_error, "loss": r.options.get("loss")}))
+"""
+
+
+def run_case(model: str, mode: str, directory: Path, timeout_s: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ONE, model, mode, str(directory), str(ROOT / "benchmarks")],
+                              capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "mode": mode, "error": f"did not finish in {timeout_s:.0f} s"}
+    row = {"model": model, "mode": mode, "seconds": round(time.perf_counter() - t0, 1)}
+    if proc.returncode != 0:
+        tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-1:] or [f"exit {proc.returncode}"]
+        row["error"] = tail[0][:200]
+        return row
+    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return row
+
+
+def _before_head(model: str, mode: str) -> float | None:
+    """The same prediction by the code before these mechanisms (commit 0b87c05), against this run's real
+    peak: ``compiled_memory_before.json`` (written by running the old tree's ``Analysis`` on the same
+    exports; the real peaks do not depend on boomfx)."""
+    path = RESULTS / "compiled_memory_before.json"
+    return json.loads(path.read_text()).get(f"{model}/{mode}") if path.exists() else None
+
+
+def _before(model: str, mode: str) -> float | None:
+    path = RESULTS / "broad_cpu_accuracy.json"
+    if not path.exists():
+        return None
+    for r in json.loads(path.read_text())["rows"]:
+        if r["model"] == model and r["mode"] == mode and r["exec"] == "compiled":
+            return r.get("mem_nodb_err")
+    return None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from broad_cpu_accuracy import MODELS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--modes", default="train,inference")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            for mode in args.modes.split(","):
+                row = run_case(model, mode, Path(tmp), args.timeout_s)
+                row["before"] = _before(model, mode)
+                row["before_head"] = _before_head(model, mode)
+                row["held_out"] = model not in DESIGNED_ON
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    summary = {}
+    for mode in args.modes.split(","):
+        for held in (True, False):
+            errs = [r["err"] for r in rows if r["mode"] == mode and r["held_out"] == held and "err" in r]
+            if errs:
+                summary[f"{mode}, {'held out' if held else 'designed on'}"] = {
+                    "n": len(errs), "median_abs": statistics.median(abs(e) for e in errs),
+                    "worst_abs": max(abs(e) for e in errs), "mean_signed": statistics.fmean(errs)}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(["python"] + sys.argv),
+            "torch": __import__("torch").__version__, "load_average_end": os.getloadavg()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compiled_memory.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    lines = ["# Compiled peak memory against real compiled steps", "",
+             f"torch {meta['torch']}; {meta['date']}; `{meta['command']}`. Predicted peak above the step's start "
+             "(no database) vs the profiler peak of the real `torch.compile`d step (`boomfx.validate`, one thread). "
+             f"Designed on: {', '.join(DESIGNED_ON)}; the other rows are held out. `before`: the same cell of "
+             "broad_cpu_accuracy.json (2026-12-01 code); `0b87c05`: the code just before these mechanisms, same real "
+             "peak (compiled_memory_before.json).", "",
+             "| model | mode | loss | predicted | real | error | 0b87c05 | before (12-01) | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "err" in r:
+            lines.append(f"| {r['model']}{'' if r['held_out'] else ' (designed on)'} | {r['mode']} | {r.get('loss') or '-'} "
+                         f"| {r['pred'] / 2**20:.2f} MiB | {r['real'] / 2**20:.2f} MiB | {_pct(r['err'])} | "
+                         f"{_pct(r.get('before_head'))} | {_pct(r['before'])} | |")
+        else:
+            lines.append(f"| {r['model']} | {r['mode']} | - | - | - | - | {_pct(r.get('before_head'))} | "
+                         f"{_pct(r['before'])} | {r.get('error', '')} |")
+    lines += ["", "| cases | n | median abs | worst abs | mean signed |", "|---|---|---|---|---|"]
+    for k, s in summary.items():
+        lines.append(f"| {k} | {s['n']} | {_pct(s['median_abs'])} | {_pct(s['worst_abs'])} | {_pct(s['mean_signed'])} |")
+    (RESULTS / "compiled_memory.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
