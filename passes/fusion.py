@@ -124,7 +124,8 @@ _POINTWISE = _packets(
     "bernoulli", "rand_like", "randn_like", "_unsafe_index", "alias_copy", "expand_copy", "permute_copy",
     "view_copy", "t_copy", "transpose_copy", "split_with_sizes_copy", "unsqueeze_copy", "squeeze_copy",
     "native_dropout_backward", "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward",
-    "tanh_backward", "_unsafe_view",
+    "tanh_backward", "_unsafe_view", "hardtanh_backward", "hardswish_backward", "hardsigmoid_backward",
+    "leaky_relu_backward", "elu_backward", "softplus_backward", "mish_backward",
     # decomposed into zeros + scatter(-1.0 at the target class) * grad: Inductor's joint-graph pass
     # ``scatter_upon_const_tensor`` (one index per row) rewrites that into a pointwise ``where(iota == target)``
     "nll_loss_backward", "nll_loss2d_backward",
@@ -170,6 +171,8 @@ def node_class(node: torch.fx.Node) -> str:
         return CLASS_POINTWISE
     if op_class(target) != OP_CLASS_MEMORY or packet in _FALLBACK:
         return CLASS_EXTERN
+    if _is_training_batch_norm(node):
+        return CLASS_REDUCTION    # functionalised: its running-statistics updates become copies of two vectors
     if any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments):
         return CLASS_SCATTER      # in-place / out= ops write a live storage: never fused (one kernel each)
     if str(packet).split(".")[-1].startswith("_foreach_"):
@@ -192,6 +195,15 @@ def _is_inference_batch_norm(node: torch.fx.Node) -> bool:
     if packet in training_arg and len(node.args) > 5:
         return node.args[5] is False
     return False
+
+
+def _is_training_batch_norm(node: torch.fx.Node) -> bool:
+    """Batch norm computing batch statistics (and updating running ones in place): AOTAutograd
+    functionalises the updates, Inductor lowers the statistics as reductions and the normalisation as a
+    pointwise tail, fused like LayerNorm's."""
+    packet = node.target.overloadpacket
+    return packet in (aten.native_batch_norm, aten._native_batch_norm_legit) and len(node.args) > 5 \
+        and node.args[5] is True
 
 
 # ---------------------------------------------------------------------------------------------------------

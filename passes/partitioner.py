@@ -3,6 +3,7 @@ are saved for the backward anyway are recomputed in the backward instead of save
 applied by passes/compiled.py before fusion)."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import sympy
@@ -180,7 +181,55 @@ def recompute_for_backward(program: Program) -> Program:
             for w in [w for w in v.users if phase(w) == PHASE_BACKWARD]:
                 w.replace_input_with(v, env[v])
         recomputed.add(o)
+    _recompute_batch_norm_outputs(graph, phases, phase)
     return program.rewritten(graph, phases=phases)
+
+
+def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: Any) -> None:
+    """A training batch norm's output read in the backward (ReLU6's ``hardtanh_backward`` reads its
+    input) is recomputed there as ``(x - mean) * invstd * weight + bias`` from tensors the batch norm's
+    own backward keeps anyway (its input and the saved statistics): Inductor decomposes the op into
+    reductions and that pointwise tail, and the partitioner saves the small statistics, not the output."""
+    from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD
+    from boomfx.passes.fusion import FUSIBLE, _is_training_batch_norm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for bn in list(graph.nodes):
+        if bn.op != "call_function" or phase(bn) != PHASE_FORWARD or not isinstance(bn.target, torch._ops.OpOverload) \
+                or not _is_training_batch_norm(bn):
+            continue
+        outs = {u.args[1]: u for u in bn.users if u.target is operator.getitem}
+        y, mean, invstd = outs.get(0), outs.get(1), outs.get(2)
+        if y is None or mean is None or invstd is None:
+            continue
+        bw_users = [u for u in y.users if phase(u) == PHASE_BACKWARD]
+        if not bw_users or any(node_class(u) not in FUSIBLE for u in bw_users):
+            continue
+        x, weight, bias = bn.args[0], bn.args[1], bn.args[2]
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 2:
+            continue
+        shape = [1, -1] + [1] * (val.dim() - 2)
+        env: list[torch.fx.Node] = []
+
+        def call(target: Any, *args: Any) -> torch.fx.Node:
+            node = graph.call_function(target, args)
+            with val.fake_mode:
+                node.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+            phases[node.name] = PHASE_BACKWARD
+            env.append(node)
+            return node
+        with graph.inserting_before(min(bw_users, key=order.__getitem__)):
+            out = call(aten.mul.Tensor, call(aten.sub.Tensor, x, call(aten.view.default, mean, shape)),
+                       call(aten.view.default, invstd, shape))
+            if isinstance(weight, torch.fx.Node):
+                out = call(aten.mul.Tensor, out, call(aten.view.default, weight, shape))
+            if isinstance(bias, torch.fx.Node):
+                out = call(aten.add.Tensor, out, call(aten.view.default, bias, shape))
+        for u in bw_users:
+            u.replace_input_with(y, out)
+
+
+aten = torch.ops.aten
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
