@@ -57,13 +57,12 @@ from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
 from boomfx.passes.op_names import op_name
 from boomfx.passes.opcall import opcall_from_node
-from boomfx.passes.partitioner import _is_tensor, recompute_for_backward
+from boomfx.passes.partitioner import _NORMALISERS, _is_tensor, recompute_for_backward, view_base
 from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
 from boomfx.core.program import META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
-_RECOMPUTED_NORMALISERS = (torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default)
 
 # --cudagraphs (torch.compile mode="reduce-overhead"). Host side: the step's kernels are issued by one
 # graph replay, so per-kernel issue cost is ~0 and the replay costs once: cudaGraphLaunch plus the
@@ -165,18 +164,19 @@ def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], in
     storage no later node reads: within one
     phase that is a buffer of the same graph; in the backward it may be an activation the forward saved,
     which AOTAutograd hands the backward graph as a *donated* buffer (``buf1 = mm; del mm  # reuse``:
-    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive."""
+    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive; ``saved``:
+    the forward's nodes (a backward kernel's inputs among them are donated)."""
     first = min(order[n] for n in inside)
     taken: set[int] = set()
     result = []
     for out in outputs:
         val = out.meta["val"]
         pick = None
-        for i, inp in sorted(enumerate(inputs), key=lambda item: not _donated(item[1], saved)):
-            v, base = inp.meta.get("val"), inp
-            while (node_class(base) == CLASS_NONE and is_view_node(base) and base.args
-                   and isinstance(base.args[0], torch.fx.Node)):
-                base = base.args[0]      # a reshape of a buffer reads it at the same index
+        # a donated input first: Inductor takes the first qualifying load, and the decompositions of
+        # activation backwards load the saved input before the gradient (``threshold_backward``:
+        # ``where(relu <= 0, 0, grad)``; OPT's compiled backward: ``buf11 = relu_1; del relu_1  # reuse``)
+        for i, inp in sorted(enumerate(inputs), key=lambda item: view_base(item[1]) not in saved):
+            v, base = inp.meta.get("val"), view_base(inp)   # a reshape of a buffer reads it at the same index
             b = base.meta.get("val")
             if i in taken or base.op != "call_function" or node_class(base) == CLASS_NONE or base.name in held:
                 continue
@@ -200,16 +200,6 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
-def _donated(node: torch.fx.Node, saved: frozenset) -> bool:
-    """A backward kernel's input saved by the forward (AOTAutograd donates it). Taken first for an in-place
-    output: Inductor takes the first qualifying load, and the decompositions of activation backwards load
-    the saved input before the gradient (``threshold_backward``: ``where(relu <= 0, 0, grad)``; measured on
-    OPT's compiled backward, ``buf11 = relu_1; del relu_1  # reuse``)."""
-    while node_class(node) == CLASS_NONE and is_view_node(node) and node.args and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node in saved
-
-
 def _read_pointwise(node: torch.fx.Node, inside: set, backward: bool) -> bool:
     """Whether every member of the kernel reading ``node`` (directly or through views of the kernel) reads it
     element for element: Inductor writes over an input only when its one read is at the output's own index
@@ -223,7 +213,7 @@ def _read_pointwise(node: torch.fx.Node, inside: set, backward: bool) -> bool:
                 continue
             if node_class(user) == CLASS_NONE and is_view_node(user):
                 stack.append(user)
-            elif node_class(user) != CLASS_POINTWISE and not (backward and user.target in _RECOMPUTED_NORMALISERS):
+            elif node_class(user) != CLASS_POINTWISE and not (backward and user.target in _NORMALISERS):
                 return False
     return True
 
@@ -424,9 +414,8 @@ def compile_program(program: Program) -> Program:
                     for n in body if node_class(n) != CLASS_NONE)
         kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
                              tuple(scalars), in_specs, out_specs, cost, phase)
-        backward = phase == PHASE_BACKWARD
-        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, backward,
-                                        forward_made if backward else frozenset())
+        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, phase == PHASE_BACKWARD,
+                                        forward_made)
         first = body[0]
         fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
         fused.name = name

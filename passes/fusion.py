@@ -668,12 +668,11 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                 g = find(g)
                 if group_kind[g] != "fused" or group_phase[g] != phase:
                     continue
-                if _gathers_log_probs(node, prod, phase, program):
-                    pass      # rule 7: cross-entropy's gather evaluates the log-softmax it reads in place
-                elif not (_same_space(group_space[g], space) or (
-                        cls == CLASS_POINTWISE and any(_same_space(r, space) for r in group_rows[g]))):
-                    continue
-                elif cls == CLASS_REDUCTION and not _mix_order_ok(group_rows[g], _rows(node), space, backend):
+                spaces_fit = (_same_space(group_space[g], space) or (
+                    cls == CLASS_POINTWISE and any(_same_space(r, space) for r in group_rows[g]))) and not (
+                    cls == CLASS_REDUCTION and not _mix_order_ok(group_rows[g], _rows(node), space, backend))
+                # rule 7: cross-entropy's gather evaluates the log-softmax it reads, whatever the spaces
+                if not (spaces_fit or _gathers_log_probs(node, prod, phase, program)):
                     continue
                 # no cycle: no other input of the node may depend on the group through an outside node
                 if not any(via_outside(inp, g, (g,)) for inp in node.all_input_nodes):

@@ -57,14 +57,8 @@ def recompute_for_backward(program: Program) -> Program:
         v = n.meta.get("val")
         return _numel_of(v) if isinstance(v, torch.Tensor) else None
 
-    def base_of(n: torch.fx.Node) -> torch.fx.Node:
-        while (isinstance(n.target, torch._ops.OpOverload) and node_class(n) == CLASS_NONE and is_view_node(n)
-               and n.args and isinstance(n.args[0], torch.fx.Node)):
-            n = n.args[0]
-        return n
-
     def saved_anyway(leaf: torch.fx.Node) -> bool:
-        base = base_of(leaf)
+        base = view_base(leaf)
         if base.op == "placeholder" or not _is_tensor(base):
             return True
         if base in recomputed:
@@ -230,6 +224,14 @@ def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: An
 
 
 aten = torch.ops.aten
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node`` reads: ``node`` itself, or the base under its chain of views."""
+    while (isinstance(node.target, torch._ops.OpOverload) and node_class(node) == CLASS_NONE and is_view_node(node)
+           and node.args and isinstance(node.args[0], torch.fx.Node)):
+        node = node.args[0]
+    return node
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:
