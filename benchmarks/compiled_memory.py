@@ -59,11 +59,16 @@ NOTES = """
     estimate as we could reconstruct it (its graph's buffers, freeable saved inputs, in-place outputs
     counted as fresh) OPT came to -0.9% and GPTBigCode to -1.4%, but RoBERTa and DeiT inference went to
     +50% / +23% (Inductor frees buffers there that the reconstruction reuses).
-  - ConvNeXt training +122.8% (also before): the no-database scratch rule gives a 7x7 depthwise
-    convolution's weight gradient 257x the weight's bytes when its input is channels-last (measured in
-    eager). Inductor's backward hands the fallback `convolution_backward` inputs in another order
-    (strides (8192, 16, 512, 1) for [8, 32, 16, 16] in its output code), where the same call takes
-    about twice the input (measured: 512 KiB for that shape) and no per-weight partials.
+  - ConvNeXt training was +122.8% until 2026-12-04: the no-database scratch rule gave a 7x7 depthwise
+    convolution's weight gradient 257x the weight's bytes because we modelled its input channels-last.
+    Inductor's backward graph runs without layout optimisation and hands a depthwise
+    `convolution_backward` an input copied into (N, H, C, W) order (strides (8192, 16, 512, 1) for
+    [8, 32, 16, 16]) and a contiguous gradient, so oneDNN runs the contiguous path (passes/layout.py
+    `backward_convolution_operands`, kernels_db/cpu_scratch.py). Now +7.5%; MobileNetV2 (3x3 depthwise,
+    same mechanism) +0.8%. The rest of ConvNeXt's error, read in the real step's timeline: Inductor
+    reorders the backward for peak memory (the last stage's weight gradients computed at its end), and
+    a dense channels-last convolution backward takes twice the weight's bytes of scratch, neither
+    modelled here yet.
   - DeiT inference -4.3%, ResNet training +3.4%: not analysed.
 - The `0b87c05` column is worse than the 2026-12-01 cells for the decoders (Qwen2 +20.7% vs +8.3%):
   some change between the two regressed compiled training memory; not bisected.

@@ -28,6 +28,24 @@ dense and grouped backwards, not for grouped forwards or depthwise backwards (a 
 forward: exactly the unpadded sizes), nor for fewer than 16 channels (the 3-channel stem: the padded
 rule made ResNet inference +51%); with that the rules hold within 7% of the real scratch there.
 
+Which layout a call runs in is oneDNN's choice in ATen (``mkldnn_conv_use_channels_last``): channels-last
+when the input or the weight *suggests* it (``suggest_memory_format``, c10's
+``is_channels_last_strides_2d``), else contiguous; an operand in neither that layout is copied into it
+first (``.contiguous(memory_format)``), and the copy is scratch too. Measured (1 thread, depthwise 7x7
+backward, 8x32x16x16): input in (N, H, C, W) order with a contiguous incoming gradient 512 KiB = the input's
+copy + the contiguous path's 256 KiB; a channels-last input with a contiguous gradient 1830 KiB = the 257x
+partials + the gradient's copy. Inductor's backward hands depthwise backwards exactly those (N, H, C, W)
+inputs (passes/layout.py).
+
+Contiguous depthwise backwards with kernels larger than 3x3 take another path than 3x3 (which takes
+``input + grad_output``): the input gradient takes ``input + weight``; the weight gradient keeps partials of
+``4 x weight`` bytes per thread, the first thread's in the input gradient's space:
+``max(input + weight, 4 weight) + 4 weight x (threads - 1)``. Measured on 13 shapes (k = 5, 7; C = 32..256;
+stride 1 and 2): median error 9% / 11% / 14% at 1 / 2 / 4 threads, worst -28% / +48% / +46% (with more
+threads the partials sometimes fit inside the input gradient's space and sometimes not; at one thread the
+5x5 on 40 channels at 20x20 is the -28%: the partials grow with the image there, not modelled); 3x3 at
+both thread counts within 4%.
+
 Known limitations: a dense convolution on channels-last activations still takes some scratch
 (86 KiB for a 24->40 3x3 at 20x20, not modelled: 0 here); other ISAs (AVX-512, AMX) block by 16 and may pick other paths; a database
 measures the real scratch (``workspace_bytes``) and always wins over this model.
@@ -42,6 +60,7 @@ import torch
 aten = torch.ops.aten
 CHANNEL_BLOCK = 16       # channels of a blocked copy are padded to this (40 -> 48 measured: nChw16c)
 DEPTHWISE_WGRAD_SCRATCH_PER_WEIGHT = 257   # x weight bytes (see the module docstring)
+DEPTHWISE_WGRAD_PARTIALS_PER_THREAD = 4    # x weight bytes, contiguous depthwise backward, kernel > 3x3
 FORWARD_OPS = (aten.conv2d.default, aten.convolution.default, aten._convolution.default)
 BACKWARD_OPS = (aten.convolution_backward.default,)
 
@@ -61,6 +80,21 @@ def _blocked_bytes(spec: Any, channel_dims: tuple[int, ...] = (1,)) -> int:
         if shape[d] >= CHANNEL_BLOCK:    # a 3-channel image stays plain (oneDNN's first-layer path)
             shape[d] = -(-shape[d] // CHANNEL_BLOCK) * CHANNEL_BLOCK
     return int(math.prod(shape)) * spec.dtype.itemsize
+
+
+def suggests_channels_last(spec: Any) -> bool:
+    """c10's ``is_channels_last_strides_2d`` (what ``suggest_memory_format`` answers) for a 4-D spec: the
+    strides fall in the order C, W, H, N; ambiguous cases (size-1 dimensions) count as contiguous."""
+    shape = [int(s) for s in spec.shape]
+    stride = [int(s) for s in spec.stride]
+    if len(shape) != 4 or stride[1] == 0:
+        return False
+    smallest = 0
+    for d in (1, 3, 2, 0):
+        if shape[d] == 0 or stride[d] < smallest or (d == 0 and smallest == stride[1]):
+            return False
+        smallest = stride[d] * (shape[d] if shape[d] > 1 else 1)
+    return True
 
 
 def _contiguous(spec: Any) -> bool:
@@ -85,13 +119,30 @@ def _pointwise_gemm(weight: Any, call: Any) -> bool:
         and groups == 1
 
 
-def _depthwise_wgrad_partials(call: Any, inp: Any, weight: Any) -> bool:
-    """A depthwise weight gradient of a channels-last input with a kernel larger than 3x3."""
+def _is_depthwise(call: Any, inp: Any, weight: Any) -> bool:
     groups = int(call.arg("groups") or 1)
+    return groups > 1 and groups == int(inp.shape[1]) and int(weight.shape[1]) == 1
+
+
+def _kernel_area(weight: Any) -> int:
+    return int(math.prod(int(s) for s in weight.shape[2:]))
+
+
+def _copied_bytes(operands: tuple[Any, ...], channels_last: bool) -> int:
+    """Bytes of the operands the call copies into the layout it runs in (``.contiguous(memory_format)``)."""
+    return sum(_bytes(t) for t in operands
+               if t is not None and not (suggests_channels_last(t) if channels_last else _contiguous(t)))
+
+
+def _contiguous_depthwise_backward(call: Any, inp: Any, weight: Any, threads: int) -> int:
+    """Contiguous depthwise backward with a kernel larger than 3x3 (see the module docstring)."""
     mask = call.arg("output_mask") or [True, True, True]
-    kernel = math.prod(int(s) for s in weight.shape[2:])
-    return (groups > 1 and groups == int(inp.shape[1]) and int(weight.shape[1]) == 1 and bool(mask[1])
-            and kernel > 9 and not _contiguous(inp))
+    grad_input = _bytes(inp) + _bytes(weight) if mask[0] else 0
+    if not mask[1]:
+        return grad_input
+    partials = DEPTHWISE_WGRAD_PARTIALS_PER_THREAD * _bytes(weight)
+    # the first thread's partials share the input gradient's space; every further thread adds its own
+    return max(grad_input, partials) + partials * (max(threads, 1) - 1)
 
 
 def convolution_scratch_bytes(call: Any, threads: Optional[int] = None) -> int:
@@ -104,28 +155,33 @@ def convolution_scratch_bytes(call: Any, threads: Optional[int] = None) -> int:
         weight = call.arg("weight")
         if inp is None or weight is None or len(inp.shape) != 4:
             return 0
-        if op in BACKWARD_OPS and _depthwise_wgrad_partials(call, inp, weight):
-            return DEPTHWISE_WGRAD_SCRATCH_PER_WEIGHT * _bytes(weight)
-        if not (_contiguous(inp) and _contiguous(weight)) or not _contiguous(inp):
-            # channels-last: the kernels read the activations as they are; a depthwise forward
-            # reorders its (contiguous) weight once
-            depthwise = int(weight.shape[1]) == 1 and int(call.arg("groups") or 1) > 1
-            return _bytes(weight) if op in FORWARD_OPS and depthwise and _contiguous(weight) else 0
+        grad_out = call.arg("grad_output") if op in BACKWARD_OPS else None
+        if op in BACKWARD_OPS and grad_out is None:
+            return 0
+        depthwise = _is_depthwise(call, inp, weight)
+        channels_last = suggests_channels_last(inp) or suggests_channels_last(weight)
+        copies = _copied_bytes((inp, grad_out), channels_last)
         threads = torch.get_num_threads() if threads is None else threads
+        if channels_last:
+            # the kernels read the activations as they are; a depthwise forward reorders its (contiguous)
+            # weight once; a depthwise weight gradient with a kernel over 3x3 keeps per-weight partials
+            mask = call.arg("output_mask") or [True, True, True]
+            if op in BACKWARD_OPS:
+                partials = depthwise and bool(mask[1]) and _kernel_area(weight) > 9
+                return copies + (DEPTHWISE_WGRAD_SCRATCH_PER_WEIGHT * _bytes(weight) if partials else 0)
+            return copies + (_bytes(weight) if depthwise and _contiguous(weight) else 0)
         if threads == 1 and _pointwise_gemm(weight, call):
-            return 0
-        out = call.outputs[0] if call.outputs else None
+            return copies
         if op in FORWARD_OPS:
+            out = call.outputs[0] if call.outputs else None
             if out is None:
-                return 0
+                return copies
             groups = int(call.arg("groups") or 1)
-            blocked = _blocked_bytes if groups == 1 or groups == int(inp.shape[1]) else _plain_bytes
-            return max(blocked(inp) + _bytes(weight), blocked(out))
-        grad_out = call.arg("grad_output")
-        if grad_out is None:
-            return 0
-        depthwise = int(call.arg("groups") or 1) == int(inp.shape[1]) > 1
+            blocked = _blocked_bytes if groups == 1 or depthwise else _plain_bytes
+            return copies + max(blocked(inp) + _bytes(weight), blocked(out))
+        if depthwise and _kernel_area(weight) > 9:
+            return copies + _contiguous_depthwise_backward(call, inp, weight, threads)
         blocked = _plain_bytes if depthwise else _blocked_bytes
-        return blocked(inp) + blocked(grad_out) + _bytes(weight)
+        return copies + blocked(inp) + blocked(grad_out) + _bytes(weight)
     except (TypeError, ValueError):          # unbound symbolic sizes: no scratch claimed
         return 0

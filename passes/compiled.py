@@ -52,7 +52,7 @@ import torch.fx
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
-from boomfx.passes.layout import channels_last_convolutions
+from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
 from boomfx.passes.op_names import op_name
@@ -319,7 +319,7 @@ def compile_program(program: Program) -> Program:
     fused_op()
     backend = backend_for(program)
     program = fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend)
-    program = recompute_inlined(recompute_for_backward(program))
+    program = backward_convolution_operands(recompute_inlined(recompute_for_backward(program)), backend)
     fusion = fusion_groups(program)
     graph = program.graph
     nodes = list(graph.nodes)

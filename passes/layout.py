@@ -16,7 +16,9 @@ reinterpreted, not copied).
 model see them, then recomputes the values downstream on fake tensors so every convolution, norm and
 pointwise op after them carries Inductor's channels-last strides (the kernel database keys and measures
 what the compiled run executes), and copies each channels-last weight gradient back into the
-parameter's layout before the optimizer (AccumulateGrad). Not modelled: the dynamic-shape opt-out of the
+parameter's layout before the optimizer (AccumulateGrad). Inductor's backward graph runs without layout
+optimisation, and hands depthwise ``convolution_backward`` calls an input copied into (N, H, C, W) order
+and a contiguous gradient (``backward_convolution_operands``, after the partitioner). Not modelled: the dynamic-shape opt-out of the
 GPU heuristic (a compiled run specialises its first shapes); the layout of a convolution operand computed
 in the graph from a graph input (an AMP cast of a weight: Inductor writes it channels-last at no extra
 cost, we keep its traced layout and price that convolution contiguous).
@@ -43,6 +45,7 @@ _OPERANDS = {_aten.convolution.default: (0, 1), _aten.conv2d.default: (0, 1),
 # GraphLowering.decide_layout_opt: average channels-last time ratio per convolution kind (inference)
 _GROUPED, _DEFAULT, _IN_OUT, _SMALL = 1.358, 0.823, 0.725, 0.783
 _NODES_PER_CONV_LIMIT = 300
+_NHCW = (0, 2, 1, 3)     # (N, H, C, W): the order Inductor's backward gives a depthwise convolution's input
 
 
 def _weight(node: torch.fx.Node) -> Any:
@@ -165,6 +168,104 @@ def _copy(graph: torch.fx.Graph, src: torch.fx.Node, memory_format: torch.memory
         copy.meta["val"] = src.meta["val"].clone(memory_format=memory_format)
     phases[copy.name] = phases.get(site.name, PHASE_FORWARD)
     return copy
+
+
+def backward_convolution_operands(program: Program, backend: str) -> Program:
+    """``program`` (partitioned: forward, recomputation and backward as Inductor's two graphs hold them)
+    with the operand copies Inductor's backward graph makes for depthwise ``convolution_backward`` calls
+    (``_backward_depthwise_operands``) when its forward ran channels-last; unchanged otherwise. Runs after
+    the partitioner, as Inductor's lowering does: the copies are not in the joint graph it cuts, so they
+    must not turn a saved activation into a recomputed one."""
+    if not program.options.train or not uses_channels_last(program, backend):
+        return program
+    graph, _ = program.copied_graph()
+    phases = dict(program.phases)
+    reordered = _backward_depthwise_operands(graph, phases)
+    if not reordered or not _propagate_layouts(graph, reordered, phases):
+        return program
+    return program.rewritten(graph, phases=phases, grad_nodes=_drop_needless_gradient_copies(graph, program.grad_nodes))
+
+
+def _drop_needless_gradient_copies(graph: torch.fx.Graph, grad_nodes: dict[str, str]) -> dict[str, str]:
+    """Remove ``_contiguous_gradients``' copy of a weight gradient that now comes out contiguous."""
+    by_name = {n.name: n for n in graph.nodes}
+    out: dict[str, str] = {}
+    for name, fqn in grad_nodes.items():
+        node = by_name.get(name)
+        src = node.args[0] if node is not None and node.meta.get(META_EAGER) and node.args else None
+        if (node is not None and node.target is _aten.clone.default and isinstance(src, torch.fx.Node)
+                and isinstance(src.meta.get("val"), torch.Tensor) and _is_contiguous(src.meta["val"])):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+            out[src.name] = fqn
+        else:
+            out[name] = fqn
+    return out
+
+
+def _in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether ``val`` is dense in the dimension order ``order`` (outermost first)."""
+    try:
+        return bool(val.permute(*order).is_contiguous())
+    except RuntimeError:      # a symbolic stride: not provably in that order
+        return False
+
+
+def _copy_in_order(graph: torch.fx.Graph, src: torch.fx.Node, order: tuple[int, ...],
+                   site: torch.fx.Node, phases: dict[str, str]) -> torch.fx.Node:
+    """A dense copy of ``src`` with its dimensions laid out in ``order`` (a self-inverse permutation):
+    permute (a view), a contiguous clone (the one buffer), permute back."""
+    with graph.inserting_before(site):
+        view = graph.call_function(_aten.permute.default, (src, list(order)))
+        with _fake_mode(graph):
+            view.meta["val"] = src.meta["val"].permute(*order)
+        phases[view.name] = phases.get(site.name, PHASE_FORWARD)
+        dense = _copy(graph, view, torch.contiguous_format, site, phases)
+        back = graph.call_function(_aten.permute.default, (dense, list(order)))
+        with _fake_mode(graph):
+            back.meta["val"] = dense.meta["val"].permute(*order)
+        phases[back.name] = phases.get(site.name, PHASE_FORWARD)
+    return back
+
+
+def _backward_depthwise_operands(graph: torch.fx.Graph, phases: dict[str, str]) -> set[torch.fx.Node]:
+    """The operands Inductor's backward graph hands a depthwise ``convolution_backward``.
+
+    The backward graph holds no forward convolution, so ``decide_layout_opt`` turns layout optimisation
+    off there, and ``convolution_backward_lowering`` (torch/_inductor/kernel/conv.py) requires the input
+    and the incoming gradient in the stride order of the weight gradient's fake layout. A depthwise
+    weight gradient (in-channels 1) of channels-last operands is ``(k*k, 1, k, 1)``: C and W tie, and
+    the order Inductor derives is (N, H, C, W), into which the saved channels-last input is copied; the
+    input-gradient half then requires the incoming gradient contiguous (its producer writes it so). An
+    (N, H, C, W) input suggests no channels-last, so oneDNN runs the call contiguous: it copies the input
+    once more and takes the contiguous path's scratch (kernels_db/cpu_scratch.py), and the weight
+    gradient comes out contiguous (no copy before the optimizer). Read in the output code of compiled
+    ConvNeXt and MobileNetV2 training steps (torch 2.13, CPU): every depthwise backward gets an
+    (N, H, C, W) input and a contiguous gradient. Returns the copies inserted (empty if none)."""
+    inserted: set[torch.fx.Node] = set()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.convolution_backward.default:
+            continue
+        grad_out, inp, weight = node.args[0], node.args[1], node.args[2]
+        w = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+        mask = node.args[10] if len(node.args) > 10 else [True, True, True]
+        if not (isinstance(w, torch.Tensor) and w.dim() == 4 and int(w.shape[1]) == 1
+                and int(node.args[9]) > 1 and mask[1] and isinstance(inp, torch.fx.Node)
+                and isinstance(grad_out, torch.fx.Node)):
+            continue
+        args = list(node.args)
+        if not _in_order(inp.meta["val"], _NHCW):
+            args[1] = _copy_in_order(graph, inp, _NHCW, node, phases)
+            inserted.add(args[1])
+        if mask[0] and not _is_contiguous(grad_out.meta["val"]):
+            with graph.inserting_before(node):
+                args[0] = _copy(graph, grad_out, torch.contiguous_format, node, phases)
+            inserted.add(args[0])
+        elif not mask[0] and not _in_order(grad_out.meta["val"], _NHCW):
+            args[0] = _copy_in_order(graph, grad_out, _NHCW, node, phases)
+            inserted.add(args[0])
+        node.args = tuple(args)
+    return inserted
 
 
 def _fake_mode(graph: torch.fx.Graph) -> Any:

@@ -142,3 +142,44 @@ def test_batch_norm_output_is_recomputed_not_saved(tmp_path):
     result = validate(str(path), train=True, compile=True, loss="mean", db="none", repeats=1, warmup=0, threads=1)
     assert abs(result.memory_error) <= 0.02, (result.predicted_peak_above_start_bytes,
                                               result.measured_peak_above_start_bytes)
+
+
+class _DepthwiseSeparable(torch.nn.Module):
+    """ConvNeXt-style blocks: a patchify stem, 7x7 depthwise convolutions, 1x1 pointwise ones, GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 64, 4, stride=4)
+        self.dw1 = torch.nn.Conv2d(64, 64, 7, padding=3, groups=64)
+        self.pw1 = torch.nn.Conv2d(64, 128, 1)
+        self.dw2 = torch.nn.Conv2d(128, 128, 7, padding=3, groups=128)
+        self.pw2 = torch.nn.Conv2d(128, 64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = x + self.pw2(self.dw2(torch.nn.functional.gelu(self.pw1(self.dw1(x)))))
+        return x.mean(dim=(2, 3))
+
+
+def test_depthwise_backward_runs_contiguous_as_inductors_backward_hands_it(tmp_path):
+    """Inductor's backward graph has no layout optimisation: a depthwise ``convolution_backward`` gets its
+    input copied into (N, H, C, W) order and a contiguous gradient, so oneDNN runs it contiguous and its
+    weight gradient comes out contiguous (no copy before the optimizer). Modelled as channels-last, the
+    7x7 weight gradients' 257x partials made ConvNeXt +122.8% (benchmarks/results/compiled_memory.md).
+    Against the real compiled step within 3%."""
+    from boomfx.validate import validate
+    torch.manual_seed(0)
+    ep = torch.export.export(_DepthwiseSeparable().train(), (torch.randn(8, 3, 64, 64),))
+    program = capture(ep, options=ProgramOptions(train=True, compile=True, target_kind="cpu", loss="mean"))
+    depthwise = [n for n in program.graph.nodes
+                 if n.target is torch.ops.aten.convolution_backward.default and n.args[9] > 1]
+    assert len(depthwise) == 2
+    for node in depthwise:
+        grad_out, inp = node.args[0].meta["val"], node.args[1].meta["val"]
+        assert inp.permute(0, 2, 1, 3).is_contiguous() and grad_out.is_contiguous()
+        assert not inp.is_contiguous(memory_format=torch.channels_last)
+    path = tmp_path / "depthwise_separable.pt2"
+    torch.export.save(ep, str(path))
+    result = validate(str(path), train=True, compile=True, loss="mean", db="none", repeats=1, warmup=0, threads=1)
+    assert abs(result.memory_error) <= 0.03, (result.predicted_peak_above_start_bytes,
+                                              result.measured_peak_above_start_bytes)
