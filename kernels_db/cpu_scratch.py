@@ -46,8 +46,17 @@ threads the partials sometimes fit inside the input gradient's space and sometim
 5x5 on 40 channels at 20x20 is the -28%: the partials grow with the image there, not modelled); 3x3 at
 both thread counts within 4%.
 
-Known limitations: a dense convolution on channels-last activations still takes some scratch
-(86 KiB for a 24->40 3x3 at 20x20, not modelled: 0 here); other ISAs (AVX-512, AMX) block by 16 and may pick other paths; a database
+Dense convolutions on channels-last activations (Inductor's forward, and its backward's saved
+operands) read the activations as they are, but make the weight channels-last if it is not (a copy)
+and reorder it into a blocked copy (both channel dimensions padded to ``CHANNEL_BLOCK``); the backward
+also holds the weight gradient's own buffer: forward ``copy + blocked``, backward
+``copy + weight + blocked``. Measured on 8 shapes (2x2 stride 2, 3x3, 1x1; 16..512 channels) at 1 and 2
+threads: 2.00-2.38x / 3.00x the weight with a contiguous weight (forward / backward), 2.00x with a
+channels-last weight's backward; within 8% of the rule except small forwards (a 32->64 2x2 and 1x1
+convolutions at 2 threads: 72-76 KiB real, 64 KiB by the rule); a 1x1 stride-1 convolution at one
+thread is a plain GEMM again (0). Grouped (not depthwise) convolutions get the same rule, unmeasured.
+
+Known limitations: other ISAs (AVX-512, AMX) block by 16 and may pick other paths; a database
 measures the real scratch (``workspace_bytes``) and always wins over this model.
 """
 from __future__ import annotations
@@ -97,6 +106,20 @@ def suggests_channels_last(spec: Any) -> bool:
     return True
 
 
+def _dense_channels_last(spec: Any) -> bool:
+    """Whether a 4-D spec is laid out exactly channels-last (size-1 dimensions ignored, as
+    ``is_contiguous(memory_format=torch.channels_last)`` does): ``.contiguous(channels_last)`` copies
+    nothing."""
+    shape = [int(s) for s in spec.shape]
+    stride = [int(s) for s in spec.stride]
+    expected = 1
+    for d in (1, 3, 2, 0):
+        if shape[d] != 1 and stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
 def _contiguous(spec: Any) -> bool:
     """Whether a 4-D tensor is in NCHW order (channels-last strides have C innermost)."""
     shape = [int(s) for s in spec.shape]
@@ -131,7 +154,7 @@ def _kernel_area(weight: Any) -> int:
 def _copied_bytes(operands: tuple[Any, ...], channels_last: bool) -> int:
     """Bytes of the operands the call copies into the layout it runs in (``.contiguous(memory_format)``)."""
     return sum(_bytes(t) for t in operands
-               if t is not None and not (suggests_channels_last(t) if channels_last else _contiguous(t)))
+               if t is not None and not (_dense_channels_last(t) if channels_last else _contiguous(t)))
 
 
 def _contiguous_depthwise_backward(call: Any, inp: Any, weight: Any, threads: int) -> int:
@@ -162,16 +185,22 @@ def convolution_scratch_bytes(call: Any, threads: Optional[int] = None) -> int:
         channels_last = suggests_channels_last(inp) or suggests_channels_last(weight)
         copies = _copied_bytes((inp, grad_out), channels_last)
         threads = torch.get_num_threads() if threads is None else threads
-        if channels_last:
+        if channels_last and depthwise:
             # the kernels read the activations as they are; a depthwise forward reorders its (contiguous)
             # weight once; a depthwise weight gradient with a kernel over 3x3 keeps per-weight partials
             mask = call.arg("output_mask") or [True, True, True]
             if op in BACKWARD_OPS:
-                partials = depthwise and bool(mask[1]) and _kernel_area(weight) > 9
+                partials = bool(mask[1]) and _kernel_area(weight) > 9
                 return copies + (DEPTHWISE_WGRAD_SCRATCH_PER_WEIGHT * _bytes(weight) if partials else 0)
-            return copies + (_bytes(weight) if depthwise and _contiguous(weight) else 0)
+            return copies + (_bytes(weight) if _contiguous(weight) else 0)
         if threads == 1 and _pointwise_gemm(weight, call):
             return copies
+        if channels_last:
+            # a dense kernel reads the activations as they are but reorders the weight into a blocked
+            # copy (after making it channels-last); its backward also holds the weight gradient's
+            weight_copy = 0 if _dense_channels_last(weight) else _bytes(weight)
+            blocked_weight = _blocked_bytes(weight, channel_dims=(0, 1))
+            return copies + weight_copy + blocked_weight + (_bytes(weight) if op in BACKWARD_OPS else 0)
         if op in FORWARD_OPS:
             out = call.outputs[0] if call.outputs else None
             if out is None:

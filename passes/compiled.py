@@ -53,6 +53,8 @@ from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
+from boomfx.passes.low_memory_max_pool import low_memory_max_pool
+from boomfx.passes.peak_memory_order import reorder_for_peak_memory
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
 from boomfx.passes.op_names import op_name
@@ -318,7 +320,7 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     backend = backend_for(program)
-    program = fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend)
+    program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend))
     program = backward_convolution_operands(recompute_inlined(recompute_for_backward(program)), backend)
     fusion = fusion_groups(program)
     graph = program.graph
@@ -441,7 +443,7 @@ def compile_program(program: Program) -> Program:
             env[view] = new_graph.node_copy(view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    compiled = program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)
+    compiled = reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes))
     runtime = program.gm.meta.get(META_RUNTIME_USES)
     if runtime:
         compiled.gm.meta[META_RUNTIME_USES] = _runtime_uses_after_fusion(runtime, env, unit_of, units, rewritten)

@@ -183,9 +183,11 @@ def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: An
     """A training batch norm's output read in the backward (ReLU6's ``hardtanh_backward`` reads its
     input) is recomputed there as ``(x - mean) * invstd * weight + bias`` from tensors the batch norm's
     own backward keeps anyway (its input and the saved statistics): Inductor decomposes the op into
-    reductions and that pointwise tail, and the partitioner saves the small statistics, not the output."""
+    reductions and that pointwise tail, and the partitioner saves the small statistics, not the output.
+    A pointwise op of the output alone read in the backward only by fusible ops (a ReLU, read by its
+    ``threshold_backward``) is recomputed from that recomputation too (a compiled ResNet's stem ReLU)."""
     from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD
-    from boomfx.passes.fusion import FUSIBLE, _is_training_batch_norm
+    from boomfx.passes.fusion import CLASS_POINTWISE, FUSIBLE, _is_training_batch_norm
     order = {n: i for i, n in enumerate(graph.nodes)}
     for bn in list(graph.nodes):
         if bn.op != "call_function" or phase(bn) != PHASE_FORWARD or not isinstance(bn.target, torch._ops.OpOverload) \
@@ -196,7 +198,18 @@ def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: An
         if y is None or mean is None or invstd is None:
             continue
         bw_users = [u for u in y.users if phase(u) == PHASE_BACKWARD]
-        if not bw_users or any(node_class(u) not in FUSIBLE for u in bw_users):
+        if any(node_class(u) not in FUSIBLE for u in bw_users):
+            continue
+        # a pointwise op of the output alone (ReLU, whose backward reads the ReLU's output) is recomputed
+        # from the recomputed output the same way when the backward reads it only in fusible ops
+        chain: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for c in y.users:
+            if phase(c) != PHASE_FORWARD or node_class(c) != CLASS_POINTWISE or c.all_input_nodes != [y]:
+                continue
+            reads = _backward_reads(c, phase)       # c and the forward views of it (detach) the backward reads
+            if reads and all(_fusible_read(u) for us in reads.values() for u in us):
+                chain.update(reads)
+        if not bw_users and not chain:
             continue
         x, weight, bias = bn.args[0], bn.args[1], bn.args[2]
         val = x.meta.get("val")
@@ -212,18 +225,51 @@ def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: An
             phases[node.name] = PHASE_BACKWARD
             env.append(node)
             return node
-        with graph.inserting_before(min(bw_users, key=order.__getitem__)):
+        first = min(bw_users + [u for us in chain.values() for u in us], key=order.__getitem__)
+        with graph.inserting_before(first):
             out = call(aten.mul.Tensor, call(aten.sub.Tensor, x, call(aten.view.default, mean, shape)),
                        call(aten.view.default, invstd, shape))
             if isinstance(weight, torch.fx.Node):
                 out = call(aten.mul.Tensor, out, call(aten.view.default, weight, shape))
             if isinstance(bias, torch.fx.Node):
                 out = call(aten.add.Tensor, out, call(aten.view.default, bias, shape))
+            copies: dict[torch.fx.Node, torch.fx.Node] = {y: out}
+            for c in sorted(chain, key=order.__getitem__):      # producers before their views
+                copies[c] = graph.node_copy(c, lambda a: copies.get(a, a))
+                copies[c].meta = dict(c.meta)
+                phases[copies[c].name] = PHASE_BACKWARD
         for u in bw_users:
             u.replace_input_with(y, out)
+        for c, us in chain.items():
+            for u in us:
+                u.replace_input_with(c, copies[c])
 
 
 aten = torch.ops.aten
+
+
+def _backward_reads(node: torch.fx.Node, phase: Any) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """``node`` and each forward view of it (a ``detach`` chain), with the backward nodes reading each;
+    empty when the backward reads none of them (nothing to recompute)."""
+    from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        out[n] = [u for u in n.users if phase(u) == PHASE_BACKWARD]
+        stack.extend(u for u in n.users if phase(u) == PHASE_FORWARD and u.target in _DETACHES)
+    return out if any(out.values()) else {}
+
+
+_DETACHES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _fusible_read(node: torch.fx.Node) -> bool:
+    """A backward read that does not materialise its input: a fusible op, or a detach read only by such."""
+    from boomfx.passes.fusion import FUSIBLE
+    if node.target in _DETACHES:
+        return all(_fusible_read(u) for u in node.users)
+    return node_class(node) in FUSIBLE
 
 
 def view_base(node: torch.fx.Node) -> torch.fx.Node:

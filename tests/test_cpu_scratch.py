@@ -31,6 +31,10 @@ CASES = [
     # hands a depthwise backward an (N, H, C, W) input and a contiguous gradient: passes/layout.py)
     ("depthwise3x3-nhcw-input", 4, 72, 10, 3, 72, 1, 72, "nhcw", "nchw"),
     ("depthwise7x7-channels-last-contiguous-grad", 2, 48, 10, 7, 48, 1, 48, "nhwc", "nchw"),
+    # dense channels-last (Inductor's forward): the weight made channels-last, then blocked
+    ("dense3x3-channels-last", 4, 48, 10, 3, 1, 1, 96, "nhwc", "nhwc"),
+    ("dense2x2-s2-channels-last", 4, 96, 8, 2, 1, 2, 192, "nhwc", "nhwc"),
+    ("dense3x3-channels-last-odd-channels", 2, 40, 12, 3, 1, 1, 24, "nhwc", "nhwc"),
 ]
 _ORDERS = {"nchw": (0, 1, 2, 3), "nhwc": (0, 2, 3, 1), "nhcw": (0, 2, 1, 3)}
 

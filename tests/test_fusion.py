@@ -161,11 +161,14 @@ def _phase_module(program, phase: str) -> tuple[torch.fx.GraphModule, list]:
     return torch.fx.GraphModule(program.gm, graph), fakes
 
 
-@pytest.mark.parametrize("name, splits", [("mlp", (0, 3)), ("cnn", (2, 1)), ("gpt", (4, 3))])
+@pytest.mark.parametrize("name, splits", [("mlp", (0, 3)), ("cnn", (1, 2)), ("gpt", (4, 3))])
 def test_training_groups_equal_inductors(name, splits):
     """Training (after our AOTAutograd recompute model): forward and backward compared with Inductor
-    separately, up to the counted C++-only splits of ``_cpu_only_splits``. Llama's training graphs are
-    not asserted: they differ further in C++-only horizontal fusions (Triton needs equal numels, C++
+    separately, up to the counted C++-only splits of ``_cpu_only_splits``. The CNN's second ReLU is
+    recomputed in the backward, not stored (as in Inductor's own partition of it: its backward graph
+    takes ``relu``, the first, but not the second), so its batch norm and ReLU are one forward kernel,
+    and the backward recomputes them before the batch norm backward (a second counted split). Llama's
+    training graphs are not asserted: they differ further in C++-only horizontal fusions (Triton needs equal numels, C++
     equal loop nests: the q and k rotary kernels sharing the stored cos/sin)."""
     model, inputs, _ = make_model(name)
     ep = torch.export.export(model, inputs)
