@@ -73,7 +73,8 @@ NOTES = """
     step's timeline: Inductor reorders the backward for peak memory (the last stage's MLP weight
     gradients computed at its end: passes/peak_memory_order.py; Inductor's own estimates 10.53 MB traced
     / 8.83 MB least-peak-first, ours 11.40 / 9.63) and a dense channels-last convolution backward takes
-    the weight's bytes plus its blocked copy as scratch (kernels_db/cpu_scratch.py): +0.7%.
+    the weight's bytes plus its blocked copy as scratch (kernels_db/cpu_scratch.py): +0.7%; +0.4%
+    with a dense backward's gradient written channels-last (passes/layout.py).
   - ResNet training: +3.4% before, +15.5% with the dense channels-last scratch alone (a compensating
     error removed), -0.0% with Inductor's low-memory max pool (int8 window offsets saved instead of
     int64 indices; the pool's backward reads its input's size only, so the stem's batch norm and ReLU

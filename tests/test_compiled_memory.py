@@ -15,6 +15,10 @@ then all together against the profiler peak of the real step:
 """
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import torch
 
 from boomfx.analysis.analysis import Analysis
@@ -186,12 +190,12 @@ def test_depthwise_backward_runs_contiguous_as_inductors_backward_hands_it(tmp_p
 class _StemPool(torch.nn.Module):
     """A ResNet-style stem: convolution, training batch norm, ReLU, 3x3 max pool, then a convolution."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_channels: int = 64) -> None:
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 32, 7, stride=2, padding=3, bias=False)
         self.norm = torch.nn.BatchNorm2d(32)
         self.pool = torch.nn.MaxPool2d(3, stride=2, padding=1)
-        self.head = torch.nn.Conv2d(32, 64, 3, padding=1)
+        self.head = torch.nn.Conv2d(32, head_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.pool(torch.relu(self.norm(self.conv(x))))).mean(dim=(2, 3))
@@ -205,8 +209,8 @@ def test_low_memory_max_pool_saves_int8_offsets_and_recomputes_its_input():
     ``_native_batch_norm_legit_functional`` and ``relu``). With them a transformers ResNet's compiled
     step went from +15.5% to -0.0% (benchmarks/results/compiled_memory.md). This model's own peak is in
     that stem backward kernel, which Inductor runs with two internal 1 MiB buffers (the pool
-    gradient's scatter and the batch norm backward's second pass) that we do not model: -14% there;
-    so this test checks the program, not the peak."""
+    gradient's scatter and the batch norm backward's second pass) that we do not model: -8% there; so
+    this test checks the program, not the peak."""
     torch.manual_seed(0)
     ep = torch.export.export(_StemPool().train(), (torch.randn(8, 3, 64, 64),))
     program = capture(ep, options=ProgramOptions(train=True, compile=True, target_kind="cpu", loss="mean"))
@@ -225,3 +229,28 @@ def test_low_memory_max_pool_saves_int8_offsets_and_recomputes_its_input():
         saved_bytes
     backward_pools = [n for n in program.graph.nodes if n.target is torch.ops.aten.max_pool2d_with_indices_backward.default]
     assert len(backward_pools) == 1 and backward_pools[0].args[1].meta["val"].untyped_storage().nbytes() <= 4
+
+
+def test_a_dense_backward_gets_its_gradient_channels_last(tmp_path):
+    """Inductor's backward requires a dense ``convolution_backward``'s incoming gradient in its
+    channels-last input's order, and the kernel computing it (here the mean's backward) writes it so:
+    no copy inside the call. Under a wide head (32 -> 256 channels) the peak is that backward's: +39%
+    with a contiguous gradient and its 2 MiB copy; against the real compiled step within 2%."""
+    torch.manual_seed(0)
+    ep = torch.export.export(_StemPool(head_channels=256).train(), (torch.randn(8, 3, 64, 64),))
+    program = capture(ep, options=ProgramOptions(train=True, compile=True, target_kind="cpu", loss="mean"))
+    head = [n for n in program.graph.nodes if n.target is torch.ops.aten.convolution_backward.default
+            and n.args[2].meta["val"].shape[0] == 256]
+    assert len(head) == 1
+    assert head[0].args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
+    # the real step in a fresh process: after another compiled step in the same process this model's
+    # real peak measured 0.9 MiB higher (5.99 MiB against 5.08 MiB alone; not explained)
+    path = tmp_path / "stem_wide_head.pt2"
+    torch.export.save(ep, str(path))
+    code = ("import json, sys; from boomfx.validate import validate; "
+            "r = validate(sys.argv[1], train=True, compile=True, loss='mean', db='none', repeats=1, warmup=0, "
+            "threads=1); print(json.dumps([r.memory_error, r.predicted_peak_above_start_bytes, "
+            "r.measured_peak_above_start_bytes]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    error, predicted, measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert abs(error) <= 0.02, (predicted, measured)
