@@ -62,7 +62,7 @@ measures the real scratch (``workspace_bytes``) and always wins over this model.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -106,31 +106,26 @@ def suggests_channels_last(spec: Any) -> bool:
     return True
 
 
-def _dense_channels_last(spec: Any) -> bool:
-    """Whether a 4-D spec is laid out exactly channels-last (size-1 dimensions ignored, as
-    ``is_contiguous(memory_format=torch.channels_last)`` does): ``.contiguous(channels_last)`` copies
-    nothing."""
+def _dense(spec: Any, inner_first: Sequence[int]) -> bool:
+    """Whether ``spec`` is laid out densely with its dimensions in ``inner_first`` order, size-1
+    dimensions ignored (as ``is_contiguous`` does): making it so copies nothing."""
     shape = [int(s) for s in spec.shape]
     stride = [int(s) for s in spec.stride]
     expected = 1
-    for d in (1, 3, 2, 0):
+    for d in inner_first:
         if shape[d] != 1 and stride[d] != expected:
             return False
         expected *= shape[d]
     return True
 
 
+def _dense_channels_last(spec: Any) -> bool:
+    return _dense(spec, (1, 3, 2, 0))
+
+
 def _contiguous(spec: Any) -> bool:
-    """Whether a 4-D tensor is in NCHW order (channels-last strides have C innermost)."""
-    shape = [int(s) for s in spec.shape]
-    stride = [int(s) for s in spec.stride]
-    expected, ok = 1, True
-    for size, st in zip(reversed(shape), reversed(stride)):
-        if size != 1 and st != expected:
-            ok = False
-            break
-        expected *= size
-    return ok
+    """Whether a tensor is in its default (NCHW) order."""
+    return _dense(spec, range(len(spec.shape) - 1, -1, -1))
 
 
 def _pointwise_gemm(weight: Any, call: Any) -> bool:
@@ -198,9 +193,9 @@ def convolution_scratch_bytes(call: Any, threads: Optional[int] = None) -> int:
         if channels_last:
             # a dense kernel reads the activations as they are but reorders the weight into a blocked
             # copy (after making it channels-last); its backward also holds the weight gradient's
-            weight_copy = 0 if _dense_channels_last(weight) else _bytes(weight)
             blocked_weight = _blocked_bytes(weight, channel_dims=(0, 1))
-            return copies + weight_copy + blocked_weight + (_bytes(weight) if op in BACKWARD_OPS else 0)
+            return (copies + _copied_bytes((weight,), True) + blocked_weight
+                    + (_bytes(weight) if op in BACKWARD_OPS else 0))
         if op in FORWARD_OPS:
             out = call.outputs[0] if call.outputs else None
             if out is None:

@@ -64,8 +64,9 @@ def _conv2d_nodes(program: Program) -> list[torch.fx.Node]:
             and isinstance(_weight(n), torch.Tensor) and _weight(n).dim() == 4]
 
 
-def _hint(value: Any, program: Program) -> float:
-    """A number for a (possibly symbolic) size: the symbol's example value, else its lower bound."""
+def size_hint(value: Any, program: Program) -> float:
+    """A number for a (possibly symbolic) size: each symbol's example value, else its lower bound (at
+    least 2): the sizes a compiled run specialises on."""
     expr = sympy.sympify(to_sympy(value))
     subs = {}
     for sym in expr.free_symbols:
@@ -78,7 +79,7 @@ def _hint(value: Any, program: Program) -> float:
 def _flops(node: torch.fx.Node, program: Program) -> float:
     out, w = node.meta["val"], _weight(node)
     per_output = 2 * w.shape[1] * w.shape[2] * w.shape[3]
-    return _hint(out.numel() * per_output, program)
+    return size_hint(out.numel() * per_output, program)
 
 
 def uses_channels_last(program: Program, backend: str) -> bool:
@@ -97,11 +98,12 @@ def uses_channels_last(program: Program, backend: str) -> bool:
 
     def in_out(n: torch.fx.Node) -> bool:
         w = _weight(n)
-        return _hint(w.shape[0] * 2, program) <= _hint(w.shape[1], program) and _hint(w.shape[2], program) > 1
+        return (size_hint(w.shape[0] * 2, program) <= size_hint(w.shape[1], program)
+                and size_hint(w.shape[2], program) > 1)
 
     def small(n: torch.fx.Node) -> bool:
         w = _weight(n)
-        return _hint(w.shape[0], program) <= 64 and _hint(w.shape[1], program) <= 64
+        return size_hint(w.shape[0], program) <= 64 and size_hint(w.shape[1], program) <= 64
 
     if not program.options.train:
         total = weighted = 0.0
@@ -181,8 +183,8 @@ def backward_convolution_operands(program: Program, backend: str) -> Program:
         return program
     graph, _ = program.copied_graph()
     phases = dict(program.phases)
-    reordered = _inductor_backward_operands(graph, phases)
-    if not reordered or not _propagate_layouts(graph, reordered, phases):
+    changed = _inductor_backward_operands(graph, phases)
+    if not changed or not _propagate_layouts(graph, changed, phases):
         return program
     return program.rewritten(graph, phases=phases, grad_nodes=_drop_needless_gradient_copies(graph, program.grad_nodes))
 

@@ -26,17 +26,17 @@ backward is reordered, AccumulateGrad's eager copies move after it (they run onc
 from __future__ import annotations
 
 import heapq
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import sympy
 import torch
 import torch.fx
 
 from boomfx.core.program import META_EAGER, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, Program
 from boomfx.passes.aliasing import output_aliases
+from boomfx.passes.layout import size_hint
 from boomfx.passes.liveness import liveness_pass
-from boomfx.passes.specs import to_sympy
 
 # Our buffers are a reconstruction of Inductor's (our fusion, our in-place reuse), so a reordered graph
 # is taken only where its estimated gain is larger than that reconstruction resolves. Measured with
@@ -68,6 +68,7 @@ class _Buffer:
     readers: set[_Kernel]
     graph_output: bool
     freeable_input: bool                                    # allocated before the graph, freed in it
+    writer: Optional[_Kernel] = None                        # the kernel allocating it (None: an input)
 
 
 def reorder_for_peak_memory(program: Program) -> Program:
@@ -102,17 +103,14 @@ def reorder_for_peak_memory(program: Program) -> Program:
     for run in members.values():
         placed.update(run)
     order: list[torch.fx.Node] = []
-    emitted: set[torch.fx.Node] = set()
     for node in nodes:
         graph = graph_of[node] if node not in deferred else "backward"
         if node in placed:
             if graph in chosen and chosen[graph] is not None:
                 order.extend(chosen[graph])       # the whole graph where its first node was
-                emitted.update(chosen[graph])
                 chosen[graph] = None
             continue
         order.append(node)
-        emitted.add(node)
     position = {n: i for i, n in enumerate(order)}
     if len(order) != len(nodes) or any(position[i] > position[n] for n in order for i in n.all_input_nodes):
         return program                            # a node the graphs read is made between them: keep the trace
@@ -140,17 +138,11 @@ def _graph_of(node: torch.fx.Node, graph_of: dict[torch.fx.Node, Optional[str]],
 
 
 def _storage_sizes(info: Any, program: Program) -> dict[int, int]:
-    """Bytes of each storage at the sizes a compiled run specialises on (each symbol's example value)."""
-    def hint(name: str) -> int:
-        sym = program.symbols.get(name)
-        if sym is not None and sym.hint is not None:
-            return int(sym.hint)
-        return max(int(sym.min_value) if sym is not None and sym.min_value is not None else 2, 2)
+    """Bytes of each storage at the sizes a compiled run specialises on."""
     out: dict[int, int] = {}
     for iv in info.intervals:
-        expr = sympy.sympify(to_sympy(iv.nbytes))
         try:
-            out[iv.storage_id] = int(expr.subs({s: hint(str(s)) for s in expr.free_symbols}))
+            out[iv.storage_id] = int(size_hint(iv.nbytes, program))
         except (TypeError, ValueError):
             out[iv.storage_id] = 0
     return out
@@ -209,7 +201,7 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
                     own[i] = synthetic
         elif _is_view(node) and src is not None and src.name in sids:
             base = sids[src.name]
-            index = node.args[1] if node.target.__name__ == "getitem" and len(node.args) > 1 else 0
+            index = node.args[1] if node.target is operator.getitem else 0
             own = [base[index]] if isinstance(index, int) and index < len(base) else own
         sids[node.name] = own
     creator = {**creator, **fresh}
@@ -222,7 +214,7 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
         for n in [k.node] + k.attached:
             for sid in storages_of(n):
                 if creator.get(sid) == n.name and sid not in buffers:
-                    buffers[sid] = _Buffer(sizes.get(sid, 0), set(), False, False)
+                    buffers[sid] = _Buffer(sizes.get(sid, 0), set(), False, False, k)
                     k.outputs.append(sid)
         k.size = sum(buffers[s].size for s in k.outputs)
     for k in kernels:
@@ -279,14 +271,10 @@ def _peak(order: list[_Kernel], buffers: dict[int, _Buffer]) -> int:
     """``estimate_peak_memory``: each buffer from its writer (or the start) to its last reader."""
     step = {k: i for i, k in enumerate(order)}
     delta = [0] * (len(order) + 1)
-    for sid, buf in buffers.items():
-        if buf.freeable_input:
-            start = 0
-        else:
-            writer = next((k for k in order if sid in k.outputs), None)
-            if writer is None:
-                continue
-            start = step[writer]
+    for buf in buffers.values():
+        if buf.writer is None and not buf.freeable_input:
+            continue
+        start = 0 if buf.writer is None else step[buf.writer]
         delta[start] += buf.size
         if not buf.graph_output:
             end = max((step[r] for r in buf.readers), default=start)

@@ -74,14 +74,24 @@ def _shape(spec) -> tuple[int, ...]:
     return tuple(int(d) for d in spec.shape)
 
 
-def real_step_memory_error(ep, tmp_path, loss: str, **options) -> tuple[float, int, int]:
+def real_step_memory_error(ep, tmp_path, loss: str, fresh_process: bool = False,
+                           **options) -> tuple[float, int, int]:
     """(signed error, predicted, measured) of the peak above the step's start: ``boomfx.validate`` of the
-    saved export against the profiler peak of the real compiled training step, one thread."""
-    from boomfx.validate import validate
+    saved export against the profiler peak of the real compiled training step, one thread; in a fresh
+    Python process with ``fresh_process`` (no earlier compiled step there)."""
     path = tmp_path / "program.pt2"
     torch.export.save(ep, str(path))
-    r = validate(str(path), train=True, compile=True, loss=loss, db="none", repeats=1, warmup=0, threads=1,
-                 **options)
+    kwargs = dict(train=True, compile=True, loss=loss, db="none", repeats=1, warmup=0, threads=1, **options)
+    if fresh_process:
+        code = ("import json, sys; from boomfx.validate import validate; "
+                "r = validate(sys.argv[1], **json.loads(sys.argv[2])); print(json.dumps([r.memory_error, "
+                "r.predicted_peak_above_start_bytes, r.measured_peak_above_start_bytes]))")
+        out = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(kwargs)], capture_output=True,
+                             text=True, check=True)
+        error, predicted, measured = json.loads(out.stdout.strip().splitlines()[-1])
+        return error, predicted, measured
+    from boomfx.validate import validate
+    r = validate(str(path), **kwargs)
     return r.memory_error, r.predicted_peak_above_start_bytes, r.measured_peak_above_start_bytes
 
 
@@ -245,12 +255,5 @@ def test_a_dense_backward_gets_its_gradient_channels_last(tmp_path):
     assert head[0].args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
     # the real step in a fresh process: after another compiled step in the same process this model's
     # real peak measured 0.9 MiB higher (5.99 MiB against 5.08 MiB alone; not explained)
-    path = tmp_path / "stem_wide_head.pt2"
-    torch.export.save(ep, str(path))
-    code = ("import json, sys; from boomfx.validate import validate; "
-            "r = validate(sys.argv[1], train=True, compile=True, loss='mean', db='none', repeats=1, warmup=0, "
-            "threads=1); print(json.dumps([r.memory_error, r.predicted_peak_above_start_bytes, "
-            "r.measured_peak_above_start_bytes]))")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
-    error, predicted, measured = json.loads(out.stdout.strip().splitlines()[-1])
+    error, predicted, measured = real_step_memory_error(ep, tmp_path, "mean", fresh_process=True)
     assert abs(error) <= 0.02, (predicted, measured)
