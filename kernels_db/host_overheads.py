@@ -20,10 +20,24 @@
    the same fraction, of the step's last kernel for the entry). A GPU target's host only issues
    kernels: no cold terms.
 
+3. **Eager dispatch between kernels** (CPU targets, eager only). Kernels are measured one op at a time in
+   a loop, where its dispatch path stays hot; a step runs hundreds of different ops in turn. Measured
+   here, a chain of 20 distinct small ops takes 1.1 us more per op than the same ops each repeated
+   (``op_switch``): a kernel after a small one pays it, after one that streamed the L2 the full ``op_cold``
+   instead (the switch is part of a cold start: ``switch x (1 - cold fraction)``), after its own price's
+   flush nothing more. And the program's aliasing ops (view, t, transpose, expand, slice, ...)
+   priced at zero as kernels still go through the dispatcher, 2.2 us each here: every such aten node
+   costs ``alias_op`` (a chain of distinct aliasing ops, per op), as does ``.item()``
+   (``_local_scalar_dense``). In training, autograd records a node per differentiable op and its engine
+   runs each in the backward: ``autograd_node`` per node (a chain of scalar ``mul``/``neg`` forward and
+   backward minus twice the chain without autograd: 2.2 us here). A compiled step's wrapper calls its
+   kernels directly, and its backward is one graph: none of these terms.
+
 ``measure_host_costs`` measures every term on this host: the entry as the median difference between
 a real compiled step of a calibration module (tiny Linear layers, at two depths for the per-input slope)
 and the Inductor graphs it compiled, recorded and called directly, warm and after ``_Polluter`` (a fill
-of four L2s); ``op_cold`` as a one-element ``add`` after the polluter minus warm. ``boomfx kernels
+of four L2s); ``op_cold`` as a one-element ``add`` after the polluter minus warm; ``op_switch`` and
+``alias_op`` and ``autograd_node`` as above. ``boomfx kernels
 collect`` on a CPU stores them as rows of op ``HOST_OP`` next to the kernels; ``Analysis`` adds them to
 the step (``boomfx/analysis/host_time.py``), or ``DEFAULT_NS`` of the target's kind without them.
 
@@ -42,6 +56,7 @@ Known limitations:
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -59,18 +74,27 @@ TRAIN_CALLS = "train_calls"
 TRAIN_CALLS_PER_INPUT = "train_calls_per_input"
 TRAIN_CALLS_COLD = "train_calls_cold"
 OP_COLD = "op_cold"
+OP_SWITCH = "op_switch"
+ALIAS_OP = "alias_op"
+AUTOGRAD_NODE = "autograd_node"
 EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD,
-          OP_COLD)
+          OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)
+EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager CPU step reads (no graph entries)
 
 # Measured on the development CPU (measure_host_costs, thread CPU time), three runs each: graph_call
 # 47.0/46.6/47.2 us, per input 0.40/0.29/0.32 us, cold extra 85/71/43 us; train_calls 151/148/145 us, per
-# input 6.8/7.4/5.5 us, cold extra 162/178/103 us; op_cold 25.7/25.3/24.3 us.
+# input 6.8/7.4/5.5 us, cold extra 162/178/103 us; op_cold 25.7/25.3/24.3 us. 2026-12-04 (thread time, three
+# runs): op_switch 1.08/1.15/1.14 us, alias_op 2.19/2.20/2.19 us, autograd_node 2.5/1.7/2.3 us (under load),
+# and op_cold then 2.46/2.45/2.47 us: the
+# VM's host had changed (the defaults keep the earlier op_cold; a collected database holds its own).
 DEFAULT_NS: Mapping[str, Mapping[str, float]] = {
     "cuda": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 0.0,
-             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0},
+             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0,
+             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0},
     "cpu": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 70_000.0,
             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 150_000.0,
-            OP_COLD: 25_000.0},
+            OP_COLD: 25_000.0, OP_SWITCH: 1_100.0, ALIAS_OP: 2_200.0,
+            AUTOGRAD_NODE: 2_200.0},
 }
 _LAYERS = (1, 32)      # calibration depths: 3 and 65 graph inputs
 
@@ -123,8 +147,28 @@ class HostCosts:
     def cold_start_ns(self, previous_bytes: float, price_ns: float, measured: bool) -> float:
         """The cold start one kernel pays after a kernel that moved ``previous_bytes``, less the one its
         price holds (``measured`` on the CPU protocol for ``MIN_SAMPLE_NS`` or more: after a cache flush)."""
-        held = self.values[OP_COLD] if measured and price_ns >= MIN_SAMPLE_NS else 0.0
+        held = self.values[OP_COLD] if _holds_cold_start(price_ns, measured) else 0.0
         return self.values[OP_COLD] * self.cold_fraction(previous_bytes) - held
+
+    def switch_ns(self, previous_bytes: float, price_ns: float, measured: bool) -> float:
+        """An eager kernel's dispatch after a different op (module doc, 3): the part of a cold start the
+        predecessor's bytes leave out, none for a price measured after a flush (it holds a whole one)."""
+        if _holds_cold_start(price_ns, measured):
+            return 0.0
+        return self.values[OP_SWITCH] * (1.0 - self.cold_fraction(previous_bytes))
+
+    def alias_ns(self, count: int) -> float:
+        """Dispatch of ``count`` aliasing (zero-priced) aten ops run eagerly."""
+        return self.values[ALIAS_OP] * count
+
+    def autograd_ns(self, nodes: int) -> float:
+        """The autograd engine's own work for ``nodes`` graph nodes (record, schedule, hand over gradients)."""
+        return self.values[AUTOGRAD_NODE] * nodes
+
+
+def _holds_cold_start(price_ns: float, measured: bool) -> bool:
+    """A price measured on the CPU protocol for ``MIN_SAMPLE_NS`` or more was taken after a cache flush."""
+    return measured and price_ns >= MIN_SAMPLE_NS
 
 
 class _Calibration(torch.nn.Module):
@@ -258,13 +302,87 @@ def _op_cold_ns(clock: Callable[[], int], pairs: int) -> float:
     return max(summarize(samples)[0], 0.0)
 
 
+# small ops of distinct code paths (``_op_switch_ns``) and aliasing ops (``_alias_op_ns``), on 16x16 operands
+def _distinct_ops(x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], Any]]:
+    aten = torch.ops.aten
+    positive, mask = x.abs() + 1.0, x > 0
+    return [lambda: aten.add.Tensor(x, y), lambda: aten.mul.Tensor(x, y), lambda: aten.sub.Tensor(x, y),
+            lambda: aten.div.Tensor(x, positive), lambda: aten.neg.default(x), lambda: aten.exp.default(x),
+            lambda: aten.relu.default(x), lambda: aten.sigmoid.default(x), lambda: aten.tanh.default(x),
+            lambda: aten.sum.dim_IntList(x, [1]), lambda: aten.mean.dim(x, [1]), lambda: aten.mm.default(x, y),
+            lambda: aten.clone.default(x), lambda: aten.where.self(mask, x, y), lambda: aten.pow.Tensor_Scalar(x, 2),
+            lambda: aten.rsqrt.default(positive), lambda: aten.cat.default([x, y]),
+            lambda: aten._softmax.default(x, 1, False),
+            lambda: aten.gelu.default(x), lambda: aten.silu.default(x)]
+
+
+def _alias_ops(x: torch.Tensor) -> list[Callable[[], Any]]:
+    aten = torch.ops.aten
+    return [lambda: aten.view.default(x, [256]), lambda: aten.t.default(x), lambda: aten.transpose.int(x, 0, 1),
+            lambda: aten.expand.default(x, [16, 16]), lambda: aten.unsqueeze.default(x, 0),
+            lambda: aten.slice.Tensor(x, 0, 0, 8), lambda: aten.alias.default(x),
+            lambda: aten._unsafe_view.default(x, [256]),
+            lambda: aten.permute.default(x, [1, 0]), lambda: aten.select.int(x, 0, 1)]
+
+
+def _per_call_ns(calls: Sequence[Callable[[], Any]], clock: Callable[[], int], loops: int, samples: int) -> float:
+    """Median over ``samples`` of the time of ``loops`` runs of every call in turn, per call."""
+    for _ in range(max(loops // 10, 1)):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(samples):
+        t0 = clock()
+        for _ in range(loops):
+            for call in calls:
+                call()
+        times.append((clock() - t0) / (loops * len(calls)))
+    return summarize(times)[0]
+
+
+def _op_switch_ns(clock: Callable[[], int], samples: int) -> float:
+    """Per op, a chain of distinct small ops minus the same ops each repeated (as kernels are measured)."""
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    calls = _distinct_ops(x, y)
+    chained = _per_call_ns(calls, clock, 50, samples)
+    alone = statistics.fmean(_per_call_ns([call], clock, 200, samples) for call in calls)
+    return max(chained - alone, 0.0)
+
+
+def _alias_op_ns(clock: Callable[[], int], samples: int) -> float:
+    """Per op, a chain of distinct aliasing ops."""
+    return _per_call_ns(_alias_ops(torch.randn(16, 16)), clock, 100, samples)
+
+
+def _autograd_node_ns(clock: Callable[[], int], samples: int, length: int = 50) -> float:
+    """Per autograd node: a chain of ``length`` ops (scalar ``mul`` and ``neg`` in turn, whose backward is
+    one op of the same kind and size) run forward and backward on a tensor requiring grad, less twice the
+    same forward without autograd (the backward's own ops)."""
+    x, leaf, grad = torch.randn(16, 16), torch.randn(16, 16, requires_grad=True), torch.ones(16, 16)
+
+    def chain(t: torch.Tensor) -> torch.Tensor:
+        for i in range(length):
+            t = t * 1.01 if i % 2 == 0 else -t
+        return t
+
+    def step() -> None:
+        chain(leaf).backward(grad)
+
+    plain = _per_call_ns([lambda: chain(x)], clock, 20, samples)
+    trained = _per_call_ns([step], clock, 20, samples)
+    return max((trained - 2.0 * plain) / length, 0.0)
+
+
 def measure_host_costs(measurer: Optional[Measurer] = None, pairs: int = 60,
                        compiled: bool = True) -> dict[str, Measurement]:
     """Measure the events on this host's CPU with the measurer's clock: ``pairs`` interleaved samples
     each; the entry events (calibration at 1 and 32 layers) only with ``compiled``."""
     measurer = measurer if measurer is not None else Measurer("cpu")
     clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
-    values: dict[str, float] = {OP_COLD: _op_cold_ns(clock, 4 * pairs)}
+    samples = max(pairs // 6, 3)
+    values: dict[str, float] = {OP_COLD: _op_cold_ns(clock, 4 * pairs), OP_SWITCH: _op_switch_ns(clock, samples),
+                                ALIAS_OP: _alias_op_ns(clock, samples),
+                                AUTOGRAD_NODE: _autograd_node_ns(clock, samples)}
     events = ((False, GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD),
               (True, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD)) if compiled else ()
     for train, fixed, per_input, cold in events:
@@ -278,11 +396,11 @@ def measure_host_costs(measurer: Optional[Measurer] = None, pairs: int = 60,
 
 def collect_host_costs(store: Any, measurer: Optional[Measurer] = None, pairs: int = 60,
                        compiled: bool = True) -> list[str]:
-    """Measure the events this store lacks for the measurer's fingerprint (all of them, or only
-    ``op_cold`` without ``compiled``) and store them; returns the events stored."""
+    """Measure the events this store lacks for the measurer's fingerprint (all of them, or only the eager
+    ones without ``compiled``) and store them; returns the events stored."""
     measurer = measurer if measurer is not None else Measurer("cpu")
     fingerprint = measurer.fingerprint()
-    wanted = EVENTS if compiled else (OP_COLD,)
+    wanted = EVENTS if compiled else EAGER_EVENTS
     with store:
         have = store.key_hashes(fingerprint)
     if all(host_key(e).key_hash in have for e in wanted):

@@ -1,6 +1,6 @@
 """Host time outside kernel prices (kernels_db/host_overheads.py, boomfx/analysis/host_time.py): compiled graphs'
-entries and a CPU's cold starts, stored like kernels, read by the pricer, placed in the schedule, and
-measured on this CPU."""
+entries, a CPU's cold starts and eager dispatch (op switches, aliasing ops, the autograd engine), stored like
+kernels, read by the pricer, placed in the schedule, and measured on this CPU."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,10 @@ import torch
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.core.devices import get_device
-from boomfx.kernels_db.host_overheads import (DEFAULT_NS, EVENTS, GRAPH_CALL, GRAPH_CALL_COLD, GRAPH_CALL_PER_INPUT,
-                                              HOST_OP, OP_COLD, TRAIN_CALLS, TRAIN_CALLS_COLD,
+from boomfx.analysis.host_time import autograd_nodes
+from boomfx.kernels_db.host_overheads import (ALIAS_OP, AUTOGRAD_NODE, DEFAULT_NS, EAGER_EVENTS, EVENTS,
+                                              GRAPH_CALL, GRAPH_CALL_COLD, GRAPH_CALL_PER_INPUT, HOST_OP, OP_COLD,
+                                              OP_SWITCH, TRAIN_CALLS, TRAIN_CALLS_COLD,
                                               TRAIN_CALLS_PER_INPUT, HostCosts, collect_host_costs, event_of,
                                               host_key)
 from boomfx.kernels_db.measure import Measurement, Measurer, l2_cache_bytes
@@ -19,7 +21,8 @@ from boomfx.core.program import ProgramOptions
 from test_api import TwoLayer
 
 VALUES = {GRAPH_CALL: 40_000.0, GRAPH_CALL_PER_INPUT: 1_000.0, GRAPH_CALL_COLD: 100_000.0,
-          TRAIN_CALLS: 200_000.0, TRAIN_CALLS_PER_INPUT: 3_000.0, TRAIN_CALLS_COLD: 300_000.0, OP_COLD: 20_000.0}
+          TRAIN_CALLS: 200_000.0, TRAIN_CALLS_PER_INPUT: 3_000.0, TRAIN_CALLS_COLD: 300_000.0, OP_COLD: 20_000.0,
+          OP_SWITCH: 1_000.0, ALIAS_OP: 2_000.0, AUTOGRAD_NODE: 3_000.0}
 WARM_ONLY = {**VALUES, GRAPH_CALL_COLD: 0.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0}
 
 
@@ -77,6 +80,13 @@ def test_costs_by_hand(tmp_path):
     # a measured price of >= 100 us followed a cache flush: it holds a full cold start already
     assert costs.cold_start_ns(256 << 10, 200_000, measured=True) == 20_000 / 4 - 20_000
     assert costs.cold_start_ns(256 << 10, 200_000, measured=False) == 20_000 / 4
+    # an eager op after a different one: the switch, less the part of a cold start the bytes before paid
+    assert costs.switch_ns(0, 50_000, measured=True) == 1_000
+    assert costs.switch_ns(256 << 10, 50_000, measured=True) == 1_000 * 3 / 4
+    assert costs.switch_ns(4 << 20, 50_000, measured=False) == 0
+    assert costs.switch_ns(0, 200_000, measured=True) == 0          # its flushed price holds a cold start
+    assert costs.alias_ns(3) == 6_000
+    assert costs.autograd_ns(10) == 30_000
     partial = HostCosts.from_records([r for r in records if event_of(r.key) != OP_COLD], "cpu")
     assert partial.source == "partly measured" and partial.values[OP_COLD] == DEFAULT_NS["cpu"][OP_COLD]
     for kind in ("cpu", "cuda"):
@@ -116,16 +126,68 @@ def test_cold_starts_on_a_cpu(tmp_path):
     moved = [k.bytes_moved for k in report.kernels]
     assert moved == [3 * 256 * 1024, 2 * 256 * 1024, 256 * 1024 + 4]      # by hand: fp32 256 x 256
     l2 = l2_cache_bytes()
-    expected = sum(20_000 * min(1.0, b / l2) for b in (moved[2], moved[0], moved[1]))
+    before = (moved[2], moved[0], moved[1])
+    expected = sum(20_000 * min(1.0, b / l2) for b in before)
     assert report.time.cold_start_ns == pytest.approx(expected)
+    switches = sum(1_000 * (1.0 - min(1.0, b / l2)) for b in before)      # no aliasing op in this program
+    assert report.time.eager_dispatch_ns == pytest.approx(switches)
     free = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / "free", {e: 0.0 for e in EVENTS}), compile=False))
-    assert report.time.total_ns == pytest.approx(free.time.total_ns + expected)
-    assert free.time.cold_start_ns == 0
+    assert report.time.total_ns == pytest.approx(free.time.total_ns + expected + switches)
+    assert free.time.cold_start_ns == free.time.eager_dispatch_ns == 0
     compiled = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / "cold", VALUES)))
     entry = 40_000 + 2 * 1_000 + 100_000 * min(1.0, compiled.kernels[-1].bytes_moved / l2)
     assert compiled.time.graph_entry_ns == pytest.approx(entry)    # after the step's last kernel
+    assert compiled.time.eager_dispatch_ns == 0                     # Inductor's wrapper calls its kernels directly
     gpu = _report(_analysis(MatmulChain(), x, compile=False, device="a100-80gb"))
-    assert gpu.time.cold_start_ns == 0
+    assert gpu.time.cold_start_ns == gpu.time.eager_dispatch_ns == 0
+
+
+class ViewsAround(torch.nn.Module):
+    """view, t, t before the matmul, a transpose before the sum: four aliasing ops, no kernel of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x.view(128, 64).t() @ self.w.t()).transpose(0, 1).sum()
+
+
+def test_eager_dispatch_of_aliasing_ops(tmp_path):
+    """Each aliasing op costs alias_op, charged to the kernel after it; every kernel its switch after a
+    different op (scaled down by the bytes the one before moved); the kernels' own prices do not move."""
+    x = torch.randn(64, 128)
+    report = _report(_analysis(ViewsAround(), x, db=_db(tmp_path / "d", VALUES), compile=False))
+    assert [k.op.split(".")[1] for k in report.kernels] == ["matmul", "relu", "sum"]
+    l2 = l2_cache_bytes()
+    moved = [k.bytes_moved for k in report.kernels]
+    switches = sum(1_000 * (1.0 - min(1.0, b / l2)) for b in (moved[2], moved[0], moved[1]))
+    assert report.time.eager_dispatch_ns == pytest.approx(4 * 2_000 + switches)
+    free = _report(_analysis(ViewsAround(), x, db=_db(tmp_path / "f", {e: 0.0 for e in EVENTS}), compile=False))
+    assert [k.time_ns for k in report.kernels] == [k.time_ns for k in free.kernels]
+    assert report.time.total_ns == pytest.approx(free.time.total_ns + report.time.cold_start_ns
+                                                 + 4 * 2_000 + switches)
+
+
+def test_autograd_engine_in_an_eager_training_step(tmp_path):
+    """TwoLayer's eager autograd graph, by hand: two TBackward, two AddmmBackward, ReluBackward,
+    MeanBackward and four AccumulateGrad: 10 nodes at autograd_node each, spread over the backward's
+    kernels; the traced graph's detach of saved tensors is not an eager op. Inference builds no graph."""
+    x = torch.randn(4, 32)
+    analysis = _analysis(TwoLayer(), x, train=True, db=_db(tmp_path / "a", VALUES), compile=False)
+    assert autograd_nodes(analysis.program) == 10
+    report = _report(analysis)
+    free = _report(_analysis(TwoLayer(), x, train=True, db=_db(tmp_path / "f", {e: 0.0 for e in EVENTS}),
+                             compile=False))
+    no_engine = _report(_analysis(TwoLayer(), x, train=True, db=_db(tmp_path / "n", {**VALUES, AUTOGRAD_NODE: 0.0}),
+                                  compile=False))
+    assert report.time.eager_dispatch_ns - no_engine.time.eager_dispatch_ns == pytest.approx(10 * 3_000)
+    assert report.time.total_ns == pytest.approx(free.time.total_ns + report.time.cold_start_ns
+                                                 + report.time.eager_dispatch_ns)
+    forward = [k.start_ns for k in report.kernels if k.phase == "forward"]
+    assert forward == pytest.approx([k.start_ns for k in no_engine.kernels if k.phase == "forward"])
+    inference = _analysis(TwoLayer(), x, db=_db(tmp_path / "a", VALUES), compile=False)
+    assert inference._autograd_nodes == 0
 
 
 def test_measured_on_this_cpu_and_stored(tmp_path):
@@ -133,11 +195,12 @@ def test_measured_on_this_cpu_and_stored(tmp_path):
     and read back by the pricer (not a timing assertion: the values only have to be valid times)."""
     path = tmp_path / "m.sqlite"
     with Store(path) as store:
-        assert collect_host_costs(store, Measurer("cpu"), pairs=5, compiled=False) == [OP_COLD]
+        assert collect_host_costs(store, Measurer("cpu"), pairs=5, compiled=False) == list(EAGER_EVENTS)
         assert sorted(collect_host_costs(store, Measurer("cpu"), pairs=5)) == sorted(EVENTS)
         assert collect_host_costs(store, Measurer("cpu"), pairs=5) == []          # present: not again
         records = list(store.records())
     assert sorted(event_of(r.key) for r in records) == sorted(EVENTS)       # one row each
     assert all(r.median_ns >= 0 for r in records)
     assert HostCosts.from_records(records, "cpu").values[TRAIN_CALLS] > 0     # a backward is never free
+    assert HostCosts.from_records(records, "cpu").values[ALIAS_OP] > 0        # nor is a dispatch
     assert _report(_analysis(TwoLayer(), torch.randn(4, 32), db=path)).time.host_costs_source == "measured"

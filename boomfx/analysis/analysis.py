@@ -28,6 +28,7 @@ from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
+from boomfx.analysis.host_time import autograd_nodes, host_ops_before
 from boomfx.kernels_db.pricing import host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
@@ -101,6 +102,10 @@ class Analysis:
         self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
         # host time outside the prices (boomfx/analysis/host_time.py): read once, not per evaluated point
         self._host_costs = host_costs(self.pricer, device)
+        # eager CPU steps: the aliasing ops dispatched before each kernel (boomfx/analysis/host_time.py)
+        self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if device.kind == "cpu" else {}
+        train = bool(getattr(program.options, "train", False))
+        self._autograd_nodes = autograd_nodes(program) if device.kind == "cpu" and train else 0
         self._graph_inputs = sum(1 for n in self._nodes if n.op == "placeholder"
                                  and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
 
@@ -202,7 +207,9 @@ class Analysis:
         opts = self.program.options
         step = schedule_step(kernels, scheduled, analysis=self, db=self.options.db, bindings=bindings, costs=costs,
                              cpu=self.device.kind == "cpu", compiled=bool(opts.compile), train=bool(opts.train),
-                             cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs)
+                             cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs,
+                             host_ops=[self._host_ops.get(k.node, 0) for k in kernels],
+                             autograd_nodes=self._autograd_nodes)
         kernels, scheduled, entries = step.kernels, step.scheduled, step.entries
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]
@@ -217,7 +224,9 @@ class Analysis:
                               self.costs.unmodelled_ops())
         report.time.graph_entry_ns = step.graph_entry_ns
         report.time.cold_start_ns = step.cold_start_ns
-        report.time.host_costs_source = costs.source if (entries or step.cold_start_ns) else ""
+        report.time.eager_dispatch_ns = step.eager_dispatch_ns
+        added = entries or step.cold_start_ns or step.eager_dispatch_ns
+        report.time.host_costs_source = costs.source if added else ""
         report.warnings.extend(self.program.warnings)
         report.warnings.extend(getattr(self.pricer, "warnings", ()))   # e.g. no rows of this device in --db
         suspect = suspect_rows_warning(suspects, sum(k.time_ns for k in kernels), self.device)

@@ -1,11 +1,17 @@
 """Where a step's host time outside its kernels' prices goes in the schedule.
 
-Two terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the database, else defaults):
+Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the database, else defaults):
 
 - **cold starts** (CPU targets): the host code of a kernel run right after a kernel that streamed the
   L2 (dispatch, Inductor's wrapper) finds its caches evicted. Each kernel's time on the one CPU thread
   grows by ``HostCosts.cold_start_ns(bytes of the kernel before it, its price)``; the step is a loop, so
   an eager step's first kernel follows its last one.
+- **eager dispatch** (CPU targets, eager): each kernel after a different op pays ``HostCosts.switch_ns``
+  (its dispatch path is no longer hot, as it was while its price was measured), and the program's
+  aliasing aten ops (priced at zero as kernels: views, transposes, ``.item()``) cost
+  ``HostCosts.alias_ns`` each, charged to the kernel after them (``host_ops_before``); a training step
+  also pays the autograd engine, ``HostCosts.autograd_ns`` per node of the graph eager autograd builds
+  (``autograd_nodes``), spread over the backward's kernels.
 - **graph entries** (``--compile``): dynamo's guards and AOTAutograd's wrappers before the forward's first
   kernel, and the backward graph's call and gradient hand-over before the backward's first kernel, as
   host-only entries (no kernel, no report row). On a CPU target they follow the step's last kernel (the
@@ -14,7 +20,9 @@ Two terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the data
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Container, Optional, Sequence
+
+import torch
 
 from boomfx.core.program import PHASE_BACKWARD
 from boomfx.kernels_db.price import DATABASE_SOURCES
@@ -36,6 +44,84 @@ def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], c
         device_ns = max(sk.device_ns + extra, 0.0)
         added.append(device_ns - sk.device_ns)
         out.append(dataclasses.replace(sk, device_ns=device_ns))
+    return out, added
+
+
+# export and trace artefacts that eager code never dispatches (asserts, the detach of each tensor saved for
+# the backward), and size queries (Python attribute reads)
+_NOT_DISPATCHED = ("sym_", "_assert", "detach")
+
+
+def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
+    """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly) run between the
+    kernel before it and itself; those after the last kernel go to the first (the step is a loop)."""
+    out: dict[str, int] = {}
+    pending = 0
+    first: Optional[str] = None
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        if node.name in priced:
+            out[node.name] = pending
+            first = first or node.name
+            pending = 0
+            continue
+        target = node.target
+        if (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+                and not target.__name__.startswith(_NOT_DISPATCHED)):
+            pending += 1
+    if first is not None:
+        out[first] += pending
+    return out
+
+
+def autograd_nodes(program: Any) -> int:
+    """The autograd graph an eager training step builds: one node per forward (or recomputed) aten op
+    that reads a tensor requiring grad (the parameters, and what is computed from them), and one
+    AccumulateGrad per parameter."""
+    from boomfx.core.program import PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
+
+    requires: set[str] = set()
+    nodes = 0
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            if program.input_roles.get(node.name) == ROLE_PARAM:
+                requires.add(node.name)
+                nodes += 1
+            continue
+        if node.op != "call_function" or program.phase_of(node) not in (PHASE_FORWARD, PHASE_RECOMPUTE):
+            continue
+        if not any(isinstance(a, torch.fx.Node) and a.name in requires for a in node.all_input_nodes):
+            continue
+        requires.add(node.name)
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and not target.__name__.startswith(_NOT_DISPATCHED):
+            nodes += 1
+    return nodes
+
+
+def with_autograd(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
+                  nodes: int) -> tuple[list[ScheduledKernel], list[float]]:
+    """``scheduled`` with the engine's work for ``nodes`` autograd nodes spread over the backward's kernels
+    (where the engine runs it), and what was added to each."""
+    backward = [i for i, k in enumerate(kernels) if k.phase == PHASE_BACKWARD]
+    share = costs.autograd_ns(nodes) / len(backward) if backward else 0.0
+    at = set(backward)
+    added = [share if i in at else 0.0 for i in range(len(scheduled))]
+    return [dataclasses.replace(sk, device_ns=sk.device_ns + a) for sk, a in zip(scheduled, added)], added
+
+
+def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
+                        host_ops: Sequence[int]) -> tuple[list[ScheduledKernel], list[float]]:
+    """``scheduled`` with each eager kernel's switch and the aliasing ops before it (``host_ops``, aligned
+    with ``kernels``) added to its time on the CPU thread, and what was added to each."""
+    out: list[ScheduledKernel] = []
+    added: list[float] = []
+    for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
+        extra = (costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED)
+                 + costs.alias_ns(host_ops[i]))
+        added.append(extra)
+        out.append(dataclasses.replace(sk, device_ns=sk.device_ns + extra))
     return out, added
 
 

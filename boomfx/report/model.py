@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from boomfx.kernels_db.price import PriceSource
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 # Where a time figure came from, best first (the one vocabulary: kernels_db/price.py)
 SOURCES = tuple(source.value for source in PriceSource)
@@ -108,6 +108,7 @@ class TimeReport:
     bytes_moved: int
     graph_entry_ns: float = 0.0               # --compile: host time entering the compiled graphs
     cold_start_ns: float = 0.0                # CPU targets: host code run from caches a kernel evicted
+    eager_dispatch_ns: float = 0.0            # eager CPU targets: op switches, aliasing ops, autograd engine
     host_costs_source: str = ""               # of the two above: "measured", "partly measured" or "default"
 
 

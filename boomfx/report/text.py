@@ -80,6 +80,9 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
     if t.cold_start_ns:
         out.append(f"  cold starts: {fmt_time(t.cold_start_ns)} (host code after kernels that evicted the L2; "
                    f"{t.host_costs_source})")
+    if t.eager_dispatch_ns:
+        out.append(f"  eager dispatch: {fmt_time(t.eager_dispatch_ns)} (each op after a different one, aliasing "
+                   f"ops, the autograd engine; {t.host_costs_source})")
     prov = ", ".join(f"{g.name} {100 * g.share:.1f}%" for g in report.by_source)
     out.append(f"  time priced by: {prov or 'nothing'}")
     if report.unmodelled_ops:

@@ -1,0 +1,220 @@
+"""Distributed step time against real gloo training steps (issue 18's ground truth on this machine).
+
+For each configuration (DDP, FSDP2 with and without reshard after forward, TP, PP with 1F1B and GPipe, on a
+Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distributed_truth`` runs them):
+
+1. **real**: ``distributed_truth.run_configs`` with ``--steps`` wall-timed steps after warm-up (each after a
+   barrier); a rank's time is the median of its steps, the step's the slowest rank's;
+2. **predicted**: the same per-rank programs boomfx builds for ``--parallel`` on a CPU target
+   (``DistributedAnalysis``), priced by one database holding what ``boomfx kernels collect --threads 1``
+   measures for their kernels (the default protocol of a one-thread collection) and gloo collectives
+   measured at exactly the message sizes the schedule asks for (``collect_collectives``, 2 ranks, as
+   ``boomfx kernels collect --collectives`` measures them); the step is the slowest rank class's
+   (pipelines: the schedule's end, bubble included).
+
+Both columns run on this 2-core VM, which other jobs share: the load average is recorded before and after.
+Nothing here is fitted: the database is measured, the schedule is the product's.
+
+    python benchmarks/distributed_gloo_time.py [--only llama] [--steps 10]
+
+Writes ``benchmarks/results/distributed_gloo_time.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import distributed_predict as predict  # noqa: E402
+import distributed_truth as truth  # noqa: E402
+import torch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def configs(steps: int) -> list[truth.TruthConfig]:
+    """Two ranks (one per core of this machine): every parallelism the issue names, both models."""
+    out = []
+    for model in ("llama", "gpt"):
+        out += [truth.TruthConfig(model, "ddp", 2),
+                truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
+                truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
+                truth.TruthConfig(model, "tp", 2),
+                truth.TruthConfig(model, "pp", 2, schedule="1f1b"),
+                truth.TruthConfig(model, "pp", 2, schedule="gpipe")]
+    return [dataclasses.replace(c, timed_steps=steps) for c in out]
+
+
+def _collect_kernels(dist: Any, bindings: Any, db: str) -> None:
+    """``boomfx kernels collect --threads 1`` for every rank class's compute kernels (collectives apart)."""
+    from boomfx.kernels_db.collect import collect_calls
+    from boomfx.kernels_db.host_overheads import collect_host_costs
+    from boomfx.kernels_db.measure import protocol_measurer
+    from boomfx.kernels_db.store import Store
+
+    calls = [c for a in dist.analyses for c in a.kernel_calls(bindings) if c.op.namespace == "aten"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measurer = protocol_measurer("cpu")      # after set_num_threads(1): this thread's CPU time
+        collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
+        collect_host_costs(Store(db), measurer, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _collect_collectives(report: dict, world: int, db: str) -> None:
+    """gloo collectives at every (op, message size) the schedule priced, 2 local ranks."""
+    from boomfx.kernels_db.collective_bench import collect_collectives
+    from boomfx.kernels_db.store import Store
+
+    wanted: dict[str, set[int]] = {}
+    for row in report["time_by_class"]:
+        for c in row["collectives"]:
+            if c["source"] != "measured":
+                wanted.setdefault(c["op"], set()).add(int(c["message_bytes"]))
+    for op, sizes in sorted(wanted.items()):
+        collect_collectives(Store(db), world=world, ops=(op,), sizes=sorted(sizes), backend="gloo")
+
+
+def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
+    """boomfx's step for ``cfg`` priced by ``db`` (filled here with what it lacks)."""
+    from boomfx.analysis.analysis import AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.distributed.analysis import DistributedAnalysis
+    from boomfx.frontend.capture import resolve_bindings
+
+    spec = cpu_spec()
+    program = predict.training_program(cfg)
+    pcfg = predict.parallel_config(cfg)
+    dist = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db="none"))   # its kernels' sizes
+    bindings = resolve_bindings(dist.classes[0].program, {}, cfg.batch, cfg.seq)
+    _collect_kernels(dist, dist.program_bindings(bindings), db)
+    first = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings)
+    _collect_collectives(first.report.parallel, cfg.world, db)
+    parallel = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings).report.parallel
+    rows = parallel["time_by_class"]
+    step = max(r.get("pipeline_step_ns", r["step_time_ns"]) for r in rows)
+    sources = sorted({c["source"] for r in rows for c in r["collectives"]})
+    kernel_sources = {g.name: g.time_ns for g in first.report.by_source}
+    return {"step_ns": step,
+            "classes": [{"ranks": r["ranks"], "step_time_ns": r["step_time_ns"],
+                         "single_stream_ns": r["single_stream_ns"], "exposed_comm_ns": r["exposed_comm_ns"],
+                         "hidden_comm_ns": r["hidden_comm_ns"], "collectives": len(r["collectives"]),
+                         "comm_ns": sum(c["time_ns"] for c in r["collectives"]),
+                         "bubble_fraction": r.get("bubble_fraction")} for r in rows],
+            "collective_sources": sources, "kernel_sources": kernel_sources}
+
+
+def single_process(model: str, db: str) -> dict[str, float]:
+    """The same model's step in one process (no parallelism, batch 4, one thread): ``boomfx.validate`` of
+    its export against the database above: how much of a gap is there before any rank runs."""
+    from boomfx.validate import validate
+
+    cfg = truth.TruthConfig(model, "ddp", 2)
+    with tempfile.TemporaryDirectory(prefix="boomfx-gloo-single-") as tmp:
+        path = str(Path(tmp) / f"{model}.pt2")
+        torch.export.save(predict.export(cfg), path)
+        r = validate(path, train=True, db=db, threads=1, repeats=10, device="cpu", batch=cfg.batch, seq=cfg.seq,
+                     loss=cfg.loss)
+    return {"predicted_ns": r.predicted_time_ns, "real_ns": r.measured_thread_time_ns,
+            "signed_error": r.predicted_time_ns / r.measured_thread_time_ns - 1.0}
+
+
+def _markdown(rows: list[dict], meta: dict) -> str:
+    lines = ["# Distributed step time: real gloo training steps vs boomfx (CPU, 2 ranks x 1 thread)", "",
+             f"torch {meta['torch']}; {meta['steps']} wall-timed steps per rank after warm-up; load average before "
+             f"{_load(meta['load_before'])}, after {_load(meta['load_after'])}; {meta['wall_s']:.0f} s in all. "
+             "Real: the slowest rank's median step. Predicted: the slowest rank class of `DistributedAnalysis` on a "
+             "CPU target, kernels from a one-thread collection, gloo collectives measured at the schedule's sizes. "
+             "Error = predicted / real - 1.", "",
+             "| configuration | real | predicted | signed error | compute (one stream) | "
+             "exposed comm | hidden comm | collectives | real rank medians |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {_ms(r.get('real_ns'))} | error: {r['error']} | | | | | | |")
+            continue
+        worst = max(r["predicted"]["classes"], key=lambda c: c["step_time_ns"])
+        lines.append(f"| {r['name']} | {_ms(r['real_ns'])} | {_ms(r['predicted']['step_ns'])} | "
+                     f"{r['signed_error'] * 100:+.1f}% | {_ms(worst['single_stream_ns'])} | "
+                     f"{_ms(worst['exposed_comm_ns'])} | {_ms(worst['hidden_comm_ns'])} | {worst['collectives']} | "
+                     f"{', '.join(_ms(t) for t in r['rank_medians_ns'])} |")
+    if meta.get("single_process"):
+        lines += ["", "The same models in one process (`boomfx.validate`, training step at batch 4, one thread, thread "
+                      "time; the database above):", "", "| model | real | predicted | signed error |", "|---|---|---|---|"]
+        for model, r in meta["single_process"].items():
+            if "error" in r:
+                lines.append(f"| {model} | error: {r['error']} | | |")
+            else:
+                lines.append(f"| {model} | {_ms(r['real_ns'])} | {_ms(r['predicted_ns'])} | "
+                             f"{r['signed_error'] * 100:+.1f}% |")
+    errs = [r["signed_error"] for r in rows if "signed_error" in r]
+    if errs:
+        lines += ["", f"median |error| {statistics.median(abs(e) for e in errs) * 100:.1f}%, mean signed "
+                      f"{statistics.fmean(errs) * 100:+.1f}%, worst {max(errs, key=abs) * 100:+.1f}% over {len(errs)} "
+                      "configurations (target, issue 18: median |error| <= 10%)."]
+    return "\n".join(lines) + "\n"
+
+
+def _ms(ns: Any) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.2f} ms"
+
+
+def _load(load: Any) -> str:
+    return " / ".join(f"{x:.1f}" for x in load)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="configurations whose name contains this")
+    parser.add_argument("--steps", type=int, default=10, help="wall-timed steps per rank (default 10)")
+    args = parser.parse_args(argv)
+    chosen = [c for c in configs(args.steps) if args.only in c.name]
+    start = time.perf_counter()
+    load_before = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="boomfx-gloo-time-") as tmp:
+        db = str(Path(tmp) / "cpu.db")
+        predicted = {}
+        for cfg in chosen:
+            try:
+                predicted[cfg.name] = predicted_step(cfg, db)
+            except Exception as exc:     # recorded in the table, the other configurations still run
+                predicted[cfg.name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        real = truth.run_configs(chosen)
+        singles = {}
+        for model in sorted({c.model for c in chosen}):
+            try:
+                singles[model] = single_process(model, db)
+            except Exception as exc:
+                singles[model] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    for res in real:
+        medians = [r.step_time_s * 1e9 for r in res.ranks]
+        row = {"name": res.config.name, "real_ns": max(medians), "rank_medians_ns": medians,
+               "predicted": predicted[res.config.name]}
+        if "error" in row["predicted"]:
+            row["error"] = row["predicted"]["error"]
+        else:
+            row["signed_error"] = row["predicted"]["step_ns"] / row["real_ns"] - 1.0
+        rows.append(row)
+    meta = {"torch": torch.__version__, "steps": args.steps, "load_before": load_before,
+            "load_after": os.getloadavg(), "wall_s": time.perf_counter() - start, "single_process": singles}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "distributed_gloo_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / "distributed_gloo_time.md").write_text(_markdown(rows, meta))
+    print((RESULTS / "distributed_gloo_time.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
