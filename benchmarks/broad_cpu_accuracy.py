@@ -256,22 +256,20 @@ def write_results(rows: list[dict[str, Any]], failures: list[dict[str, str]], me
 
 
 NOTES: list[str] = [
-    "Load: the host is a 2-vCPU VM shared with ~8 other agents; the 1-minute load average ranged 1.3-11.7 during "
-    "these runs (per row in the table). With torch's default 2 threads, an OpenMP parallel region waits for a "
-    "worker the kernel has descheduled: measured during the run, a 1 MiB add took 30 us at 1 thread and "
-    "42-46 ms (median) at 2 threads under load 11. Cells whose database was collected under such load are "
-    "priced from kernels measured 10-100x slow: the eager default cells of OPT, Qwen2, GPTBigCode and "
-    "Mistral (+97..+1917% in the first run; OPT and Qwen2 rerun with --append at load 10-11, no better: "
-    "+244..+279%, except OPT inference -20.7%). The default-protocol eager summary is therefore dominated by "
-    "load; the later cells (load 1.3-4) are all under, -6..-45%. The one-thread column (thread CPU time) is "
-    "the load-robust one. The JSON keeps the commands in order.",
-    "One-thread eager cells rerun 2026-12-03 ~14:50 UTC on a quiet VM (`--append --exec eager --protocols "
-    "one-thread --repeats 5`), after that day's changes: grouped matmuls measured with balanced offsets "
-    "(kernels_db/keys.py; MoE experts had been measured 7x fast with random offsets: Mixtral one-thread "
-    "inference -44.3% -> -6.8% in a first rerun), and no-DB memory recomputed per rerun row (an appended row "
-    "used to keep its old value). Default-protocol cells: 2026-12-01 (load up to 11), Mixtral's 2026-12-03 "
-    "13:26; compiled cells 2026-12-01.",
-    "Tried and reverted the same day: tracing AdamW as eager runs it on CPU tensors (its per-parameter loop, "
+    "Default-protocol eager cells rerun 2026-12-04 ~20:00 UTC at load 1.1-1.4 (`--append --exec eager "
+    "--protocols default --repeats 5`), with the eager host terms of kernels_db/host_overheads.py (op "
+    "switches, aliasing ops, the autograd engine): median |error| 15.2%, mean -15.3%, 25 of 28 under. The "
+    "earlier default cells (2026-12-01, load up to 11: a 1 MiB add took 30 us at 1 thread and 42-46 ms at 2 "
+    "threads while the kernel descheduled the OpenMP worker) had +59.5% mean from databases measured under "
+    "load. The VM's second vCPU is not always there: DeiT inference's real step was 23.3 ms (as slow as one "
+    "thread) in this run and 13.3 ms (-11.8% error) in a validate run minutes later; single runs of the "
+    "default protocol move by that much. The one-thread column (thread CPU time) is the load-robust one.",
+    "One-thread eager cells: 2026-12-03 ~14:50 UTC (before the eager host terms). A rerun of 11 of these models "
+    "(22 cells, same protocol, 2026-12-04) with the eager host terms: mean signed -14.8% (-16.8% without them, "
+    "the same real steps), median |error| 15.3% (16.6%); a second rerun 12.2% -> 11.3%, mean -11.3% -> -10.0%. "
+    "Grouped matmuls are measured with balanced offsets (kernels_db/keys.py; MoE experts had been measured 7x "
+    "fast with random offsets). Compiled cells 2026-12-01.",
+    "Tried and reverted 2026-12-03: tracing AdamW as eager runs it on CPU tensors (its per-parameter loop, "
     "now `--no-foreach`), with validate's real step following. Memory stayed exact. Time: the two quiet "
     "one-thread runs (loop 14:39, foreach 14:51 UTC) have the same median |training error| (17.1% vs "
     "17.6%; real steps moved up to 30% between the runs), but for the same real optimizer time (T5's opt.step "
