@@ -286,9 +286,16 @@ NOTES: list[str] = [
     "training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%. Mixtral's .pt2 cannot be loaded by boomfx in a "
     "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
     "run's own.",
-    "Memory, eager: T5 and OPT training, +44.4% / +11.6% over the profiler in the first run, are exact with "
-    "the current code (one-thread cells); default-protocol cells keep the first run's values. Open: the "
-    "compiled training cells (2026-12-01) OPT +12.7%, Qwen2 +8.3%, Mistral +7.8%, GPTBigCode +2.4%.",
+    "Compiled default-protocol cells rerun 2026-12-04 20:03-20:23 UTC (load 0.6-1.6), now 13 models (T5's "
+    "compiled step aborts, above): median |error| 8.3%, mean -12.5%, worst DeiT training -48.9% (real 83 ms "
+    "compiled vs 42 ms eager the same hour: the compiled training step of a ViT ran twice as slow as eager "
+    "here, not understood). The decoder/encoder cells are within -17..+8%; convolutional and the GPT-NeoX / "
+    "DistilBERT training cells are 16-35% under. ResNet inference moved +27.0% -> -27.3% between two runs "
+    "20 minutes apart (real 2.5 vs 4.4 ms): the second vCPU again.",
+    "Memory: with a database 54 cells, worst OPT compiled training -6.8% (tied embeddings; open, "
+    "benchmarks/results/compiled_memory.md); ResNet compiled inference was +23.0% with a database "
+    "(an eager max_pool2d's int64 indices measured as its workspace, a temporary Inductor's generated pool "
+    "never makes: passes/fusion.py generated_by_inductor) and is +0.0% since (-0.8% without a database).",
 ]
 
 

@@ -33,7 +33,6 @@ import distributed_gloo_time as timing  # noqa: E402
 import distributed_truth as truth  # noqa: E402
 import torch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP, PROFILED = 3, 3
 _COMM_WORDS = ("c10d", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
                "reducescatter", "wait", "record_param_comms", "send", "recv", "broadcast", "barrier", "all_to_all")
@@ -126,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rows = run(chosen)
     meta = {"torch": torch.__version__, "load_before": load_before, "load_after": os.getloadavg()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "distributed_gloo_profile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (RESULTS / "distributed_gloo_profile.md").write_text(_markdown(rows, meta))
-    print((RESULTS / "distributed_gloo_profile.md").read_text())
+    timing.write_results("distributed_gloo_profile", meta, rows, _markdown(rows, meta))
     return 0
 
 

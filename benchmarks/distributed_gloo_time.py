@@ -209,11 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     meta = {"torch": torch.__version__, "steps": args.steps, "load_before": load_before,
             "load_after": os.getloadavg(), "wall_s": time.perf_counter() - start, "single_process": singles}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "distributed_gloo_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (RESULTS / "distributed_gloo_time.md").write_text(_markdown(rows, meta))
-    print((RESULTS / "distributed_gloo_time.md").read_text())
+    write_results("distributed_gloo_time", meta, rows, _markdown(rows, meta))
     return 0
+
+
+def write_results(stem: str, meta: dict, rows: list[dict], markdown: str) -> None:
+    """``benchmarks/results/<stem>.{json,md}``, the table printed."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / f"{stem}.md").write_text(markdown)
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,16 @@ def node_class(node: torch.fx.Node) -> str:
     return CLASS_EXTERN
 
 
+def generated_by_inductor(node: torch.fx.Node) -> bool:
+    """An ATen op that Inductor lowers to generated code even where it stays one kernel of its own (a
+    memory-class op that is not one of its ATen fallbacks: a max pool, a scatter): no library call runs,
+    so none of eager ATen's internal temporaries (a max pool's int64 indices) exist in the compiled step."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    return op_class(target) == OP_CLASS_MEMORY and target.overloadpacket not in _FALLBACK
+
+
 def _is_inference_batch_norm(node: torch.fx.Node) -> bool:
     """Batch norm with running statistics: Inductor decomposes it into pointwise ops (no reduction)."""
     packet = node.target.overloadpacket

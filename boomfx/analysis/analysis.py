@@ -22,6 +22,7 @@ from boomfx.memory.replay import AllocEvent, ReplayResult
 from boomfx.core.layers import module_path
 from boomfx.passes.blocks import block_pass, representatives
 from boomfx.passes.evaluate import Evaluator
+from boomfx.passes.fusion import generated_by_inductor
 from boomfx.passes.kernels import kernel_pass
 from boomfx.passes.liveness import LivenessInfo, step_liveness_pass
 from boomfx.passes.manager import AnalysisManager
@@ -104,6 +105,9 @@ class Analysis:
         self._host_costs = host_costs(self.pricer, device)
         # eager CPU steps: the aliasing ops dispatched before each kernel (boomfx/analysis/host_time.py)
         self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if device.kind == "cpu" else {}
+        # --compile: kernels Inductor generates hold no eager ATen scratch, whatever a database measured eagerly
+        self._generated = ({n.name for n in self._nodes if generated_by_inductor(n) and not program.runs_eagerly(n)}
+                           if getattr(program.options, "compile", False) else set())
         train = bool(getattr(program.options, "train", False))
         self._autograd_nodes = autograd_nodes(program) if device.kind == "cpu" and train else 0
         self._graph_inputs = sum(1 for n in self._nodes if n.op == "placeholder"
@@ -125,6 +129,10 @@ class Analysis:
             hit = (price, (flops, moved), suspect_price_ratio(price, call, bound, self.device))
             self._price_cache[key] = hit
         return hit
+
+    def _workspace(self, name: str, price: Any) -> int:
+        """The scratch a kernel holds while it runs: its price's, none for a kernel Inductor generates."""
+        return 0 if name in self._generated else int(price.workspace_bytes or 0)
 
     def price_node(self, name: str, ev: Evaluator) -> Any:
         """The KernelPrice of node ``name`` at ``ev``'s sizes (cached per distinct bound call)."""
@@ -178,7 +186,7 @@ class Analysis:
                     hit = point_prices.get(rep)
                     if hit is None:
                         hit = point_prices[rep] = self._price_node(rep, ev)
-                    workspace_at[step] = int(hit[0].workspace_bytes or 0)
+                    workspace_at[step] = self._workspace(node.name, hit[0])
         else:
             for step, node in enumerate(self._nodes):
                 if node.name not in self.costs.by_node:
@@ -196,12 +204,12 @@ class Analysis:
                 if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
                     device_ns += price.host_ns      # the CPU issues and runs each op on one thread
                 scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
-                workspace_at[step] = int(price.workspace_bytes or 0)
+                workspace_at[step] = self._workspace(node.name, price)
                 kernels.append(KernelReport(
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
-                    workspace_bytes=int(price.workspace_bytes or 0), block=self.blocks.instance_of(node.name)))
+                    workspace_bytes=workspace_at[step], block=self.blocks.instance_of(node.name)))
         # the schedule beyond the prices, in one place (boomfx/analysis/step_schedule.py)
         costs = self._host_costs
         opts = self.program.options
