@@ -287,11 +287,11 @@ NOTES: list[str] = [
     "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
     "run's own.",
     "Compiled default-protocol cells rerun 2026-12-04 20:03-20:23 UTC (load 0.6-1.6), now 13 models (T5's "
-    "compiled step aborts, above): median |error| 8.3%, mean -12.5%, worst DeiT training -48.9% (real 83 ms "
-    "compiled vs 42 ms eager the same hour: the compiled training step of a ViT ran twice as slow as eager "
-    "here, not understood). The decoder/encoder cells are within -17..+8%; convolutional and the GPT-NeoX / "
-    "DistilBERT training cells are 16-35% under. ResNet inference moved +27.0% -> -27.3% between two runs "
-    "20 minutes apart (real 2.5 vs 4.4 ms): the second vCPU again.",
+    "compiled step aborts, above). The decoder/encoder cells are within -17..+8%; convolutional and the "
+    "GPT-NeoX / DistilBERT training cells are 16-35% under. The same cell moves with the VM's second vCPU: "
+    "DeiT training compiled was -48.9% at 20:05 (real 83 ms) and +8.5% at 20:53 (real 39 ms, rerun with "
+    "--append, as was its eager cell: -2.2%); ResNet inference +27.0% then -27.3% 20 minutes apart (real "
+    "2.5 vs 4.4 ms).",
     "Memory: with a database 54 cells, worst OPT compiled training -6.8% (tied embeddings; open, "
     "benchmarks/results/compiled_memory.md); ResNet compiled inference was +23.0% with a database "
     "(an eager max_pool2d's int64 indices measured as its workspace, a temporary Inductor's generated pool "
