@@ -99,9 +99,11 @@ def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
     dist = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db="none"))   # its kernels' sizes
     bindings = resolve_bindings(dist.classes[0].program, {}, cfg.batch, cfg.seq)
     _collect_kernels(dist, dist.program_bindings(bindings), db)
-    first = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings)
+    priced = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db))
+    first = priced.evaluate(bindings)
     _collect_collectives(first.report.parallel, cfg.world, db)
-    parallel = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db)).evaluate(bindings).report.parallel
+    # each evaluation reads the database's collective rows afresh (rank_schedule.default_pricer)
+    parallel = priced.evaluate(bindings).report.parallel
     rows = parallel["time_by_class"]
     step = max(r.get("pipeline_step_ns", r["step_time_ns"]) for r in rows)
     sources = sorted({c["source"] for r in rows for c in r["collectives"]})

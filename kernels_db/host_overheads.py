@@ -85,8 +85,8 @@ EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager C
 # 47.0/46.6/47.2 us, per input 0.40/0.29/0.32 us, cold extra 85/71/43 us; train_calls 151/148/145 us, per
 # input 6.8/7.4/5.5 us, cold extra 162/178/103 us; op_cold 25.7/25.3/24.3 us. 2026-12-04 (thread time, three
 # runs): op_switch 1.08/1.15/1.14 us, alias_op 2.19/2.20/2.19 us, autograd_node 2.5/1.7/2.3 us (under load),
-# and op_cold then 2.46/2.45/2.47 us: the
-# VM's host had changed (the defaults keep the earlier op_cold; a collected database holds its own).
+# and op_cold then 2.46/2.45/2.47 us: the VM's host had changed (the defaults keep the earlier op_cold; a
+# collected database holds its own).
 DEFAULT_NS: Mapping[str, Mapping[str, float]] = {
     "cuda": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 0.0,
              TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0,

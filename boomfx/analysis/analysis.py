@@ -103,13 +103,16 @@ class Analysis:
         self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
         # host time outside the prices (boomfx/analysis/host_time.py): read once, not per evaluated point
         self._host_costs = host_costs(self.pricer, device)
-        # eager CPU steps: the aliasing ops dispatched before each kernel (boomfx/analysis/host_time.py)
-        self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if device.kind == "cpu" else {}
+        compiled = bool(getattr(program.options, "compile", False))
+        # eager CPU steps (boomfx/analysis/host_time.py): the aliasing ops dispatched before each kernel, and
+        # in training the autograd graph the engine runs
+        eager_cpu = device.kind == "cpu" and not compiled
+        self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if eager_cpu else {}
+        train = bool(getattr(program.options, "train", False))
+        self._autograd_nodes = autograd_nodes(program) if eager_cpu and train else 0
         # --compile: kernels Inductor generates hold no eager ATen scratch, whatever a database measured eagerly
         self._generated = ({n.name for n in self._nodes if generated_by_inductor(n) and not program.runs_eagerly(n)}
-                           if getattr(program.options, "compile", False) else set())
-        train = bool(getattr(program.options, "train", False))
-        self._autograd_nodes = autograd_nodes(program) if device.kind == "cpu" and train else 0
+                           if compiled else set())
         self._graph_inputs = sum(1 for n in self._nodes if n.op == "placeholder"
                                  and program.input_roles.get(n.name) in (ROLE_PARAM, ROLE_BUFFER, ROLE_INPUT))
 

@@ -24,7 +24,7 @@ from typing import Any, Container, Optional, Sequence
 
 import torch
 
-from boomfx.core.program import PHASE_BACKWARD
+from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
 from boomfx.kernels_db.price import DATABASE_SOURCES
 from boomfx.simulate.timeline import ScheduledKernel
 
@@ -52,6 +52,13 @@ def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], c
 _NOT_DISPATCHED = ("sym_", "_assert", "detach")
 
 
+def _dispatched(node: Any) -> bool:
+    """Whether eager PyTorch dispatches ``node``'s aten op (not an export or trace artefact)."""
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and not target.__name__.startswith(_NOT_DISPATCHED))
+
+
 def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
     """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly) run between the
     kernel before it and itself; those after the last kernel go to the first (the step is a loop)."""
@@ -65,10 +72,7 @@ def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, i
             out[node.name] = pending
             first = first or node.name
             pending = 0
-            continue
-        target = node.target
-        if (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-                and not target.__name__.startswith(_NOT_DISPATCHED)):
+        elif _dispatched(node):
             pending += 1
     if first is not None:
         out[first] += pending
@@ -79,8 +83,6 @@ def autograd_nodes(program: Any) -> int:
     """The autograd graph an eager training step builds: one node per forward (or recomputed) aten op
     that reads a tensor requiring grad (the parameters, and what is computed from them), and one
     AccumulateGrad per parameter."""
-    from boomfx.core.program import PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
-
     requires: set[str] = set()
     nodes = 0
     for node in program.graph.nodes:
@@ -94,9 +96,7 @@ def autograd_nodes(program: Any) -> int:
         if not any(isinstance(a, torch.fx.Node) and a.name in requires for a in node.all_input_nodes):
             continue
         requires.add(node.name)
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and not target.__name__.startswith(_NOT_DISPATCHED):
-            nodes += 1
+        nodes += _dispatched(node)
     return nodes
 
 
@@ -104,10 +104,9 @@ def with_autograd(kernels: Sequence[Any], scheduled: list[ScheduledKernel], cost
                   nodes: int) -> tuple[list[ScheduledKernel], list[float]]:
     """``scheduled`` with the engine's work for ``nodes`` autograd nodes spread over the backward's kernels
     (where the engine runs it), and what was added to each."""
-    backward = [i for i, k in enumerate(kernels) if k.phase == PHASE_BACKWARD]
-    share = costs.autograd_ns(nodes) / len(backward) if backward else 0.0
-    at = set(backward)
-    added = [share if i in at else 0.0 for i in range(len(scheduled))]
+    backward = [k.phase == PHASE_BACKWARD for k in kernels]
+    share = costs.autograd_ns(nodes) / max(sum(backward), 1)
+    added = [share if b else 0.0 for b in backward]
     return [dataclasses.replace(sk, device_ns=sk.device_ns + a) for sk, a in zip(scheduled, added)], added
 
 
