@@ -183,3 +183,20 @@ def test_validate_bad_input_is_one_line_exit_2(extra, needle, capsys) -> None:
 def test_validate_missing_file_exit_2(capsys, tmp_path) -> None:
     assert main(["validate", str(tmp_path / "nope.pt2")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_compiled_real_step_starts_from_a_fresh_dynamo(monkeypatch):
+    """Every compiled training step compiles the same ``_WithLoss.forward``; past dynamo's recompile limit
+    a later model in the process would silently run eagerly (seen: the broad benchmark's fifth compiled
+    training model measured its eager peak). build_step resets dynamo before it compiles, each time."""
+    from boomfx.validate.real_step import build_step
+    events: list[str] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: events.append("compile") or fn)
+    x = torch.randn(2, 4)
+    for train in (False, True, True):
+        build_step(torch.nn.Linear(4, 3), (x,), {}, train=train, compile=True)
+    assert events == ["reset", "compile"] * 3
+    events.clear()
+    build_step(torch.nn.Linear(4, 3), (x,), {}, train=True, compile=False)
+    assert events == []

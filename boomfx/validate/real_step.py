@@ -103,6 +103,11 @@ def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: boo
     ``loss``: ``"cross_entropy"``, ``"mean"`` or ``"output"``, as ``training.trace.resolved_loss`` names it;
     ``foreach``: the optimizer's argument (None would be torch's default for the parameters' device)."""
     device = torch.device(device)
+    if compile:
+        # Dynamo caches compiled code per code object: every training step here compiles the same
+        # ``_WithLoss.forward``, and past its recompile limit (8 compilations: a few models validated in one
+        # process) dynamo silently runs it eagerly: the "compiled" real step measured eager time and memory
+        torch._dynamo.reset()
     if not train:
         fn = torch.compile(module) if compile else module
 
