@@ -256,19 +256,29 @@ def write_results(rows: list[dict[str, Any]], failures: list[dict[str, str]], me
 
 
 NOTES: list[str] = [
-    "Default-protocol eager cells rerun 2026-12-04 ~20:00 UTC at load 1.1-1.4 (`--append --exec eager "
-    "--protocols default --repeats 5`), with the eager host terms of kernels_db/host_overheads.py (op "
-    "switches, aliasing ops, the autograd engine): median |error| 15.2%, mean -15.3%, 25 of 28 under. The "
-    "earlier default cells (2026-12-01, load up to 11: a 1 MiB add took 30 us at 1 thread and 42-46 ms at 2 "
-    "threads while the kernel descheduled the OpenMP worker) had +59.5% mean from databases measured under "
-    "load. The VM's second vCPU is not always there: DeiT inference's real step was 23.3 ms (as slow as one "
-    "thread) in this run and 13.3 ms (-11.8% error) in a validate run minutes later; single runs of the "
-    "default protocol move by that much. The one-thread column (thread CPU time) is the load-robust one.",
-    "One-thread eager cells: 2026-12-03 ~14:50 UTC (before the eager host terms). A rerun of 11 of these models "
-    "(22 cells, same protocol, 2026-12-04) with the eager host terms: mean signed -14.8% (-16.8% without them, "
-    "the same real steps), median |error| 15.3% (16.6%); a second rerun 12.2% -> 11.3%, mean -11.3% -> -10.0%. "
-    "Grouped matmuls are measured with balanced offsets (kernels_db/keys.py; MoE experts had been measured 7x "
-    "fast with random offsets). Compiled cells 2026-12-01.",
+    "Kernels timed inside their program's step (kernels_db/in_step.py, on by default for `kernels collect --for` "
+    "on a CPU): every cell's database rerun 2026-12-04 21:55-22:20 UTC, load 0.8-1.7. Eager default protocol: "
+    "median |error| 15.2% -> 3.9%, mean -15.3% -> -0.6% (25 of 28 under before; now 11 under, 17 over); one-thread "
+    "13.4% -> 2.1%, mean -16.1% -> +0.4%. Nothing in it is fitted: the rotation is the program's own kernels. "
+    "Why: the same aten calls with the same tensors timed one by one inside a real eager ConvNeXt forward took "
+    "3.08 ms against 2.31 ms looped (matmuls, convolutions, norms 1.2-1.4x; small pointwise ops 2-4x), at one "
+    "thread as at two; per-sample flushes of 8/32 MiB gave 2.66/4.55 ms, the kernel's real predecessor before "
+    "it 2.48 ms, a rotation of the program's calls 3.16 ms.",
+    "The first eager default pass ran while this repository's tests ran beside it (Mixtral and GPT-NeoX cells "
+    "+43..-65%); those two models were rerun alone (`--models mixtral,gptneox`) and replace them. The VM's "
+    "second vCPU is not always there: single real steps of the default protocol move by 10-40% between runs "
+    "minutes apart (ResNet compiled inference: 2.4 to 4.3 ms in six back-to-back validates); the one-thread "
+    "column (thread CPU time) is the load-robust one.",
+    "Compiled cells rerun 2026-12-04 22:10-22:15 UTC with in-step prices (fused groups timed as Inductor calls "
+    "them, in the rotation): median |error| 8.3% -> 8.7%, worst 35.3% -> 37.5%, mean -10.3% -> +3.8%. Convolutional "
+    "inference is now over: in an A/B of six alternating validates MobileNetV2 compiled inference measured 6.5-9.3 ms "
+    "against 4.64 ms isolated / 8.88 ms in-step predictions. Suspected: a fused kernel reads its producer's "
+    "just-written output in a real step, its own cold synthetic inputs in the rotation (not measured apart).",
+    "Before this run the compiled table's training cells after the first few in one process were not compiled: "
+    "validate's real step compiled the same `_WithLoss.forward` for every model, and past dynamo's recompile "
+    "limit it ran eagerly (seen when this run first measured Mixtral, GPT-NeoX, ConvNeXt and MobileNetV2 "
+    "compiled training at their eager peaks, -24..-53% memory). validate now resets dynamo before compiling "
+    "(boomfx/validate/real_step.py) and every compiled cell here was measured after that fix.",
     "Tried and reverted 2026-12-03: tracing AdamW as eager runs it on CPU tensors (its per-parameter loop, "
     "now `--no-foreach`), with validate's real step following. Memory stayed exact. Time: the two quiet "
     "one-thread runs (loop 14:39, foreach 14:51 UTC) have the same median |training error| (17.1% vs "
@@ -286,12 +296,6 @@ NOTES: list[str] = [
     "training -53.0% -> 0.0%; ResNet training -7.9% -> -2.0%. Mixtral's .pt2 cannot be loaded by boomfx in a "
     "fresh process (transformers' grouped_mm_fallback custom op is not registered): its no-DB cells are the "
     "run's own.",
-    "Compiled default-protocol cells rerun 2026-12-04 20:03-20:23 UTC (load 0.6-1.6), now 13 models (T5's "
-    "compiled step aborts, above). The decoder/encoder cells are within -17..+8%; convolutional and the "
-    "GPT-NeoX / DistilBERT training cells are 16-35% under. The same cell moves with the VM's second vCPU: "
-    "DeiT training compiled was -48.9% at 20:05 (real 83 ms) and +8.5% at 20:53 (real 39 ms, rerun with "
-    "--append, as was its eager cell: -2.2%); ResNet inference +27.0% then -27.3% 20 minutes apart (real "
-    "2.5 vs 4.4 ms).",
     "Memory: with a database 54 cells, worst OPT compiled training -6.8% (tied embeddings; open, "
     "benchmarks/results/compiled_memory.md); ResNet compiled inference was +23.0% with a database "
     "(an eager max_pool2d's int64 indices measured as its workspace, a temporary Inductor's generated pool "

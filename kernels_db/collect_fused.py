@@ -42,13 +42,13 @@ class FusedMeasurer(Measurer):
     never re-runs a compiled group on one-element inputs."""
 
     @staticmethod
-    def _timed_call(op: Any, args: list, kwargs: dict) -> Any:
+    def timed_call(op: Any, args: list, kwargs: dict) -> Any:
         """The compiled group itself, called directly: a compiled graph calls each kernel from its Python
         wrapper (~1-2 us a call here), not through the ``boomfx::fused`` custom op (its Python dispatch
         costs ~4.3 us and ``run_fused``'s per-call shape lookup ~1.1 us on the dev CPU: measured with a
         one-element group, 9.2 us through the op vs 3.8 us for the compiled callable)."""
         if getattr(op, "_schema", None) is None or op._schema.name != "boomfx::fused":
-            return Measurer._timed_call(op, args, kwargs)
+            return Measurer.timed_call(op, args, kwargs)
         inputs, scalars, desc = args
         compiled = compiled_group(desc, tuple(int(s) for s in scalars), inputs)
         return lambda: compiled(*inputs)

@@ -55,7 +55,7 @@ from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_
 from boomfx.kernels_db.roofline import op_class, roofline_ns
 from boomfx.kernels_db.cpu_scratch import convolution_scratch_bytes
 from boomfx.kernels_db.price import KernelPrice, PriceSource
-from boomfx.kernels_db.schema import BLOCK_OP, DeviceFingerprint, KernelKey, KernelRecord, canonical_json
+from boomfx.kernels_db.schema import BLOCK_OP, DeviceFingerprint, KernelKey, KernelRecord, canonical_json, is_in_step_source
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import Cost, OpCall
 
@@ -305,7 +305,7 @@ class KernelPricer:
                 rec.median_ns,
                 self._host_ns(rec),
                 rec.workspace_bytes,
-                PriceSource.MEASURED,
+                PriceSource.MEASURED_IN_STEP if is_in_step_source(rec.source) else PriceSource.MEASURED,
                 f"{rec.source} n={rec.n_runs} p10={rec.p10_ns:.0f} p90={rec.p90_ns:.0f}",
                 rec.host_in_time,
             )

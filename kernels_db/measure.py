@@ -311,7 +311,7 @@ class Measurer:
         op, args, kwargs = make_inputs(key, self.device, self.seed)
         previous_denormal = torch.set_flush_denormal(True)
         try:
-            samples = self._time_cpu(self._timed_call(op, args, kwargs))
+            samples = self._time_cpu(self.timed_call(op, args, kwargs))
             median, p10, p90 = summarize(samples)
             host = min(self._cpu_host_ns(key), median)
             workspace = self._cpu_workspace_bytes(op, args, kwargs) if self.measure_workspace else 0
@@ -320,7 +320,7 @@ class Measurer:
         return Measurement(median, p10, p90, len(samples), host, workspace, self.source)
 
     @staticmethod
-    def _timed_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Callable[[], object]:
+    def timed_call(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Callable[[], object]:
         """What one timed CPU sample calls: the op through the dispatcher, as eager PyTorch calls it."""
         return lambda: op(*args, **kwargs)
 

@@ -19,6 +19,7 @@ class PriceSource(str, Enum):
     """Where a kernel's time came from, best first."""
 
     MEASURED = "measured"                 # an exact row of the device's database
+    MEASURED_IN_STEP = "measured-in-step"  # an exact row timed inside its program's step (kernels_db/in_step.py)
     BLOCK_MEASURED = "block-measured"     # a whole repeated block timed on the device (kernels_db/blocks_db.py)
     INTERPOLATED = "interpolated"         # rows of the same signature, inside their hull (kernels_db/lookup.py)
     TRANSFERRED = "transferred"           # another GPU's row scaled by the GPU kernel model (--from-db)
@@ -26,7 +27,7 @@ class PriceSource(str, Enum):
     ROOFLINE = "roofline"                 # the datasheet roofline (kernels_db/roofline.py)
 
 
-DATABASE_SOURCES = (PriceSource.MEASURED, PriceSource.INTERPOLATED)   # priced from rows of the database
+DATABASE_SOURCES = (PriceSource.MEASURED, PriceSource.MEASURED_IN_STEP, PriceSource.INTERPOLATED)   # priced from rows of the database
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from boomfx.core.errors import OptionError
 from boomfx.passes.costs.registry import Cost, OpCall
 
 from boomfx.kernels_db.db_path import AUTO_DB, NO_DB, resolve_db_path
-from boomfx.kernels_db.price import KernelPrice, Pricer, PriceSource
+from boomfx.kernels_db.price import DATABASE_SOURCES, KernelPrice, Pricer, PriceSource
 from boomfx.kernels_db.schema import KernelRecord
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class _TransferModel:
         cost = _call_cost(call)
         for pricer, source in self.sources:
             price = pricer.price(call, cost)
-            if price.source not in (PriceSource.MEASURED, PriceSource.INTERPOLATED):
+            if price.source not in DATABASE_SOURCES:
                 continue
             ratio_model = self.gpu_model.transfer_ns(price.time_ns, call, source, target)
             if ratio_model is not None:

@@ -34,6 +34,14 @@ from typing import Any, Optional
 SCHEMA_VERSION = 1
 HASH_CHARS = 20  # 80 bits of sha256: collisions are not a practical concern at DB sizes
 SOURCE_PREFIXES = ("measured:", "import:")
+# a measured row's source ends so when it was timed inside its program's step (kernels_db/in_step.py)
+IN_STEP_SUFFIX = ":in-step"
+
+
+def is_in_step_source(source: str) -> bool:
+    """Whether a row's ``source`` says it was timed inside its program's step, not in a loop of its own."""
+    return source.endswith(IN_STEP_SUFFIX)
+
 # KernelKey.op of rows that are not single kernels: whole repeated blocks (kernels_db/blocks_db.py) and
 # host overheads (kernels_db/host_overheads.py); kernel lookups skip them
 BLOCK_OP = "block"

@@ -74,7 +74,8 @@ def test_collect_blocks_then_analysis_uses_the_block_time(capsys, exported, tmp_
 
 
 def test_block_rows_do_not_disturb_kernel_pricing(capsys, exported, tmp_path: Path) -> None:
-    """A database holding both kernel rows and block rows: kernels outside blocks stay "measured"."""
+    """A database holding both kernel rows and block rows: kernels outside blocks keep their rows' price
+    (timed inside the step by `collect --for`, kernels_db/in_step.py)."""
     _, path = exported("gpt")
     db = tmp_path / "cpu.sqlite"
     assert main(["kernels", "collect", "--device", "cpu", "--for", path, "--batch", str(BATCH), "--seq", str(SEQ),
@@ -82,7 +83,7 @@ def test_block_rows_do_not_disturb_kernel_pricing(capsys, exported, tmp_path: Pa
     _collect(path, db, train=False)
     capsys.readouterr()
     report = boomfx.analyze(path, device="cpu", batch=BATCH, seq=SEQ, db=str(db))
-    assert {k.source for k in report.kernels if k.block is None} == {"measured"}
+    assert {k.source for k in report.kernels if k.block is None} == {"measured-in-step"}
     assert {k.source for k in report.kernels if k.block is not None} == {"block-measured"}
 
 

@@ -7,7 +7,8 @@ Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the da
   grows by ``HostCosts.cold_start_ns(bytes of the kernel before it, its price)``; the step is a loop, so
   an eager step's first kernel follows its last one.
 - **eager dispatch** (CPU targets, eager): each kernel after a different op pays ``HostCosts.switch_ns``
-  (its dispatch path is no longer hot, as it was while its price was measured), and the program's
+  (its dispatch path is no longer hot, as it was while its price was measured; a price timed inside its
+  program's step, ``kernels_db/in_step.py``, holds its switch and cold start: neither is added), and the program's
   aliasing aten ops (priced at zero as kernels: views, transposes, ``.item()``) cost
   ``HostCosts.alias_ns`` each, charged to the kernel after them (``host_ops_before``); a training step
   also pays the autograd engine, ``HostCosts.autograd_ns`` per node of the graph eager autograd builds
@@ -25,10 +26,12 @@ from typing import Any, Container, Optional, Sequence
 import torch
 
 from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
-from boomfx.kernels_db.price import DATABASE_SOURCES
+from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.simulate.timeline import ScheduledKernel
 
 _MEASURED = tuple(source.value for source in DATABASE_SOURCES)   # report sources priced from database rows
+# a price timed inside its program's step already holds what the kernels before it left (kernels_db/in_step.py)
+_IN_STEP = PriceSource.MEASURED_IN_STEP.value
 
 
 def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
@@ -39,7 +42,7 @@ def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], c
     out: list[ScheduledKernel] = []
     added: list[float] = []
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
-        extra = 0.0 if (i == 0 and compiled) else costs.cold_start_ns(
+        extra = 0.0 if (i == 0 and compiled) or kernel.source == _IN_STEP else costs.cold_start_ns(
             kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED)
         device_ns = max(sk.device_ns + extra, 0.0)
         added.append(device_ns - sk.device_ns)
@@ -117,8 +120,9 @@ def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel]
     out: list[ScheduledKernel] = []
     added: list[float] = []
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
-        extra = (costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED)
-                 + costs.alias_ns(host_ops[i]))
+        switch = (0.0 if kernel.source == _IN_STEP else
+                  costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED))
+        extra = switch + costs.alias_ns(host_ops[i])
         added.append(extra)
         out.append(dataclasses.replace(sk, device_ns=sk.device_ns + extra))
     return out, added

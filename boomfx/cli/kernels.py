@@ -31,6 +31,9 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
                         "compiled and timed here, so --compile predictions are measured")
     c.add_argument("--blocks", action="store_true",  # block mode: kernels_db/blocks_db.py
                    help="with --for: run each repeated block whole at the target sizes and store its time")
+    c.add_argument("--in-step", action=argparse.BooleanOptionalAction, default=True,  # kernels_db/in_step.py
+                   help="with --for on a CPU (eager): also time every kernel where it stands in the program's "
+                        "step (its other kernels run in between) and price it by that (default: on)")
     c.add_argument("--families", default=None, help="sweep mode: comma-separated op families")
     c.add_argument("--dtypes", default="float32", help="sweep mode: comma-separated dtypes")
     c.add_argument("--budget", default=None, help="time budget, e.g. 90s, 10m, 1h")

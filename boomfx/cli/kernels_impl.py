@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -104,16 +105,21 @@ def _collect(args: argparse.Namespace) -> int:
         measurer = protocol_measurer(device)   # after the thread count (it picks the clock); not for blocks
         if args.compile:   # fused groups compiled with Inductor and timed as its graph calls them, then the rest
             from boomfx.kernels_db.collect_fused import FusedMeasurer, collect_compiled
+            fused_measurer = protocol_measurer(device, FusedMeasurer)
             fused, result = collect_compiled(Store(path), analysis, bindings, measurer,
-                                             protocol_measurer(device, FusedMeasurer), budget, progress)
+                                             fused_measurer, budget, progress)
             print(f"compiled groups of {args.for_file}: measured {fused.measured}, already present "
                   f"{fused.skipped}, failed {len(fused.failed)}, left for later {fused.pending} "
                   f"({fused.elapsed_s:.1f} s)")
             what = f"the library kernels of {args.for_file}"
+            if device.type == "cpu" and args.in_step and not (result.pending or fused.pending):
+                what += _in_step(path, analysis.kernel_calls(bindings), fused_measurer)
         else:
             calls = analysis.kernel_calls(bindings)
             result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
             what = f"{len(calls)} kernels of {args.for_file}"
+            if device.type == "cpu" and args.in_step and not result.pending:
+                what += _in_step(path, calls, measurer)
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None
@@ -139,6 +145,17 @@ def _collect(args: argparse.Namespace) -> int:
               f"with --threads 1 (its clock excludes the time other jobs run) or on a quieter machine; a rerun "
               f"measures only what is missing", file=sys.stderr)
     return 0
+
+
+def _in_step(path: Path, calls: list, measurer: Any) -> str:
+    """Time the program's kernels inside its step and price them by it (kernels_db/in_step.py)."""
+    from boomfx.kernels_db.in_step import record_in_step, time_in_step
+    from boomfx.kernels_db.store import Store
+    clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
+    times = time_in_step(calls, measurer.device, clock=clock,    # at the thread count set above
+                         timed_call=measurer.timed_call)         # a compiled group as Inductor calls it
+    written = record_in_step(Store(path), measurer.fingerprint(), times)
+    return f" ({written} timed in step)"
 
 
 def _sizes(key) -> str:
