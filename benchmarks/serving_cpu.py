@@ -194,7 +194,7 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_st
     from boomfx.core.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.host_overheads import collect_host_costs
-    from boomfx.kernels_db.in_step import record_in_step, time_in_step
+    from boomfx.kernels_db.in_step import collect_in_step
     from boomfx.kernels_db.measure import protocol_measurer
     from boomfx.kernels_db.store import Store
     from boomfx.core.program import ProgramOptions
@@ -211,10 +211,8 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_st
     collected = collect_calls(Store(db), calls, "cpu", measurer=measurer)
     collect_host_costs(Store(db), measurer, compiled=False)
     # each step's kernels timed where they stand in that step, as `kernels collect --for` does
-    clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
     for st in steps:
-        times = time_in_step(plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st), "cpu", clock=clock)
-        record_in_step(Store(db), measurer.fingerprint(), times)
+        collect_in_step(Store(db), plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st), measurer)
     info = {"measured": collected.measured, "present": collected.skipped, "failed": len(collected.failed),
             "seconds": round(time.perf_counter() - t0, 1), "clock": measurer.cpu_clock}
     return setup(program, spec, db=db, **opts), info

@@ -25,6 +25,9 @@ them no op switch and no cold start (the price already holds what the kernels be
 it); with ``--compile`` the rotation calls each fused group's compiled callable (``FusedMeasurer.timed_call``).
 
 Known limitations:
+- An interpolated price (``lookup.py``) from in-step rows is labelled ``interpolated`` and still gets the
+  op switch and cold start on top (counted twice, ~1-25 us per kernel).
+- The rotation runs the whole step at least ``warmup_passes + min_passes`` times, outside ``--budget``.
 - Only the priced kernels run: aliasing ops, the autograd engine and Python between kernels are not in
   the rotation (``host_time`` adds them as before).
 - Calls beyond ``input_budget_bytes`` reuse a built call's inputs, so a very large program's rotation
@@ -45,7 +48,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, make_inputs
-from boomfx.kernels_db.measure import Measurer, _quantile
+from boomfx.kernels_db.measure import Measurer, summarize
 from boomfx.kernels_db.schema import IN_STEP_SUFFIX, DeviceFingerprint, KernelKey, is_in_step_source
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import OpCall
@@ -167,10 +170,19 @@ def record_in_step(store: Store, fingerprint: DeviceFingerprint, times: InStepTi
             samples = times.samples.get(record.key.key_hash)
             if not samples:
                 continue
-            ordered = sorted(samples)
+            median, p10, p90 = summarize(samples)
             base = record.source[: -len(IN_STEP_SUFFIX)] if is_in_step_source(record.source) else record.source
-            store.put(replace(record, median_ns=statistics.median(ordered), p10_ns=_quantile(ordered, 0.1),
-                              p90_ns=_quantile(ordered, 0.9), n_runs=len(ordered),
+            store.put(replace(record, median_ns=median, p10_ns=p10, p90_ns=p90, n_runs=len(samples),
                               source=base + IN_STEP_SUFFIX))
             written += 1
     return written
+
+
+def collect_in_step(store: Store, calls: Sequence[OpCall], measurer: Measurer) -> int:
+    """``time_in_step`` with ``measurer``'s clock (this thread's CPU time when it uses one) and its way of
+    calling a kernel, then ``record_in_step`` over its fingerprint's rows: what ``boomfx kernels collect
+    --for`` runs after the isolated measurements. Returns the rows rewritten."""
+    clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
+    times = time_in_step(calls, measurer.device, clock=clock, timed_call=measurer.timed_call)
+    return record_in_step(store, measurer.fingerprint(), times)
+

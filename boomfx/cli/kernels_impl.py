@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
@@ -148,14 +147,11 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _in_step(path: Path, calls: list, measurer: Any) -> str:
-    """Time the program's kernels inside its step and price them by it (kernels_db/in_step.py)."""
-    from boomfx.kernels_db.in_step import record_in_step, time_in_step
+    """Time the program's kernels inside its step and price them by it (kernels_db/in_step.py), at the
+    thread count set above."""
+    from boomfx.kernels_db.in_step import collect_in_step
     from boomfx.kernels_db.store import Store
-    clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
-    times = time_in_step(calls, measurer.device, clock=clock,    # at the thread count set above
-                         timed_call=measurer.timed_call)         # a compiled group as Inductor calls it
-    written = record_in_step(Store(path), measurer.fingerprint(), times)
-    return f" ({written} timed in step)"
+    return f" ({collect_in_step(Store(path), calls, measurer)} timed in step)"
 
 
 def _sizes(key) -> str:
