@@ -58,6 +58,7 @@ def _collect_kernels(dist: Any, bindings: Any, db: str) -> None:
     """``boomfx kernels collect --threads 1`` for every rank class's compute kernels (collectives apart)."""
     from boomfx.kernels_db.collect import collect_calls
     from boomfx.kernels_db.host_overheads import collect_host_costs
+    from boomfx.kernels_db.framework_overheads import collect_framework_costs
     from boomfx.kernels_db.in_step import collect_in_step
     from boomfx.kernels_db.measure import protocol_measurer
     from boomfx.kernels_db.store import Store
@@ -69,6 +70,7 @@ def _collect_kernels(dist: Any, bindings: Any, db: str) -> None:
         measurer = protocol_measurer("cpu")      # after set_num_threads(1): this thread's CPU time
         collect_calls(Store(db), calls, "cpu", progress=False, measurer=measurer)
         collect_host_costs(Store(db), measurer, compiled=False)
+        collect_framework_costs(Store(db), measurer)   # FSDP2's hooks, as `kernels collect --collectives` does
         for a in dist.analyses:   # each rank class's kernels timed inside its step, as `kernels collect --for` does
             program_calls = [c for c in a.kernel_calls(bindings) if c.op.namespace == "aten"]
             collect_in_step(Store(db), program_calls, measurer)

@@ -77,8 +77,13 @@ OP_COLD = "op_cold"
 OP_SWITCH = "op_switch"
 ALIAS_OP = "alias_op"
 AUTOGRAD_NODE = "autograd_node"
+FSDP_UNIT = "fsdp_unit"
+FSDP_PARAM = "fsdp_param"
+# torch.distributed's frameworks' host work (kernels_db/framework_overheads.py, measured by `kernels collect
+# --collectives` on a CPU); not part of a plain collection, so not needed for its "measured" label
+FRAMEWORK_EVENTS = (FSDP_UNIT, FSDP_PARAM)
 EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD,
-          OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)
+          OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE) + FRAMEWORK_EVENTS
 EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager CPU step reads (no graph entries)
 
 # Measured on the development CPU (measure_host_costs, thread CPU time), three runs each: graph_call
@@ -86,15 +91,16 @@ EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager C
 # input 6.8/7.4/5.5 us, cold extra 162/178/103 us; op_cold 25.7/25.3/24.3 us. 2026-12-04 (thread time, three
 # runs): op_switch 1.08/1.15/1.14 us, alias_op 2.19/2.20/2.19 us, autograd_node 2.5/1.7/2.3 us (under load),
 # and op_cold then 2.46/2.45/2.47 us: the VM's host had changed (the defaults keep the earlier op_cold; a
-# collected database holds its own).
+# collected database holds its own). FSDP2 at world size 1 (framework_overheads.py's calibration, one run):
+# 427 us per unit + 181 us per parameter (units of 2, 6 and 12 parameters: 789, 1515, 2498 us per unit).
 DEFAULT_NS: Mapping[str, Mapping[str, float]] = {
     "cuda": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 0.0,
              TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0,
-             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0},
+             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0, FSDP_UNIT: 0.0, FSDP_PARAM: 0.0},
     "cpu": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 70_000.0,
             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 150_000.0,
             OP_COLD: 25_000.0, OP_SWITCH: 1_100.0, ALIAS_OP: 2_200.0,
-            AUTOGRAD_NODE: 2_200.0},
+            AUTOGRAD_NODE: 2_200.0, FSDP_UNIT: 430_000.0, FSDP_PARAM: 180_000.0},
 }
 _LAYERS = (1, 32)      # calibration depths: 3 and 65 graph inputs
 
@@ -128,7 +134,8 @@ class HostCosts:
         """The database's rows, each missing event from the defaults of ``device_kind`` ("cpu"/"cuda")."""
         found = {event_of(r.key): r.median_ns for r in records if event_of(r.key) is not None}
         defaults = DEFAULT_NS["cpu" if device_kind == "cpu" else "cuda"]
-        source = "measured" if all(e in found for e in EVENTS) else ("partly measured" if found else "default")
+        needed = [e for e in EVENTS if e not in FRAMEWORK_EVENTS]
+        source = "measured" if all(e in found for e in needed) else ("partly measured" if found else "default")
         return cls({e: found.get(e, defaults[e]) for e in EVENTS}, source,
                    l2_cache_bytes() if l2_bytes is None else int(l2_bytes))
 
@@ -160,6 +167,10 @@ class HostCosts:
     def alias_ns(self, count: int) -> float:
         """Dispatch of ``count`` aliasing (zero-priced) aten ops run eagerly."""
         return self.values[ALIAS_OP] * count
+
+    def fsdp_ns(self, params: int) -> float:
+        """FSDP2's hooks for one unit of ``params`` parameters, once a step (framework_overheads.py)."""
+        return self.values[FSDP_UNIT] + self.values[FSDP_PARAM] * params
 
     def autograd_ns(self, nodes: int) -> float:
         """The autograd engine's own work for ``nodes`` graph nodes (record, schedule, hand over gradients)."""
@@ -400,7 +411,7 @@ def collect_host_costs(store: Any, measurer: Optional[Measurer] = None, pairs: i
     ones without ``compiled``) and store them; returns the events stored."""
     measurer = measurer if measurer is not None else Measurer("cpu")
     fingerprint = measurer.fingerprint()
-    wanted = EVENTS if compiled else EAGER_EVENTS
+    wanted = [e for e in EVENTS if e not in FRAMEWORK_EVENTS] if compiled else EAGER_EVENTS
     with store:
         have = store.key_hashes(fingerprint)
     if all(host_key(e).key_hash in have for e in wanted):

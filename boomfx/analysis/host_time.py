@@ -12,7 +12,8 @@ Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the da
   aliasing aten ops (priced at zero as kernels: views, transposes, ``.item()``) cost
   ``HostCosts.alias_ns`` each, charged to the kernel after them (``host_ops_before``); a training step
   also pays the autograd engine, ``HostCosts.autograd_ns`` per node of the graph eager autograd builds
-  (``autograd_nodes``), spread over the backward's kernels.
+  (``autograd_nodes``), spread over the backward's kernels; an FSDP rank program FSDP2's hooks,
+  ``HostCosts.fsdp_ns`` per unit (``fsdp_units``; kernels_db/framework_overheads.py).
 - **graph entries** (``--compile``): dynamo's guards and AOTAutograd's wrappers before the forward's first
   kernel, and the backward graph's call and gradient hand-over before the backward's first kernel, as
   host-only entries (no kernel, no report row). On a CPU target they follow the step's last kernel (the
@@ -25,7 +26,7 @@ from typing import Any, Container, Optional, Sequence
 
 import torch
 
-from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
+from boomfx.core.program import META_FSDP_UNIT, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
 from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.simulate.timeline import ScheduledKernel
 
@@ -113,16 +114,27 @@ def with_autograd(kernels: Sequence[Any], scheduled: list[ScheduledKernel], cost
     return [dataclasses.replace(sk, device_ns=sk.device_ns + a) for sk, a in zip(scheduled, added)], added
 
 
+def fsdp_units(nodes: Sequence[Any]) -> dict[str, int]:
+    """Node name -> parameter count of the FSDP unit whose post-backward it is (``META_FSDP_UNIT``, set by
+    the rank rewrite on the unit's ``_chunk_cat``): where FSDP2's hooks for that unit are charged."""
+    return {n.name: int(n.meta[META_FSDP_UNIT]) for n in nodes if n.meta.get(META_FSDP_UNIT) is not None}
+
+
 def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
-                        host_ops: Sequence[int]) -> tuple[list[ScheduledKernel], list[float]]:
+                        host_ops: Sequence[int], fsdp_params: Optional[Sequence[Optional[int]]] = None
+                        ) -> tuple[list[ScheduledKernel], list[float]]:
     """``scheduled`` with each eager kernel's switch and the aliasing ops before it (``host_ops``, aligned
-    with ``kernels``) added to its time on the CPU thread, and what was added to each."""
+    with ``kernels``) added to its time on the CPU thread, and FSDP2's hooks of a unit on the kernel that
+    carries them (``fsdp_params``: the unit's parameter count there, else None); what was added to each."""
     out: list[ScheduledKernel] = []
     added: list[float] = []
+    fsdp_params = fsdp_params or [None] * len(kernels)
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
         switch = (0.0 if kernel.source == _IN_STEP else
                   costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED))
         extra = switch + costs.alias_ns(host_ops[i])
+        if fsdp_params[i] is not None:
+            extra += costs.fsdp_ns(fsdp_params[i])
         added.append(extra)
         out.append(dataclasses.replace(sk, device_ns=sk.device_ns + extra))
     return out, added

@@ -33,6 +33,9 @@ META_EAGER = "boomfx.eager"
 # GraphModule meta: node name -> names of nodes it also keeps alive (a runtime frees them there, not at
 # their last use: FSDP's reshard after forward; boomfx/distributed/fsdp.py)
 META_RUNTIME_USES = "boomfx.runtime_uses"
+# Node meta: on an FSDP unit's post-backward ``_chunk_cat`` (boomfx/distributed/fsdp.py), the unit's parameter
+# count: FSDP2's hooks for that unit run once a step (their host work: kernels_db/framework_overheads.py)
+META_FSDP_UNIT = "boomfx.fsdp_unit"
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from boomfx.distributed.ddp_bucket_view import copy_into_bucket, read_bucket_vie
 from boomfx.distributed.graph_edit import GraphEditor, contiguous_strides, meta_tensor, numel, owning_layer
 from boomfx.core.errors import OptionError
 from boomfx.core.program import (
+    META_FSDP_UNIT,
     META_RUNTIME_USES,
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -468,6 +469,7 @@ def _reduce_scatter(
         PHASE_BACKWARD,
         after=True,
     )
+    rs_in.meta[META_FSDP_UNIT] = len(unit.params)   # the unit's hooks, once a step (host work on a CPU)
     flat = edit.call(
         rs_in,
         aten.view.default,
