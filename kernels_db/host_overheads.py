@@ -79,9 +79,10 @@ ALIAS_OP = "alias_op"
 AUTOGRAD_NODE = "autograd_node"
 FSDP_UNIT = "fsdp_unit"
 FSDP_PARAM = "fsdp_param"
+TP_LINEAR = "tp_linear"
 # torch.distributed's frameworks' host work (kernels_db/framework_overheads.py, measured by `kernels collect
 # --collectives` on a CPU); not part of a plain collection, so not needed for its "measured" label
-FRAMEWORK_EVENTS = (FSDP_UNIT, FSDP_PARAM)
+FRAMEWORK_EVENTS = (FSDP_UNIT, FSDP_PARAM, TP_LINEAR)
 EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD,
           OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE) + FRAMEWORK_EVENTS
 EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager CPU step reads (no graph entries)
@@ -92,15 +93,16 @@ EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager C
 # runs): op_switch 1.08/1.15/1.14 us, alias_op 2.19/2.20/2.19 us, autograd_node 2.5/1.7/2.3 us (under load),
 # and op_cold then 2.46/2.45/2.47 us: the VM's host had changed (the defaults keep the earlier op_cold; a
 # collected database holds its own). FSDP2 at world size 1 (framework_overheads.py's calibration, one run):
-# 427 us per unit + 181 us per parameter (units of 2, 6 and 12 parameters: 789, 1515, 2498 us per unit).
+# 427 us per unit + 181 us per parameter (units of 2, 6 and 12 parameters: 789, 1515, 2498 us per unit);
+# tensor parallelism 757 us per parallel linear with a bias (542 us without), under a test run's load.
 DEFAULT_NS: Mapping[str, Mapping[str, float]] = {
     "cuda": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 0.0,
              TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0,
-             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0, FSDP_UNIT: 0.0, FSDP_PARAM: 0.0},
+             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0, FSDP_UNIT: 0.0, FSDP_PARAM: 0.0, TP_LINEAR: 0.0},
     "cpu": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 70_000.0,
             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 150_000.0,
             OP_COLD: 25_000.0, OP_SWITCH: 1_100.0, ALIAS_OP: 2_200.0,
-            AUTOGRAD_NODE: 2_200.0, FSDP_UNIT: 430_000.0, FSDP_PARAM: 180_000.0},
+            AUTOGRAD_NODE: 2_200.0, FSDP_UNIT: 430_000.0, FSDP_PARAM: 180_000.0, TP_LINEAR: 760_000.0},
 }
 _LAYERS = (1, 32)      # calibration depths: 3 and 65 graph inputs
 
@@ -171,6 +173,10 @@ class HostCosts:
     def fsdp_ns(self, params: int) -> float:
         """FSDP2's hooks for one unit of ``params`` parameters, once a step (framework_overheads.py)."""
         return self.values[FSDP_UNIT] + self.values[FSDP_PARAM] * params
+
+    def tp_ns(self, linears: int) -> float:
+        """DTensor's host work for ``linears`` tensor-parallel linears, once a step (framework_overheads.py)."""
+        return self.values[TP_LINEAR] * linears
 
     def autograd_ns(self, nodes: int) -> float:
         """The autograd engine's own work for ``nodes`` graph nodes (record, schedule, hand over gradients)."""

@@ -29,7 +29,7 @@ from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
-from boomfx.analysis.host_time import autograd_nodes, fsdp_units, host_ops_before
+from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
 from boomfx.kernels_db.pricing import host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
@@ -110,8 +110,8 @@ class Analysis:
         self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if eager_cpu else {}
         train = bool(getattr(program.options, "train", False))
         self._autograd_nodes = autograd_nodes(program) if eager_cpu and train else 0
-        # FSDP2's hooks per unit (a rank program's post-backward _chunk_cat carries the unit's parameter count)
-        self._fsdp_units = fsdp_units(self._nodes) if eager_cpu else {}
+        # torch.distributed's frameworks in a rank program: FSDP2's hooks per unit, DTensor's per parallel linear
+        self._framework_ns = framework_ns(self._nodes, self.costs.by_node, self._host_costs) if eager_cpu else {}
         # --compile: kernels Inductor generates hold no eager ATen scratch, whatever a database measured eagerly
         self._generated = ({n.name for n in self._nodes if generated_by_inductor(n) and not program.runs_eagerly(n)}
                            if compiled else set())
@@ -223,7 +223,7 @@ class Analysis:
                              cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs,
                              host_ops=[self._host_ops.get(k.node, 0) for k in kernels],
                              autograd_nodes=self._autograd_nodes,
-                             fsdp_params=[self._fsdp_units.get(k.node) for k in kernels])
+                             framework_ns=[self._framework_ns.get(k.node, 0.0) for k in kernels])
         kernels, scheduled, entries = step.kernels, step.scheduled, step.entries
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]

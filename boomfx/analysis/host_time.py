@@ -12,8 +12,9 @@ Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the da
   aliasing aten ops (priced at zero as kernels: views, transposes, ``.item()``) cost
   ``HostCosts.alias_ns`` each, charged to the kernel after them (``host_ops_before``); a training step
   also pays the autograd engine, ``HostCosts.autograd_ns`` per node of the graph eager autograd builds
-  (``autograd_nodes``), spread over the backward's kernels; an FSDP rank program FSDP2's hooks,
-  ``HostCosts.fsdp_ns`` per unit (``fsdp_units``; kernels_db/framework_overheads.py).
+  (``autograd_nodes``), spread over the backward's kernels; a rank program the distributed frameworks'
+  own host work (``framework_ns``: FSDP2's hooks per unit, DTensor's per tensor-parallel linear;
+  kernels_db/framework_overheads.py).
 - **graph entries** (``--compile``): dynamo's guards and AOTAutograd's wrappers before the forward's first
   kernel, and the backward graph's call and gradient hand-over before the backward's first kernel, as
   host-only entries (no kernel, no report row). On a CPU target they follow the step's last kernel (the
@@ -22,11 +23,11 @@ Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the da
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Container, Optional, Sequence
+from typing import Any, Callable, Container, Optional, Sequence
 
 import torch
 
-from boomfx.core.program import META_FSDP_UNIT, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
+from boomfx.core.program import META_FSDP_UNIT, META_TP_LINEAR, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
 from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.simulate.timeline import ScheduledKernel
 
@@ -63,24 +64,37 @@ def _dispatched(node: Any) -> bool:
             and not target.__name__.startswith(_NOT_DISPATCHED))
 
 
-def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
-    """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly) run between the
-    kernel before it and itself; those after the last kernel go to the first (the step is a loop)."""
+def _counted_before(nodes: Sequence[Any], priced: Container[str], counted: Callable[[Any], bool]) -> dict[str, int]:
+    """For each priced node, how many nodes ``counted`` accepts (never kernels themselves: a collective is
+    priced but runs on its own stream) run between the kernel before it and itself; those after the last
+    kernel go to the first (the step is a loop)."""
     out: dict[str, int] = {}
     pending = 0
     first: Optional[str] = None
     for node in nodes:
         if node.op != "call_function":
             continue
-        if node.name in priced:
+        if node.name in priced and not counted(node):
             out[node.name] = pending
             first = first or node.name
             pending = 0
-        elif _dispatched(node):
+        elif counted(node):
             pending += 1
     if first is not None:
         out[first] += pending
     return out
+
+
+def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
+    """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly) run between the
+    kernel before it and itself."""
+    return _counted_before(nodes, priced, lambda node: node.name not in priced and _dispatched(node))
+
+
+def tp_linears_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
+    """For each priced node, how many tensor-parallel linears' collectives (``META_TP_LINEAR``) run between
+    the kernel before it and itself: each stands for one parallel linear's DTensor host work."""
+    return _counted_before(nodes, priced, lambda node: bool(node.meta.get(META_TP_LINEAR)))
 
 
 def autograd_nodes(program: Any) -> int:
@@ -120,21 +134,30 @@ def fsdp_units(nodes: Sequence[Any]) -> dict[str, int]:
     return {n.name: int(n.meta[META_FSDP_UNIT]) for n in nodes if n.meta.get(META_FSDP_UNIT) is not None}
 
 
+def framework_ns(nodes: Sequence[Any], priced: Container[str], costs: Any) -> dict[str, float]:
+    """Per priced node, the host work torch.distributed's frameworks do there (kernels_db/
+    framework_overheads.py): FSDP2's hooks of the unit whose post-backward it is (``fsdp_units``), and
+    DTensor's for the tensor-parallel linears whose collectives run just before it (``tp_linears_before``)."""
+    out = {name: costs.fsdp_ns(params) for name, params in fsdp_units(nodes).items()}
+    for name, linears in tp_linears_before(nodes, priced).items():
+        if linears:
+            out[name] = out.get(name, 0.0) + costs.tp_ns(linears)
+    return out
+
+
 def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
-                        host_ops: Sequence[int], fsdp_params: Optional[Sequence[Optional[int]]] = None
+                        host_ops: Sequence[int], framework: Optional[Sequence[float]] = None
                         ) -> tuple[list[ScheduledKernel], list[float]]:
     """``scheduled`` with each eager kernel's switch and the aliasing ops before it (``host_ops``, aligned
-    with ``kernels``) added to its time on the CPU thread, and FSDP2's hooks of a unit on the kernel that
-    carries them (``fsdp_params``: the unit's parameter count there, else None); what was added to each."""
+    with ``kernels``) added to its time on the CPU thread, and the distributed frameworks' host work charged
+    to it (``framework``, ns, aligned too); what was added to each."""
     out: list[ScheduledKernel] = []
     added: list[float] = []
-    fsdp_params = fsdp_params or [None] * len(kernels)
+    framework = framework or [0.0] * len(kernels)
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
         switch = (0.0 if kernel.source == _IN_STEP else
                   costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED))
-        extra = switch + costs.alias_ns(host_ops[i])
-        if fsdp_params[i] is not None:
-            extra += costs.fsdp_ns(fsdp_params[i])
+        extra = switch + costs.alias_ns(host_ops[i]) + framework[i]
         added.append(extra)
         out.append(dataclasses.replace(sk, device_ns=sk.device_ns + extra))
     return out, added

@@ -33,7 +33,7 @@ from boomfx.simulate.timeline import ScheduledKernel
 class StepSchedule:
     """The kernels (report rows) and the schedule the simulator runs; ``entries`` are the indices of
     host-only graph entries in ``scheduled`` (no report row), ``cold_start_ns`` the cold starts added,
-    ``eager_dispatch_ns`` the eager switches, aliasing ops, autograd engine and FSDP2's hooks."""
+    ``eager_dispatch_ns`` the eager switches, aliasing ops, autograd engine and the distributed frameworks' host work."""
 
     kernels: list[KernelReport]
     scheduled: list[ScheduledKernel]
@@ -50,11 +50,11 @@ def schedule_step(kernels: list[KernelReport], scheduled: list[ScheduledKernel],
                   db: Optional[str], bindings: Mapping[sympy.Symbol, int], costs: HostCosts, cpu: bool,
                   compiled: bool, train: bool, cudagraphs: bool, graph_inputs: int,
                   host_ops: Optional[list[int]] = None, autograd_nodes: int = 0,
-                  fsdp_params: Optional[list[Optional[int]]] = None) -> StepSchedule:
+                  framework_ns: Optional[list[float]] = None) -> StepSchedule:
     """Apply the four mechanisms of the module doc to the priced step; ``host_ops``: per kernel, the
     aliasing ops before it (``host_time.host_ops_before``; eager CPU steps); ``autograd_nodes``: the graph
-    an eager training step's autograd builds (``host_time.autograd_nodes``); ``fsdp_params``: per kernel, the
-    FSDP unit whose hooks it carries (``host_time.fsdp_units``), else None."""
+    an eager training step's autograd builds (``host_time.autograd_nodes``); ``framework_ns``: per kernel, the
+    distributed frameworks' host work charged to it (``host_time.framework_ns``)."""
     if cudagraphs:
         scheduled = [dataclasses.replace(sk, host_ns=CUDAGRAPH_REPLAY_HOST_NS if i == 0 else 0.0)
                      for i, sk in enumerate(scheduled)]
@@ -64,7 +64,7 @@ def schedule_step(kernels: list[KernelReport], scheduled: list[ScheduledKernel],
         scheduled, added = with_cold_starts(kernels, scheduled, costs, compiled)
         if not compiled:
             scheduled, dispatch = with_eager_dispatch(kernels, scheduled, costs, host_ops or [0] * len(kernels),
-                                                      fsdp_params)
+                                                      framework_ns)
             scheduled, engine = with_autograd(kernels, scheduled, costs, autograd_nodes)
             dispatch = [a + b for a, b in zip(dispatch, engine)]
     kernels, scheduled = apply_block_measurements(analysis, db, bindings, kernels, scheduled)

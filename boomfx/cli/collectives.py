@@ -28,11 +28,12 @@ def collect(args: argparse.Namespace, spec_name: str, path: Path) -> int:
         print(f"  {op}: not measured ({why})")
     if backend == "gloo":   # FSDP2's hooks on this host (kernels_db/framework_overheads.py)
         from boomfx.kernels_db.framework_overheads import collect_framework_costs
-        from boomfx.kernels_db.host_overheads import FSDP_PARAM, FSDP_UNIT
+        from boomfx.kernels_db.host_overheads import FSDP_PARAM, FSDP_UNIT, TP_LINEAR
         from boomfx.kernels_db.measure import protocol_measurer
         costs = collect_framework_costs(Store(path), protocol_measurer("cpu"))
-        print(f"FSDP2 host work: {costs[FSDP_UNIT] / 1e3:.0f} us per unit + {costs[FSDP_PARAM] / 1e3:.0f} us per "
-              f"parameter (world size 1)")
+        print(f"host work at world size 1: FSDP2 {costs[FSDP_UNIT] / 1e3:.0f} us per unit + "
+              f"{costs[FSDP_PARAM] / 1e3:.0f} us per parameter, DTensor {costs[TP_LINEAR] / 1e3:.0f} us per "
+              f"tensor-parallel linear")
     return 0
 
 

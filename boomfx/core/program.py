@@ -36,6 +36,9 @@ META_RUNTIME_USES = "boomfx.runtime_uses"
 # Node meta: on an FSDP unit's post-backward ``_chunk_cat`` (boomfx/distributed/fsdp.py), the unit's parameter
 # count: FSDP2's hooks for that unit run once a step (their host work: kernels_db/framework_overheads.py)
 META_FSDP_UNIT = "boomfx.fsdp_unit"
+# Node meta: on the all-reduce DTensor issues for a tensor-parallel linear (boomfx/distributed/tp_ops.py): one
+# parallel linear's DTensor host work (its forward, backward and parameters' optimizer step)
+META_TP_LINEAR = "boomfx.tp_linear"
 
 
 @dataclass(frozen=True)

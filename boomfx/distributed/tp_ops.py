@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from boomfx.distributed.graph_edit import GraphEditor
-from boomfx.core.program import META_RUNTIME_USES, PHASE_FORWARD, Program
+from boomfx.core.program import META_RUNTIME_USES, META_TP_LINEAR, PHASE_FORWARD, Program
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -178,6 +178,8 @@ def lower_tp_ops(program: Program, group: str = TP_GROUP, gather_scratch: bool =
             reduced = edit.call(
                 node, c10d.all_reduce.default, (node.args[0], op, group), val, phase, like=node
             )
+            if node.target is ALL_REDUCE:   # a parallel linear's (not loss parallel's): its DTensor host work
+                reduced.meta[META_TP_LINEAR] = True
             waited = edit.wait(node, reduced, phase, like=node)
             node.replace_all_uses_with(waited)
             graph.erase_node(node)
