@@ -13,8 +13,9 @@ kernel's real predecessor before it (2.48 ms) or a burst of tiny other ops (2.65
 program's calls in order, each once per pass, does (3.16 ms and 9.69 ms).
 
 So ``time_in_step`` builds inputs for every call of the program (``keys.make_inputs``: each call its own
-tensors, as each layer has its own weights and activations, up to ``input_budget_bytes``; later calls
-of a key already built share its inputs), runs the calls in program order for ``warmup_passes +
+tensors, as each layer has its own weights and activations, while they fit ``input_budget_bytes``; past
+it, later calls of a key already built share its inputs and a key not built yet is left out, keeping its
+isolated price: the rotation never holds more than the budget), runs the calls in program order for ``warmup_passes +
 passes`` passes, and times each call where it stands. A key's in-step time is the median of all its
 calls' samples. ``record_in_step`` writes it over the key's isolated row (kept: workspace and host
 issue time come from the isolated measurement), labelled ``source + IN_STEP_SUFFIX``; the pricer
@@ -30,8 +31,10 @@ Known limitations:
 - The rotation runs the whole step at least ``warmup_passes + min_passes`` times, outside ``--budget``.
 - Only the priced kernels run: aliasing ops, the autograd engine and Python between kernels are not in
   the rotation (``host_time`` adds them as before).
-- Calls beyond ``input_budget_bytes`` reuse a built call's inputs, so a very large program's rotation
-  touches fewer distinct bytes than its step.
+- Calls beyond ``input_budget_bytes`` (2 GiB) reuse a built call's inputs, so a very large program's rotation
+  touches fewer distinct bytes than its step, and keys first met past it (a large model's foreach
+  optimizer ops: every parameter, gradient and state, per op) keep their isolated prices. Measured: GPT-2
+  small training (batch 2, seq 128) peaked at 10.9 GB resident before this cap.
 - Each call reads synthetic inputs, not its predecessor's output: an activation the previous kernel
   just wrote is read warm in a real step and from wherever the rotation left it here. Suspected where
   compiled convolutional networks come out over (MobileNetV2 compiled inference +23% against -36%
@@ -43,11 +46,11 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, make_inputs
+from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, input_bytes, kernel_key, make_inputs
 from boomfx.kernels_db.measure import Measurer, summarize
 from boomfx.kernels_db.schema import IN_STEP_SUFFIX, DeviceFingerprint, KernelKey, is_in_step_source
 from boomfx.kernels_db.store import Store
@@ -58,7 +61,8 @@ DEFAULT_INPUT_BUDGET_BYTES = 2 << 30
 
 @dataclass(frozen=True)
 class InStepTimes:
-    """Samples (ns) per key hash, and the keys whose inputs could not be built or whose call failed."""
+    """Samples (ns) per key hash, and the keys left out with why: inputs that could not be built or did
+    not fit the budget, a call that failed."""
 
     samples: dict[str, list[float]]
     keys: dict[str, KernelKey]
@@ -66,16 +70,6 @@ class InStepTimes:
 
     def median_ns(self, key_hash: str) -> float:
         return statistics.median(self.samples[key_hash])
-
-
-def _tensor_bytes(values: Iterable[object]) -> int:
-    total = 0
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            total += v.untyped_storage().nbytes()
-        elif isinstance(v, (list, tuple)):
-            total += _tensor_bytes(v)
-    return total
 
 
 def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *, min_passes: int = 8,
@@ -110,13 +104,18 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
             continue
         keys[key.key_hash] = key
         inputs = built.get(key.key_hash)
-        if inputs is None or spent < input_budget_bytes:
+        need = input_bytes(key)
+        if spent + need > input_budget_bytes:
+            if inputs is None:   # never more than the budget: the key keeps its isolated row
+                failed[key.key_hash] = f"inputs of {need} bytes over the rotation's budget ({input_budget_bytes} bytes)"
+                continue
+        else:
             try:
                 inputs = make_inputs(key, device, seed=len(runs))
             except Exception as exc:  # noqa: BLE001 - a key that cannot be built keeps its isolated row
                 failed[key.key_hash] = f"{type(exc).__name__}: {exc}"
                 continue
-            spent += _tensor_bytes(list(inputs[1]) + list(inputs[2].values()))
+            spent += need
             built.setdefault(key.key_hash, inputs)
         op, args, kwargs = inputs
         try:

@@ -302,6 +302,11 @@ def _storage_numel(entry: dict) -> int:
     return entry["offset"] + sum((s - 1) * abs(st) for s, st in zip(entry["shape"], entry["stride"])) + 1
 
 
+def input_bytes(key: KernelKey) -> int:
+    """The bytes ``make_inputs`` allocates for ``key`` (each tensor's whole storage), known before building."""
+    return sum(max(_storage_numel(e), 1) * getattr(torch, e["dtype"]).itemsize for e in key.data["tensors"])
+
+
 def make_tensor(
     op: torch._ops.OpOverload, data: dict, entry: dict, device: torch.device, generator: torch.Generator
 ) -> torch.Tensor:

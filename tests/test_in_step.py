@@ -68,6 +68,26 @@ def test_every_call_is_timed_where_it_stands_each_pass():
     assert len(capped.samples[keys[0]]) == 4
 
 
+def test_the_rotation_never_holds_more_than_its_budget():
+    """Inputs by hand (fp32): the first matmul [16, 32] @ [32, 48] holds 8 KiB, each relu [16, 48] 3 KiB, the
+    last matmul [16, 48] @ [48, 32] 9 KiB. With 10 KiB only the first matmul is built; the relu and the last
+    matmul are left out (their isolated rows stay) and say why."""
+    from boomfx.kernels_db.keys import input_bytes
+    _, calls = _program_calls(Repeated(), torch.randn(16, 32))
+    keys = [kernel_key(c) for c in calls]
+    assert [input_bytes(k) for k in keys] == [8192, 3072, 3072, 3072, 9216]
+    times = time_in_step(calls, clock=_ticking(), min_passes=2, target_s=0.0, warmup_passes=0,
+                         input_budget_bytes=10 * 1024)
+    assert set(times.samples) == {keys[0].key_hash}
+    assert {keys[1].key_hash, keys[4].key_hash} == set(times.failed)
+    assert all("over the rotation's budget" in why for why in times.failed.values())
+    # room for the first matmul and one relu: the relu's later calls share its inputs, still timed each
+    shared = time_in_step(calls, clock=_ticking(), min_passes=2, target_s=0.0, warmup_passes=0,
+                          input_budget_bytes=8192 + 3072)
+    assert {h: len(v) for h, v in shared.samples.items()} == {keys[0].key_hash: 2, keys[1].key_hash: 6}
+    assert set(shared.failed) == {keys[4].key_hash}
+
+
 def test_a_call_that_fails_keeps_its_isolated_row(monkeypatch):
     """A key whose call raises in the rotation gets no in-step time; the others do."""
     _, calls = _program_calls(Repeated(), torch.randn(16, 32))
