@@ -42,7 +42,6 @@ Known limitations:
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -52,7 +51,7 @@ import torch
 
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, input_bytes, kernel_key, make_inputs
 from boomfx.kernels_db.measure import Measurer, summarize
-from boomfx.kernels_db.schema import IN_STEP_SUFFIX, DeviceFingerprint, KernelKey, is_in_step_source
+from boomfx.kernels_db.schema import IN_STEP_SUFFIX, DeviceFingerprint, is_in_step_source
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import OpCall
 
@@ -65,11 +64,7 @@ class InStepTimes:
     not fit the budget, a call that failed."""
 
     samples: dict[str, list[float]]
-    keys: dict[str, KernelKey]
     failed: dict[str, str]
-
-    def median_ns(self, key_hash: str) -> float:
-        return statistics.median(self.samples[key_hash])
 
 
 def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *, min_passes: int = 8,
@@ -91,7 +86,6 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
     device = torch.device(device)
     clock = clock or time.perf_counter_ns
     built: dict[str, tuple] = {}
-    keys: dict[str, KernelKey] = {}
     failed: dict[str, str] = {}
     runs: list[tuple[str, Callable[[], object]]] = []
     spent = 0
@@ -102,7 +96,6 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
             continue    # priced by its roofline: nothing to time
         if key.key_hash in failed:
             continue
-        keys[key.key_hash] = key
         inputs = built.get(key.key_hash)
         need = input_bytes(key)
         if spent + need > input_budget_bytes:
@@ -136,7 +129,7 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
     finally:
         torch.set_flush_denormal(previous_denormal)
     ok = {h: s for h, s in samples.items() if h not in failed and s}
-    return InStepTimes(ok, {h: keys[h] for h in ok}, failed)
+    return InStepTimes(ok, failed)
 
 
 def _one_pass(runs: Sequence[tuple[str, Callable[[], object]]], failed: dict[str, str],

@@ -117,7 +117,7 @@ def test_rows_are_rewritten_with_the_in_step_median(tmp_path):
     samples = {h: [float(10_000 * (i + 1) + j) for j in range(5)] for i, h in enumerate(keys)}
     with Store(db) as store:
         before = {r.key.key_hash: r for r in store.records(measurer.fingerprint())}
-    written = record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, keys, {}))
+    written = record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, {}))
     assert written == 2
     with Store(db) as store:
         after = {r.key.key_hash: r for r in store.records(measurer.fingerprint())}
@@ -127,7 +127,7 @@ def test_rows_are_rewritten_with_the_in_step_median(tmp_path):
         assert rec.p10_ns <= rec.median_ns <= rec.p90_ns
         assert rec.workspace_bytes == before[h].workspace_bytes and rec.host_ns == before[h].host_ns
         assert rec.source == "measured:cpu:in-step" and is_in_step_source(rec.source)
-    record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, keys, {}))   # again: one suffix
+    record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, {}))   # again: one suffix
     with Store(db) as store:
         assert {r.source for r in store.records(measurer.fingerprint())} == {"measured:cpu:in-step"}
 
@@ -140,7 +140,7 @@ def _in_step_db(tmp_path, model, x, prices: dict[str, float], host: dict[str, fl
     collect_calls(Store(db), calls, measurer=measurer, progress=False, check_plausible=False)
     keys = {kernel_key(c).key_hash: kernel_key(c) for c in calls}
     samples = {h: [prices[k.op.split(".")[1]]] for h, k in keys.items()}
-    record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, keys, {}))
+    record_in_step(Store(db), measurer.fingerprint(), InStepTimes(samples, {}))
     fp = measurer.fingerprint()
     with Store(db) as store:
         store.put_many([Measurement(v, v, v, 1, v, 0, "measured:cpu").record(fp, host_key(e)) for e, v in host.items()])
