@@ -14,8 +14,10 @@ pointwise kernel, ``partitioner.recompute_for_backward``'s normalisers and saved
 ``compiled._inplace_reuse`` over donated buffers, metadata asserts storing nothing) were worked out on
 OPT and Qwen2 timelines; those of 2026-12-04 (depthwise backward operands, Inductor's peak-memory order,
 channels-last convolution scratch, the low-memory max pool) on ConvNeXt, ResNet and MobileNetV2 output
-code and timelines (``DESIGNED_ON``); every other row is held out. The ``before`` column is the same cell of
-``broad_cpu_accuracy.json`` (its compiled rows, 2026-12-01 code) where there is one.
+code and timelines; Inductor's buffer pool (2026-12-05) on OPT's backward and RoBERTa's, DistilBERT's,
+T5's and Swin's inference graphs (``DESIGNED_ON``); every other row is held out. The ``before`` column is the same cell's
+no-database prediction in ``broad_cpu_accuracy.json`` when this ran (the code its compiled rows were last
+computed with) where there is one.
 
 Run: ``python benchmarks/compiled_memory.py [--models opt,qwen2,...] [--modes train,inference]``;
 writes ``benchmarks/results/compiled_memory.{json,md}`` (``--render``: rewrite them from the json's rows).
@@ -36,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # opt, qwen2: the 2026-12-03 mechanisms were worked out on their timelines; convnext, resnet, mobilenetv2:
 # the 2026-12-04 ones (depthwise backward operands, peak-memory order, channels-last scratch, low-memory
-# max pool) were read in their output code and timelines
-DESIGNED_ON = ("opt", "qwen2", "convnext", "resnet", "mobilenetv2")
+# max pool) were read in their output code and timelines; roberta, distilbert, t5, swin: the buffer pool's
+# resolution and its out= externs (2026-12-05) were set reading Inductor's decisions on their inference graphs
+DESIGNED_ON = ("opt", "qwen2", "convnext", "resnet", "mobilenetv2", "roberta", "distilbert", "t5", "swin")
 
 _ONE = """
 import json, sys
@@ -57,13 +60,19 @@ NOTES = """
 ## Notes
 
 - Residuals, as measured (2026-12-03):
-  - Tied embeddings (OPT -6.8%, GPTBigCode -3.2%; a tiny tied LM -2.7% where the untied one is exact):
-    Inductor's wrapper keeps a dead buffer for the next allocation of its dtype and size
-    (`MemoryPlanningState`, `AllocateLine.should_reuse_buffer`) when its own peak estimate allows it; in
-    OPT's backward the 2 MiB MLP gradient waits for the next layer's. Modelled and reverted: with the
-    estimate as we could reconstruct it (its graph's buffers, freeable saved inputs, in-place outputs
-    counted as fresh) OPT came to -0.9% and GPTBigCode to -1.4%, but RoBERTa and DeiT inference went to
-    +50% / +23% (Inductor frees buffers there that the reconstruction reuses).
+  - Tied embeddings (OPT -6.8%, GPTBigCode -3.2% until 2026-12-05; now -0.9% / -1.4%): Inductor's wrapper
+    keeps a dead buffer for the next allocation of its dtype and size (`MemoryPlanningState`,
+    `AllocateLine.should_reuse_buffer`) when its own peak estimate allows it; in OPT's backward the 2 MiB
+    MLP gradient buffer waits for the next layer's (passes/buffer_reuse.py). Three facts of Inductor's
+    wrapper were needed beyond the estimate (each read in its `AllocateLine.plan` decisions on these models):
+    buffers Inductor keys as unaligned never match a new allocation (on a CPU every graph input, an output
+    written in place over one, and a fallback kernel's outputs when it reads one), fallback kernels (the CPU
+    flash attention) allocate their own outputs, and an in-place output takes the first input its
+    expression loads (`gelu_backward` writes over the gradient, not the donated activation). An encoder's
+    inference ties the estimate exactly (RoBERTa, DistilBERT: within 128 bytes of ours) and Inductor refuses:
+    a hold is taken only with more than 1% to spare (`REUSE_RESOLUTION`; the first attempt, 2026-12-03,
+    took the ties and put RoBERTa's inference at +50%). An OPT with a 1000-token vocabulary (not in this
+    table, tests/test_buffer_reuse.py) went from -8.8% to -1.2%: its hold has 2.5% to spare.
   - ConvNeXt training was +122.8% until 2026-12-04: the no-database scratch rule gave a 7x7 depthwise
     convolution's weight gradient 257x the weight's bytes because we modelled its input channels-last.
     Inductor's backward graph runs without layout optimisation and hands a depthwise
@@ -172,10 +181,10 @@ def write_results(rows: list[dict], modes: list[str], command: str) -> None:
     lines = ["# Compiled peak memory against real compiled steps", "",
              f"torch {meta['torch']}; {meta['date']}; `{meta['command']}`. Predicted peak above the step's start "
              "(no database) vs the profiler peak of the real `torch.compile`d step (`boomfx.validate`, one thread). "
-             f"Designed on: {', '.join(DESIGNED_ON)}; the other rows are held out. `before`: the same cell of "
-             "broad_cpu_accuracy.json (2026-12-01 code); `0b87c05`: the code just before these mechanisms, same real "
+             f"Designed on: {', '.join(DESIGNED_ON)}; the other rows are held out. `before`: the same cell's "
+             "no-database prediction in broad_cpu_accuracy.json when this ran (the code it was last computed with); `0b87c05`: the code just before these mechanisms, same real "
              "peak (compiled_memory_before.json).", "",
-             "| model | mode | loss | predicted | real | error | 0b87c05 | before (12-01) | note |",
+             "| model | mode | loss | predicted | real | error | 0b87c05 | before | note |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "err" in r:

@@ -54,6 +54,7 @@ from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
 from boomfx.passes.low_memory_max_pool import low_memory_max_pool
+from boomfx.passes.buffer_reuse import plan_buffer_reuse
 from boomfx.passes.peak_memory_order import reorder_for_peak_memory
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
@@ -62,7 +63,7 @@ from boomfx.passes.opcall import opcall_from_node
 from boomfx.passes.partitioner import _NORMALISERS, _is_tensor, recompute_for_backward, view_base
 from boomfx.passes.sizes import sizes_from_inputs
 from boomfx.passes.specs import TensorSpec, to_sympy
-from boomfx.core.program import META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, Program
+from boomfx.core.program import META_RUNTIME_USES, PHASE_BACKWARD, Program
 
 META_FUSED_MEMBERS = "boomfx.fused_members"
 
@@ -158,26 +159,26 @@ def _describe(nodes: list[torch.fx.Node]) -> tuple[dict, list[torch.fx.Node], li
 
 
 def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], inside: set,
-                   order: dict[torch.fx.Node, int], held: frozenset = frozenset(), backward: bool = False,
-                   saved: frozenset = frozenset()) -> tuple:
+                   order: dict[torch.fx.Node, int], held: frozenset = frozenset(), backward: bool = False) -> tuple:
     """Inductor writes a pointwise kernel's output into an input buffer that dies there (``buf1 = buf0;
     del buf0  # reuse`` in its output code) when size and dtype match. An input qualifies when it is a
     kernel's output (not a graph input or getitem; a reshape of one is read at the same index) whose
     storage no later node reads: within one
     phase that is a buffer of the same graph; in the backward it may be an activation the forward saved,
     which AOTAutograd hands the backward graph as a *donated* buffer (``buf1 = mm; del mm  # reuse``:
-    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive; ``saved``:
-    the forward's nodes (a backward kernel's inputs among them are donated)."""
+    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive."""
     first = min(order[n] for n in inside)
     taken: set[int] = set()
     result = []
     for out in outputs:
         val = out.meta["val"]
         pick = None
-        # a donated input first: Inductor takes the first qualifying load, and the decompositions of
-        # activation backwards load the saved input before the gradient (``threshold_backward``:
-        # ``where(relu <= 0, 0, grad)``; OPT's compiled backward: ``buf11 = relu_1; del relu_1  # reuse``)
-        for i, inp in sorted(enumerate(inputs), key=lambda item: view_base(item[1]) not in saved):
+        # Inductor takes the first qualifying read of the output's computation (``decide_inplace_update``
+        # walks its reads in load order): ``threshold_backward`` is ``where(relu <= 0, 0, grad)``, so OPT's
+        # compiled backward writes over the donated ReLU output (``buf11 = relu_1; del relu_1  # reuse``),
+        # ``gelu_backward`` loads the gradient first and writes over the gradient's matmul output
+        loads = _load_order(out, inside)
+        for i, inp in sorted(enumerate(inputs), key=lambda item: loads.get(item[1], len(loads) + item[0])):
             v, base = inp.meta.get("val"), view_base(inp)   # a reshape of a buffer reads it at the same index
             b = base.meta.get("val")
             if i in taken or base.op != "call_function" or node_class(base) == CLASS_NONE or base.name in held:
@@ -195,6 +196,33 @@ def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], in
             taken.add(pick)
         result.append(pick)
     return tuple(result)
+
+
+# ops whose Inductor decomposition loads another argument before the first: ``where(self <= t, 0, grad)``
+_LOADS_FIRST = {"threshold_backward": (1, 0), "hardtanh_backward": (1, 0)}
+
+
+def _load_order(out: torch.fx.Node, inside: set) -> dict[torch.fx.Node, int]:
+    """The nodes outside the kernel that computing ``out`` loads, in the order its expression loads them: its
+    members' arguments left to right, depth first (``_LOADS_FIRST`` where a decomposition reorders them)."""
+    order: dict[torch.fx.Node, int] = {}
+    seen: set[torch.fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in inside:
+            order.setdefault(node, len(order))
+            continue
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        first = _LOADS_FIRST.get(getattr(getattr(node.target, "overloadpacket", None), "__name__", ""))
+        if first is not None and len(node.args) > max(first):
+            args = [node.args[i] for i in first if isinstance(node.args[i], torch.fx.Node)] + \
+                   [a for a in args if all(a is not node.args[i] for i in first)]
+        stack.extend(reversed(args))
+    return order
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -372,7 +400,6 @@ def compile_program(program: Program) -> Program:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     phases = dict(program.phases)
     held = frozenset(k for kept in (program.gm.meta.get(META_RUNTIME_USES) or {}).values() for k in kept)
-    forward_made = frozenset(n for n in nodes if n.op == "call_function" and program.phase_of(n) == PHASE_FORWARD)
     renamed: dict[str, str] = {}
     k = 0
     for u in emitted:
@@ -416,8 +443,7 @@ def compile_program(program: Program) -> Program:
                     for n in body if node_class(n) != CLASS_NONE)
         kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
                              tuple(scalars), in_specs, out_specs, cost, phase)
-        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, phase == PHASE_BACKWARD,
-                                        forward_made)
+        kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, phase == PHASE_BACKWARD)
         first = body[0]
         fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
         fused.name = name
@@ -443,7 +469,7 @@ def compile_program(program: Program) -> Program:
             env[view] = new_graph.node_copy(view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    compiled = reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes))
+    compiled = plan_buffer_reuse(reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)))
     runtime = program.gm.meta.get(META_RUNTIME_USES)
     if runtime:
         compiled.gm.meta[META_RUNTIME_USES] = _runtime_uses_after_fusion(runtime, env, unit_of, units, rewritten)

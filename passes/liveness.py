@@ -27,7 +27,7 @@ from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
 from boomfx.core.program import (
-    META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
+    META_BUFFER_REUSE, META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
     ROLE_OPT_STATE, ROLE_PARAM, Program,
 )
 
@@ -167,10 +167,13 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
 
 
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
-                  uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None) -> LivenessInfo:
+                  uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None,
+                  buffer_reuse: bool = True) -> LivenessInfo:
     """``uses``: for the nodes it names, the nodes they keep alive in place of ``all_input_nodes``
     (boomfx/analysis/analysis.py ``_eager_autograd_liveness``: eager autograd's release points), so a variant of
-    the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments."""
+    the liveness needs no copy of a deep graph. Aliasing still follows the node's own arguments.
+    ``buffer_reuse``: give an output the dead buffer Inductor's wrapper hands it (``META_BUFFER_REUSE``);
+    False: every buffer its own storage, as Inductor's peak estimate counts them."""
     graph = program.graph
     inputs_of = _inputs_of(uses)
     fresh_nbytes = _NbytesMemo()
@@ -186,6 +189,7 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
     storage_cat: list[Optional[Category]] = []
     out_sids: dict[torch.fx.Node, list[Optional[int]]] = {}   # per output index
     resident_by_storage: dict[int, int] = {}                     # fake storage -> storage id (ties)
+    by_name = {n.name: n for n in nodes}
 
     def new_storage(node: torch.fx.Node, nbytes: sympy.Expr, start: int, cat: Optional[Category]) -> int:
         storage_nodes.append(node)
@@ -223,10 +227,14 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
         val = node.meta.get("val")
         vals = list(val) if isinstance(val, (list, tuple)) else [val]
         aliases = output_aliases(node) if node.op == "call_function" else [None] * len(vals)
+        reused = (node.meta.get(META_BUFFER_REUSE) or ()) if buffer_reuse else ()
         sids: list[Optional[int]] = []
         for k, v in enumerate(vals):
             alias = aliases[k] if k < len(aliases) else None
-            if alias is not None:
+            held = _held_storage(reused[k] if k < len(reused) else None, by_name, out_sids)
+            if alias is None and held is not None and isinstance(v, torch.Tensor):
+                sids.append(held)     # a dead buffer Inductor's wrapper held for this output
+            elif alias is not None:
                 src, _ = alias
                 if node.target.__name__ == "getitem" if callable(node.target) else False:
                     idx = node.args[1]
@@ -253,6 +261,17 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
     )
     node_storages = {n.name: tuple(s for s in sids if s is not None) for n, sids in out_sids.items()}
     return LivenessInfo(intervals, order, node_storages)
+
+
+def _held_storage(reuse: Optional[tuple[str, int]], by_name: Mapping[str, torch.fx.Node],
+                  out_sids: Mapping[torch.fx.Node, list[Optional[int]]]) -> Optional[int]:
+    """The storage id of the buffer ``META_BUFFER_REUSE`` names (passes/buffer_reuse.py), None if unknown."""
+    if reuse is None:
+        return None
+    name, index = reuse
+    src = by_name.get(name)
+    sids = out_sids.get(src, []) if src is not None else []
+    return sids[index] if index < len(sids) else None
 
 
 def _inputs_of(uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]]

@@ -71,13 +71,19 @@ class _Buffer:
     writer: Optional[_Kernel] = None                        # the kernel allocating it (None: an input)
 
 
-def reorder_for_peak_memory(program: Program) -> Program:
-    """``program`` with each compiled graph's nodes in the order Inductor's memory pass picks."""
-    nodes = list(program.graph.nodes)
+def compiled_graph_runs(program: Program) -> dict[str, list[torch.fx.Node]]:
+    """The nodes of each compiled graph ("forward", "backward" with its recomputation), in program order."""
+    return _graph_runs(program)[0]
+
+
+def _graph_runs(program: Program) -> tuple[dict[str, list[torch.fx.Node]], list[torch.fx.Node],
+                                           dict[torch.fx.Node, Optional[str]]]:
+    """``compiled_graph_runs``, AccumulateGrad's eager copies that run once the backward returned, and
+    each node's graph (``_graph_of``)."""
     graph_of: dict[torch.fx.Node, Optional[str]] = {}
     members: dict[str, list[torch.fx.Node]] = {"forward": [], "backward": []}
-    deferred: list[torch.fx.Node] = []            # AccumulateGrad's copies: after the backward graph returned
-    for node in nodes:
+    deferred: list[torch.fx.Node] = []
+    for node in program.graph.nodes:
         graph = graph_of[node] = _graph_of(node, graph_of, program)
         if graph in members:
             members[graph].append(node)
@@ -85,10 +91,17 @@ def reorder_for_peak_memory(program: Program) -> Program:
                                           for u in node.users if u.op == "call_function"
                                           and not u.meta.get(META_EAGER)):
             deferred.append(node)
+    return members, deferred, graph_of
+
+
+def reorder_for_peak_memory(program: Program) -> Program:
+    """``program`` with each compiled graph's nodes in the order Inductor's memory pass picks."""
+    nodes = list(program.graph.nodes)
+    members, deferred, graph_of = _graph_runs(program)
     if sum(len(m) for m in members.values()) <= 2:
         return program
-    info = liveness_pass(program)
-    sizes = _storage_sizes(info, program)
+    info = liveness_pass(program, buffer_reuse=False)
+    sizes = storage_sizes(info, program)
     creator = {iv.storage_id: iv.node for iv in info.intervals}
     made_by_kernel = {n.name for n in nodes if n.op == "call_function"}
     chosen = {graph: _reorder_run(run, info.node_storages, sizes, creator, made_by_kernel) if len(run) > 2 else None
@@ -137,7 +150,7 @@ def _graph_of(node: torch.fx.Node, graph_of: dict[torch.fx.Node, Optional[str]],
     return _GRAPH_OF_PHASE.get(program.phase_of(node))
 
 
-def _storage_sizes(info: Any, program: Program) -> dict[int, int]:
+def storage_sizes(info: Any, program: Program) -> dict[int, int]:
     """Bytes of each storage at the sizes a compiled run specialises on."""
     out: dict[int, int] = {}
     for iv in info.intervals:
@@ -155,10 +168,21 @@ def _is_view(node: torch.fx.Node) -> bool:
         and not getattr(node.target, "boomfx_fused", False)
 
 
-def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int], creator: dict[int, str],
-                 made_by_kernel: set[str]) -> Optional[list[torch.fx.Node]]:
-    """The run's nodes in the order Inductor's memory pass picks for it (see the module docstring), or
-    None when it keeps the traced order.
+@dataclass
+class GraphModel:
+    """One compiled graph as Inductor's memory estimate sees it: its scheduler nodes in order, its buffers
+    (keyed by storage id; an in-place output is a synthetic id of its own, ``inplace_of`` names the
+    storage it is written over) and the views of storages made before the graph."""
+    kernels: list[_Kernel]
+    buffers: dict[int, _Buffer]
+    leading: list[torch.fx.Node]
+    storages: Callable[[torch.fx.Node], list[int]]
+    inplace_of: dict[int, int]
+
+
+def graph_model(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int], creator: dict[int, str],
+                made_by_kernel: set[str]) -> GraphModel:
+    """The ``GraphModel`` of a compiled graph's nodes ``run`` (in order).
     ``made_by_kernel``: names of the program's call_function nodes; a storage one of them made before the
     run is a freeable graph input (a saved activation), a placeholder's never is."""
     in_run = set(run)
@@ -189,6 +213,7 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
     sids: dict[str, list[int]] = {}
     sizes = dict(sizes)
     fresh = {}
+    inplace_of: dict[int, int] = {}
     for node in run:
         src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
         own = list(node_sids.get(node.name, ()))
@@ -198,6 +223,7 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
                     synthetic = -1 - len(fresh)
                     sizes[synthetic] = sizes.get(own[i], 0)
                     fresh[synthetic] = node.name
+                    inplace_of[synthetic] = own[i]
                     own[i] = synthetic
         elif _is_view(node) and src is not None and src.name in sids:
             base = sids[src.name]
@@ -248,6 +274,15 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
                 for sid in storages_of(n):
                     if sid in buffers:
                         buffers[sid].graph_output = True
+    return GraphModel(kernels, buffers, leading, storages_of, inplace_of)
+
+
+def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int], creator: dict[int, str],
+                 made_by_kernel: set[str]) -> Optional[list[torch.fx.Node]]:
+    """The run's nodes in the order Inductor's memory pass picks for it (see the module docstring), or
+    None when it keeps the traced order (``graph_model`` for the arguments)."""
+    model = graph_model(run, node_sids, sizes, creator, made_by_kernel)
+    kernels, buffers, leading = model.kernels, model.buffers, model.leading
     methods: list[Callable[[list[_Kernel], dict[int, _Buffer]], list[_Kernel]]] = [_lpmf, _bfs, _dfs]
     baseline = _peak(kernels, buffers)
     best, best_peak = kernels, baseline
@@ -269,6 +304,12 @@ def _reorder_run(run: list[torch.fx.Node], node_sids: Any, sizes: dict[int, int]
 
 def _peak(order: list[_Kernel], buffers: dict[int, _Buffer]) -> int:
     """``estimate_peak_memory``: each buffer from its writer (or the start) to its last reader."""
+    return max(memory_at_steps(order, buffers), default=0)
+
+
+def memory_at_steps(order: list[_Kernel], buffers: dict[int, _Buffer]) -> list[int]:
+    """Live bytes at each step of ``order`` (and one after), as ``peak_memory_from_buf_info_list`` counts
+    them: a buffer from its writer's step (or the start) through its last reader's step."""
     step = {k: i for i, k in enumerate(order)}
     delta = [0] * (len(order) + 1)
     for buf in buffers.values():
@@ -279,11 +320,11 @@ def _peak(order: list[_Kernel], buffers: dict[int, _Buffer]) -> int:
         if not buf.graph_output:
             end = max((step[r] for r in buf.readers), default=start)
             delta[end + 1] -= buf.size
-    peak = live = 0
+    out, live = [], 0
     for d in delta:
         live += d
-        peak = max(peak, live)
-    return peak
+        out.append(live)
+    return out
 
 
 def _lpmf(kernels: list[_Kernel], buffers: dict[int, _Buffer]) -> list[_Kernel]:
