@@ -73,6 +73,10 @@ NOTES = """
     a hold is taken only with more than 1% to spare (`REUSE_RESOLUTION`; the first attempt, 2026-12-03,
     took the ties and put RoBERTa's inference at +50%). An OPT with a 1000-token vocabulary (not in this
     table, tests/test_buffer_reuse.py) went from -8.8% to -1.2%: its hold has 2.5% to spare.
+  - The partitioner's two changes of 2026-12-05 (recomputation chains across fusion groups; through
+    autograd's `detach` of a saved output; found on held-out models: benchmarks/results/heldout_memory.md)
+    left every row here as it was (a full rerun at 01:42 UTC gave the same predicted and real peaks on all
+    28 rows; this table is the 01:07 run, whose `before` column still shows the previous code).
   - ConvNeXt training was +122.8% until 2026-12-04: the no-database scratch rule gave a 7x7 depthwise
     convolution's weight gradient 257x the weight's bytes because we modelled its input channels-last.
     Inductor's backward graph runs without layout optimisation and hands a depthwise

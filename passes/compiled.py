@@ -408,6 +408,9 @@ def compile_program(program: Program) -> Program:
             node = body[0]
             if _is_assert(node) and any(a not in env for a in node.all_input_nodes):
                 continue        # it checked a value the kernels no longer store
+            if node.target is operator.getitem and not node.users and node.args[0] not in env:
+                continue        # an unused output of a fused member (a LayerNorm backward's input gradient
+                                # that nothing needs): no buffer, nothing reads it
             env[node] = new_graph.node_copy(node, lambda n: env[n])
             continue
         inside = set(body)

@@ -19,6 +19,9 @@ from boomfx.passes.specs import to_sympy
 # expression of the input and those statistics, so the partitioner can recompute their output in the
 # backward from the input, saving the input (and the statistics) instead of the output.
 _NORMALISERS = frozenset((torch.ops.aten._log_softmax.default, torch.ops.aten._softmax.default))
+# Views that leave the value as it is: eager autograd saves a ``detach`` of an activation's output (``tanh``,
+# ``sigmoid``) for its backward, which the min-cut partitioner sees through
+_ALIASES = frozenset(getattr(torch.ops.aten, n).default for n in ("detach", "alias"))
 _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
     "native_dropout", "bernoulli", "rand_like", "randn_like", "rand", "randn", "randint", "randperm", "normal",
     "uniform", "exponential", "multinomial") if hasattr(torch.ops.aten, n))
@@ -30,10 +33,14 @@ def recompute_for_backward(program: Program) -> Program:
 
     A forward pointwise node ``o`` of a fused group whose backward users are all fusible (pointwise or
     reduction: the value is not materialised for a matmul/extern in backward) is recomputed when its
-    chain of pointwise/view ancestors inside the group reads only "free" leaves: parameters and inputs,
+    chain of pointwise/view ancestors in generated kernels (any group: the partitioner runs before fusion and
+    knows none; a reduction inside an expression, ConvNeXt V2's global response norm, splits ours) reads only
+    "free" leaves: parameters and inputs,
     values saved for backward anyway, or values at most a quarter of its size (norm statistics). The
     chain is copied in front of its first backward user (phase backward, so it fuses there) and the
-    backward users read the copy; the forward value then dies in the forward pass. Random ops are never
+    backward users read the copy; the forward value then dies in the forward pass. A value the backward
+    reads through autograd's ``detach`` of it (a tanh's saved output) is recomputed like one it reads
+    directly; other forward views of it only for the normalisers. Random ops are never
     recomputed. Not modelled: the min-cut's trade-offs when recomputing would save a *new* tensor (we
     keep the eager choice), its banning of long recompute chains and of reductions.
     """
@@ -104,8 +111,8 @@ def recompute_for_backward(program: Program) -> Program:
         fw_views = [u for u in o.users if phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE
                     and is_view_node(u) and u.args and u.args[0] is o
                     and any(phase(w) == PHASE_BACKWARD for w in u.users)]
-        if fw_views and not normaliser:
-            continue   # read in backward through a forward view: only for the normalisers
+        if not normaliser and any(v.target not in _ALIASES for v in fw_views):
+            continue   # read in backward through a forward view: a normaliser, or a detach (autograd's saved output)
         if any(any(phase(w) == PHASE_FORWARD and node_class(w) == CLASS_NONE for w in v.users) for v in fw_views):
             continue   # a view of a view: not handled
         bw_users = [u for u in o.users if phase(u) == PHASE_BACKWARD]
@@ -125,7 +132,7 @@ def recompute_for_backward(program: Program) -> Program:
                 continue
             seen.add(n)
             inner = (n.op == "call_function" and phase(n) == PHASE_FORWARD and isinstance(n.target, torch._ops.OpOverload)
-                     and ((node_class(n) == CLASS_POINTWISE and group_of.get(n.name) == g)
+                     and ((node_class(n) == CLASS_POINTWISE and group_of.get(n.name) is not None and kinds[group_of[n.name]] == "fused")
                           or (node_class(n) == CLASS_NONE and is_view_node(n))))
             if n is o or (inner and not saved_anyway(n)):   # a value saved anyway is a leaf
                 if n.target.overloadpacket in _RANDOM:
