@@ -231,7 +231,8 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
         sids: list[Optional[int]] = []
         for k, v in enumerate(vals):
             alias = aliases[k] if k < len(aliases) else None
-            held = _held_storage(reused[k] if k < len(reused) else None, by_name, out_sids)
+            t = sum(1 for s in sids if s is not None)      # META_BUFFER_REUSE counts the storages made so far
+            held = _held_storage(reused[t] if t < len(reused) else None, by_name, out_sids)
             if alias is None and held is not None and isinstance(v, torch.Tensor):
                 sids.append(held)     # a dead buffer Inductor's wrapper held for this output
             elif alias is not None:
@@ -265,12 +266,14 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
 
 def _held_storage(reuse: Optional[tuple[str, int]], by_name: Mapping[str, torch.fx.Node],
                   out_sids: Mapping[torch.fx.Node, list[Optional[int]]]) -> Optional[int]:
-    """The storage id of the buffer ``META_BUFFER_REUSE`` names (passes/buffer_reuse.py), None if unknown."""
+    """The storage id of the buffer ``META_BUFFER_REUSE`` names (passes/buffer_reuse.py), None if unknown. Its
+    index counts the node's storages as ``LivenessInfo.node_storages`` lists them (outputs that are not
+    tensors left out)."""
     if reuse is None:
         return None
     name, index = reuse
     src = by_name.get(name)
-    sids = out_sids.get(src, []) if src is not None else []
+    sids = [s for s in out_sids.get(src, []) if s is not None] if src is not None else []
     return sids[index] if index < len(sids) else None
 
 
