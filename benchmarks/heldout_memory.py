@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from broad_cpu_accuracy import _no_dropout  # noqa: E402  (no dropout, no KV cache: the same configs)
+
 RESULTS = ROOT / "benchmarks" / "results"
 BATCH, SEQ, VOCAB, IMAGE_BATCH = 4, 128, 2048, 8
 MODELS = ("llama_tied", "gemma", "phi", "falcon", "bloom", "gpt2", "electra", "albert", "bart", "vit", "convnextv2",
@@ -46,18 +49,6 @@ print(json.dumps({"pred": r.predicted_peak_above_start_bytes, "real": r.measured
 """
 
 
-def _quiet(cfg: Any) -> Any:
-    """No dropout (a real step and the prediction must run the same ops) and no KV cache in the outputs."""
-    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "attention_dropout", "dropout", "classifier_dropout", "activation_dropout", "drop_path_rate",
-                 "hidden_dropout", "classifier_dropout_prob"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, 0.0)
-    if hasattr(cfg, "use_cache"):
-        cfg.use_cache = False
-    return cfg
-
-
 def build(name: str) -> tuple[Any, dict[str, Any]]:
     """The model (random weights, small config) and its keyword inputs."""
     import torch
@@ -67,40 +58,42 @@ def build(name: str) -> tuple[Any, dict[str, Any]]:
     common = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=VOCAB)
     text = {"input_ids": ids}
     if name == "llama_tied":     # GQA 2:1, tied output head
-        return tf.LlamaForCausalLM(_quiet(tf.LlamaConfig(**common, intermediate_size=688, num_key_value_heads=2,
+        return tf.LlamaForCausalLM(_no_dropout(tf.LlamaConfig(**common, intermediate_size=688, num_key_value_heads=2,
                                                          tie_word_embeddings=True))), text
     if name == "gemma":          # MQA, GeGLU (tanh GELU), scaled embedding, tied head
-        return tf.GemmaForCausalLM(_quiet(tf.GemmaConfig(**common, intermediate_size=512, num_key_value_heads=1,
+        return tf.GemmaForCausalLM(_no_dropout(tf.GemmaConfig(**common, intermediate_size=512, num_key_value_heads=1,
                                                          head_dim=64))), text
     if name == "phi":            # parallel-free decoder, partial rotary, GELU-tanh MLP written out
-        return tf.PhiForCausalLM(_quiet(tf.PhiConfig(**common, intermediate_size=1024))), text
+        return tf.PhiForCausalLM(_no_dropout(tf.PhiConfig(**common, intermediate_size=1024))), text
     if name == "falcon":         # MQA, parallel attention + MLP
-        return tf.FalconForCausalLM(_quiet(tf.FalconConfig(**common, new_decoder_architecture=False,
+        return tf.FalconForCausalLM(_no_dropout(tf.FalconConfig(**common, new_decoder_architecture=False,
                                                            multi_query=True))), text
     if name == "bloom":          # ALiBi, GELU-tanh written out
-        return tf.BloomForCausalLM(_quiet(tf.BloomConfig(n_layer=2, hidden_size=256, n_head=4, vocab_size=VOCAB))), text
+        cfg = tf.BloomConfig(n_layer=2, hidden_size=256, n_head=4, vocab_size=VOCAB)
+        return tf.BloomForCausalLM(_no_dropout(cfg)), text
     if name == "gpt2":           # Conv1D projections, GELU-tanh written out, tied head
-        return tf.GPT2LMHeadModel(_quiet(tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=VOCAB,
+        return tf.GPT2LMHeadModel(_no_dropout(tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=VOCAB,
                                                        n_positions=512))), text
     if name == "electra":        # factorised embedding (128 -> 256)
-        return tf.ElectraModel(_quiet(tf.ElectraConfig(**common, intermediate_size=1024, embedding_size=128))), text
+        cfg = tf.ElectraConfig(**common, intermediate_size=1024, embedding_size=128)
+        return tf.ElectraModel(_no_dropout(cfg)), text
     if name == "albert":         # one layer's weights shared by both layers
-        return tf.AlbertModel(_quiet(tf.AlbertConfig(**common, intermediate_size=1024, embedding_size=128)),
+        return tf.AlbertModel(_no_dropout(tf.AlbertConfig(**common, intermediate_size=1024, embedding_size=128)),
                               add_pooling_layer=False), text
     if name == "bart":           # encoder-decoder, learned positions
         cfg = tf.BartConfig(encoder_layers=2, decoder_layers=2, d_model=256, encoder_attention_heads=4,
                             decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, vocab_size=VOCAB)
-        return tf.BartModel(_quiet(cfg)), {"input_ids": ids, "decoder_input_ids": ids[:, :SEQ // 2]}
+        return tf.BartModel(_no_dropout(cfg)), {"input_ids": ids, "decoder_input_ids": ids[:, :SEQ // 2]}
     pixels = {"pixel_values": torch.randn(IMAGE_BATCH, 3, 64, 64)}
     if name == "vit":
-        return tf.ViTModel(_quiet(tf.ViTConfig(image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=256,
+        return tf.ViTModel(_no_dropout(tf.ViTConfig(image_size=64, patch_size=8, num_hidden_layers=2, hidden_size=256,
                                                num_attention_heads=4, intermediate_size=1024)),
                            add_pooling_layer=False), pixels
     if name == "convnextv2":     # global response normalisation
-        return tf.ConvNextV2Model(_quiet(tf.ConvNextV2Config(image_size=64, hidden_sizes=[32, 64, 128, 256],
+        return tf.ConvNextV2Model(_no_dropout(tf.ConvNextV2Config(image_size=64, hidden_sizes=[32, 64, 128, 256],
                                                              depths=[1, 1, 2, 1]))), pixels
     if name == "regnet":         # grouped convolutions, squeeze-and-excitation
-        return tf.RegNetModel(_quiet(tf.RegNetConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
+        return tf.RegNetModel(_no_dropout(tf.RegNetConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
                                                      groups_width=16))), pixels
     raise KeyError(name)
 

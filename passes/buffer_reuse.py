@@ -129,7 +129,6 @@ def _plan_run(run: list[torch.fx.Node], node_sids: dict, sizes: dict[int, int], 
             pool[(dtype[real_sid[sid]], buffers[sid].size)].append((sid, i))
 
 
-
 # extern kernels Inductor calls with ``out=`` a buffer its wrapper allocated (``ExternKernelOut``: the matmuls,
 # ``linear`` and ``matmul`` decomposed into them); other extern (fallback) kernels allocate their outputs
 # themselves and never take a pooled buffer

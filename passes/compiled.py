@@ -472,7 +472,8 @@ def compile_program(program: Program) -> Program:
             env[view] = new_graph.node_copy(view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    compiled = plan_buffer_reuse(reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)))
+    compiled = reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes))
+    compiled = plan_buffer_reuse(compiled)
     runtime = program.gm.meta.get(META_RUNTIME_USES)
     if runtime:
         compiled.gm.meta[META_RUNTIME_USES] = _runtime_uses_after_fusion(runtime, env, unit_of, units, rewritten)

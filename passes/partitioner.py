@@ -56,7 +56,7 @@ def recompute_for_backward(program: Program) -> Program:
         return phases.get(n.name, PHASE_FORWARD)
 
     group_of = {graph_node_name: g for graph_node_name, g in fusion.group_of.items()}
-    kinds = [g.kind for g in fusion.groups]
+    kinds = [g.kind for g in fusion.groups] + [None]     # [-1]: a node in no group
     order = {n: i for i, n in enumerate(graph.nodes)}
     recomputed: set[torch.fx.Node] = set()
 
@@ -132,7 +132,7 @@ def recompute_for_backward(program: Program) -> Program:
                 continue
             seen.add(n)
             inner = (n.op == "call_function" and phase(n) == PHASE_FORWARD and isinstance(n.target, torch._ops.OpOverload)
-                     and ((node_class(n) == CLASS_POINTWISE and group_of.get(n.name) is not None and kinds[group_of[n.name]] == "fused")
+                     and ((node_class(n) == CLASS_POINTWISE and kinds[group_of.get(n.name, -1)] == "fused")
                           or (node_class(n) == CLASS_NONE and is_view_node(n))))
             if n is o or (inner and not saved_anyway(n)):   # a value saved anyway is a leaf
                 if n.target.overloadpacket in _RANDOM:
