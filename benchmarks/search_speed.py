@@ -26,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 NODES, GPUS, SEQ, DEVICE = 8, 8, 2048, "h100-sxm"
-GLOBAL_BATCHES = (512, 128)     # 512: no data-parallel plan fits (8 sequences per rank); 128: some do
+# (layers, global batch): at 512 no data-parallel plan of the 80-layer model fits (8 sequences per rank), at
+# 128 some do; the 8-layer model (same layer shape) shows what the bounds prune where a search finishes
+RUNS = ((80, 512), (80, 128), (8, 128))
 TARGET_S = 60.0
 
 _ONE = """
@@ -43,6 +45,7 @@ print(json.dumps(d))
 
 
 def run_one(pt2: Path, global_batch: int, timeout_s: float) -> dict:
+    """One search in a fresh subprocess, timed end to end inside it."""
     load_before = os.getloadavg()
     try:
         proc = subprocess.run([sys.executable, "-c", _ONE, str(pt2), str(NODES), str(GPUS), str(global_batch),
@@ -64,25 +67,27 @@ def run_one(pt2: Path, global_batch: int, timeout_s: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pt2", default=None)
+    parser.add_argument("--pt2", default=None, help="search this export instead of the Llama-shaped ones")
+    parser.add_argument("--runs", default=",".join(f"{n}:{gb}" for n, gb in RUNS),
+                        help="LAYERS:GLOBAL_BATCH,... (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="stop a search after this long")
     args = parser.parse_args()
-    if args.pt2:
-        pt2 = Path(args.pt2)
-    else:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from speed_llama70b import cached_export
-        pt2, _ = cached_export(80)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from speed_llama70b import cached_export
     runs = []
-    for gb in GLOBAL_BATCHES:
+    for item in args.runs.split(","):
+        layers, gb = (int(x) for x in item.split(":"))
+        pt2 = Path(args.pt2) if args.pt2 else cached_export(layers)[0]
         t0 = time.perf_counter()
         r = run_one(pt2, gb, args.timeout_s)
         r["wall_s"] = time.perf_counter() - t0
+        r["layers"] = layers
         runs.append(r)
-        print(json.dumps({k: r.get(k) for k in ("global_batch", "seconds", "plans", "evaluations", "loadavg_after")}))
+        print(json.dumps({k: r.get(k) for k in ("layers", "global_batch", "seconds", "plans", "evaluations",
+                                                 "loadavg_after")}))
     previous = RESULTS / "search_eval_cost.json"
     before = json.loads(previous.read_text()).get("projected_search_s_one_class") if previous.exists() else None
-    payload = {"pt2": str(pt2), "nodes": NODES, "gpus_per_node": GPUS, "seq": SEQ, "device": DEVICE,
+    payload = {"nodes": NODES, "gpus_per_node": GPUS, "seq": SEQ, "device": DEVICE,
                "target_s": TARGET_S, "projected_before_s": before, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "search_speed.json").write_text(json.dumps(payload, indent=2))
@@ -93,21 +98,24 @@ def main() -> int:
 
 def render(payload: dict) -> str:
     lines = ["# `--search` speed on an 80-layer model", "",
-             f"Llama-2-70B-shaped export (80 layers), {payload['nodes']} x {payload['gpus_per_node']} "
+             f"Llama-2-70B-shaped exports (80 layers; 8 layers of the same shape), {payload['nodes']} x "
+             f"{payload['gpus_per_node']} "
              f"{payload['device']}, seq {payload['seq']}, bf16 autocast, top 5; target < {payload['target_s']:.0f} s "
              f"end to end (load and capture included). Before this work the same search projected to "
              f"{payload['projected_before_s'] or float('nan'):.0f} s (benchmarks/results/search_eval_cost.json: "
              "every plan evaluated with two allocator replays).", "",
-             "| global batch | plans | seconds | s/plan | memory bound | not modelled | rank liveness | time floor | "
+             "| layers | global batch | plans | seconds | s/plan | memory bound | not modelled | rank liveness | "
+             "time floor | "
              "allocator OOM | not checked | listed | builds | time evals | full evals | load before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["runs"]:
         if "error" in r:
-            lines.append(f"| {r['global_batch']} | error: {r['error']} |")
+            lines.append(f"| {r.get('layers', 80)} | {r['global_batch']} | error: {r['error']} |")
             continue
         ev = r["evaluations"]
         lines.append(
-            f"| {r['global_batch']} | {r['plans']} | {r['seconds']:.1f} | {r['seconds_per_plan']:.3f} | "
+            f"| {r.get('layers', 80)} | {r['global_batch']} | {r['plans']} | {r['seconds']:.1f} | "
+            f"{r['seconds_per_plan']:.3f} | "
             f"{r['pruned_by_memory_bound']} | {sum(r['not_modelled'].values())} | {r['pruned_by_rank_liveness']} | "
             f"{r['skipped_by_time_bound']} | {r['over_memory']} | {r['not_checked']} | {len(r['ranked'])} | "
             f"{ev.get('rank_program_builds', 0)} | {ev.get('time_evaluations', 0)} | {ev.get('full_evaluations', 0)} | "
@@ -116,16 +124,17 @@ def render(payload: dict) -> str:
     for r in payload["runs"]:
         if "error" not in r:
             stages = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
-            lines.append(f"- global batch {r['global_batch']}: {stages}")
+            lines.append(f"- {r.get('layers', 80)} layers, global batch {r['global_batch']}: {stages}")
     lines += ["", "Plans listed:", ""]
     for r in payload["runs"]:
         for i, row in enumerate(r.get("ranked", []), 1):
-            lines.append(f"- gb {r['global_batch']} #{i} {row['plan']}: step {row['step_ns'] / 1e6:.0f} ms, "
+            lines.append(f"- {r.get('layers', 80)} layers, gb {r['global_batch']} #{i} {row['plan']}: "
+                         f"step {row['step_ns'] / 1e6:.0f} ms, "
                          f"peak {row['peak_bytes'] / 2**30:.1f} GiB, MFU {row['mfu']:.1%}")
         if "error" in r:
-            lines.append(f"- gb {r['global_batch']}: {r['error'][0]}")
+            lines.append(f"- {r.get('layers', 80)} layers, gb {r['global_batch']}: {r['error'][0]}")
         elif not r.get("ranked"):
-            lines.append(f"- gb {r['global_batch']}: no modelled plan fits")
+            lines.append(f"- {r.get('layers', 80)} layers, gb {r['global_batch']}: no modelled plan fits")
     lines += ["", "Tensor and pipeline plans are built and timed like the data-parallel ones; combinations whose "
               "per-rank programs are not built (pp with HSDP, ...) are counted 'not modelled' before any rewrite runs. "
               "A pipeline plan's stage programs hold one forward and backward per micro-batch, so its build grows with "

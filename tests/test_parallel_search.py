@@ -9,6 +9,7 @@ checkpointing decides some of them.
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -58,11 +59,12 @@ def programs(gpt_pt2):
     return {ckpt: make(ckpt) for ckpt in (False, True)}
 
 
-def _full(programs, device, plan: Plan) -> Optional[dict]:
+def _full(programs, device, plan: Plan, nodes: int = NODES, gpus: int = GPUS, network: str = "ib-ndr"
+          ) -> Optional[dict]:
     """An independent full evaluation of ``plan``: the ``--parallel`` analysis of it at its per-rank batch
     (None: a plan whose per-rank programs are not built yet)."""
-    cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=NODES, gpus_per_node=GPUS,
-                         microbatches=plan.microbatches)
+    cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=nodes, gpus_per_node=gpus,
+                         microbatches=plan.microbatches, network=network)
     program = programs[plan.checkpoint]
     try:
         dist = DistributedAnalysis(program, cfg, device, AnalyzeOptions(device.name))
@@ -160,6 +162,54 @@ def test_the_memory_bound_is_a_floor_of_the_full_evaluation(programs, truth) -> 
     assert resident + grads > 20 * MIB
 
 
+def test_the_step_floor_with_collectives_is_a_floor_of_the_full_evaluation(programs, truth) -> None:
+    search = ParallelSearch(lambda ckpt: programs[ckpt], H100, SearchRequest(NODES, GPUS, GLOBAL_BATCH, SEQ),
+                            AnalyzeOptions(H100.name))
+    tighter = 0
+    for plan, t in truth.items():
+        micro_batch = GLOBAL_BATCH // plan.dp // plan.microbatches
+        compute = search.footprint(plan.checkpoint).step_lower_bound_ns(
+            plan, micro_batch, search._tp_layer_comm_ns(plan, micro_batch))
+        comm = search._dp_comm(plan).busiest_ns
+        floor = search._step_floor(plan)
+        assert max(compute, comm) <= floor <= search._tight_step_floor(plan) <= t["step_ns"], plan
+        assert (comm > 0) == (plan.dp > 1), plan
+        tighter += search._tight_step_floor(plan) > floor
+    # the TP rank's own kernels (norms and residual stream whole) tighten the TP plans' floors
+    assert tighter > 0
+
+
+@pytest.mark.slow      # three data-parallel plans fully evaluated on two nodes (~10 s)
+def test_collectives_decide_the_floor_over_a_slow_network(programs) -> None:
+    # 2 nodes x 2 GPUs over 25 GbE: the gradients' and parameters' collectives outlast the compute, and
+    # their floor (boomfx/distributed/comm_floor.py) stays under the full evaluation, HSDP included
+    request = SearchRequest(2, 2, GLOBAL_BATCH, SEQ, network="eth-25")
+    search = ParallelSearch(lambda ckpt: programs[ckpt], H100, request, AnalyzeOptions(H100.name))
+    for plan in [Plan(4 // shard, shard, 1, 1, 1, False) for shard in (1, 2, 4)]:   # DDP, HSDP, FSDP
+        t = _full(programs, H100, plan, nodes=2, gpus=2, network="eth-25")
+        compute = search.footprint(plan.checkpoint).step_lower_bound_ns(plan, GLOBAL_BATCH // plan.dp)
+        comm = search._dp_comm(plan).busiest_ns
+        assert compute < comm <= search._step_floor(plan) <= t["step_ns"], plan
+        assert comm > 0.6 * t["step_ns"], plan      # and close to it: the collectives are most of the step
+    # the network reaches the full evaluation (ParallelConfig.network), not only the floor
+    fast = _full(programs, H100, plan, nodes=2, gpus=2, network="ib-ndr")
+    assert fast["step_ns"] < 0.5 * t["step_ns"]
+
+
+def test_parallel_takes_the_network(capsys, examples_dir: Path) -> None:
+    steps = {}
+    for network in ("ib-ndr", "eth-25"):
+        code = main(["analyze", str(examples_dir / "gpt_tiny.pt2"), "--train", "--parallel", "dp_shard=4", "--nodes",
+                     "2", "--gpus-per-node", "2", "--batch", "2", "--seq", "32", "--device", "h100-sxm",
+                     "--network", network, "--json"])
+        out, _ = capsys.readouterr()
+        assert code == 0
+        parallel = json.loads(out)["parallel"]
+        assert parallel["config"]["network"] == network
+        steps[network] = max(c["step_time_ns"] for c in parallel["classes"])
+    assert steps["eth-25"] > steps["ib-ndr"]
+
+
 @pytest.mark.slow      # a search over every plan of the world (~5-15 s)
 def test_a_plan_the_bound_prunes_does_not_fit(programs, truth) -> None:
     # memory just under the bound of the full-replica plans: the bound prunes them, FSDP's shards pass it
@@ -190,6 +240,7 @@ def _bad(capsys, *argv: str) -> str:
     (["--parallel", "tp=3"], "the fixed degrees multiply to 3 ranks, which does not divide the world of 2 node(s) x 4"),
     (["--parallel", "dp_shard=8", "--global-batch", "12"], "--global-batch 12 does not split over the fixed"),
     (["--global-batch", "0"], "--global-batch must be at least 1"),
+    (["--network", "ib-nope"], "--network: unknown network 'ib-nope'"),
     (["--batch", "4"], "--batch cannot be combined with --search"),
 ])
 def test_bad_search_input_is_one_line_and_exit_2(capsys, examples_dir: Path, extra, message) -> None:

@@ -22,6 +22,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--nodes", type=int, default=1, help="nodes in the world (with --gpus-per-node)")
     g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: degrees / nodes)")
+    g.add_argument("--network", default="ib-ndr",
+                   help="the network between nodes (boomfx/core/networks.py): prices the collectives that cross "
+                        "nodes, with --parallel and --search (ib-ndr)")
     g.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     g.add_argument(
         "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)"
@@ -90,6 +93,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         args.parallel,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
+        network=args.network,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
         pp_stages_per_rank=args.pp_stages_per_rank,

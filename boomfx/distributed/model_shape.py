@@ -245,6 +245,19 @@ def rowwise_outputs(program: Program) -> list[tuple[str, int, torch.dtype]]:
     return out
 
 
+def colwise_inputs(program: Program) -> list[tuple[str, int, torch.dtype]]:
+    """(FQN, input features, weight dtype) of every colwise projection (packed ones too) of the derived TP
+    plan: each one's input gradient is all-reduced in backward (``[tokens, input features]``)."""
+    conv1d = _conv1d_weights(program)
+    vals = {fqn: _param_val(program, name) for name, fqn in program.param_names.items()}
+    out = []
+    for fqn, style in tp_plan(program).items():
+        if style in ("colwise", "colwise_packed") and vals.get(fqn) is not None:
+            val = vals[fqn]
+            out.append((fqn, int(val.shape[0 if fqn in conv1d else 1]), val.dtype))
+    return out
+
+
 def _embedding_weights(program: Program, by_input: Optional[bool] = None) -> set[str]:
     """FQNs of the weights an embedding looks up; ``by_input``: only those whose ids are (True) or are not
     (False) a model input (token embeddings; tables looked up by computed ids, such as T5's position bias)."""

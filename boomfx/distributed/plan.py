@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from boomfx.core.errors import OptionError
+from boomfx.core.networks import UnknownNetworkError, get_network
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -75,6 +76,7 @@ class ParallelConfig:
     # None: on with a vocabulary-parallel head and a cross-entropy loss (torchtitan's default)
     loss_parallel: Optional[bool] = None
     backend: str = "nccl"  # "gloo": the CPU ground truth's backend
+    network: str = "ib-ndr"  # between nodes (boomfx/core/networks.py): prices the collectives crossing them
 
     # -- construction ----------------------------------------------------------------------------
     @staticmethod
@@ -137,6 +139,10 @@ class ParallelConfig:
                 f"{self.tp} x {self.pp} = {product} ranks, but the world is {self.nodes} node(s) x "
                 f"{self.gpus_per_node_or_product} GPUs = {world}"
             )
+        try:
+            get_network(self.network)
+        except UnknownNetworkError as exc:
+            raise OptionError(f"--network: {exc}") from None
         if self.pp_schedule not in SCHEDULES:
             raise OptionError(f"--pp-schedule: {self.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.microbatches is not None and self.microbatches < 1:

@@ -4,8 +4,9 @@ Every plan of ``search.enumerate_plans`` goes through stages, each cheaper than 
 discarding only plans the next could not have accepted:
 
 1. **memory bound** (``search_bounds.ModelFootprint``): sharded state plus the single-device activation
-   peak at the plan's micro-batch, from the single-device liveness (a TP plan's from the TP rank's own
-   program: ``memory_footprint``); no per-rank program is built for a plan over the device's memory by it;
+   peak at the plan's micro-batch, from the single-device liveness (a TP plan's sizes over ``tp``, then,
+   once the visit reaches it, from the TP rank's own program: ``memory_footprint``, whose trace the plan's
+   build reuses); no per-rank program is built for a plan over the device's memory by it;
 2. **per-rank programs**, once per ``Plan.program_key`` (degrees and checkpointing; pipeline plans of
    every micro-batch count share one build, their stages replayed from three micro-batches,
    ``pipeline_compose.py``; interleaved ones are built per count): ``DistributedAnalysis``. A rewrite that raises ``OptionError`` (tensor and pipeline
@@ -19,7 +20,10 @@ discarding only plans the next could not have accepted:
    (slower ones are counted "not checked", as are listed ones pushed out later).
 
 Plans are visited in the order of a step-time floor (``ModelFootprint.step_lower_bound_ns``: the rank's
-share of the single-device compute kernels); the visit stops once the next floor exceeds the slowest of
+share of the single-device compute kernels; ``comm_floor.py``: the data-parallel collectives on one
+group's stream, whichever is longer), best first; a TP plan's floor is tightened with its TP rank's own
+kernels the first time it comes up (``_tight_step_floor``) and it goes back in line, so builds run in
+the order of the tightest floors known. The visit stops once the next floor exceeds the slowest of
 the ``top`` plans found ("skipped by the time bound": their floors, hence their times, are slower).
 
 So the plans listed are the ``top`` fastest that fit among the modelled ones, and every number in a row
@@ -37,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import heapq
 import re
 import time
 from collections import Counter
@@ -49,14 +54,16 @@ import torch
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
+from boomfx.core.networks import UnknownNetworkError, get_network
 from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
 from boomfx.distributed.analysis import DistributedAnalysis
+from boomfx.distributed.comm_floor import DataParallelComm, data_parallel_comm, overlapped_step_floor_ns
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
-from boomfx.distributed.model_shape import _SDPA, model_shape, rowwise_outputs
+from boomfx.distributed.model_shape import _SDPA, colwise_inputs, model_shape, rowwise_outputs
 from boomfx.distributed.pipeline_compose import composable
-from boomfx.distributed.plan import DEGREES, ParallelConfig
-from boomfx.distributed.rank_schedule import default_pricer, schedule_rank
+from boomfx.distributed.plan import DEGREES, DTYPES, ParallelConfig
+from boomfx.distributed.rank_schedule import default_pricer, default_slowdown, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
 from boomfx.distributed.search_bounds import ModelFootprint
 from boomfx.distributed.step_time import topology_of
@@ -99,6 +106,10 @@ class SearchRequest:
         if world % fixed:
             raise OptionError(f"--search --parallel: the fixed degrees multiply to {fixed} ranks, which does not divide "
                               f"the world of {self.nodes} node(s) x {self.gpus_per_node} GPUs = {world}")
+        try:
+            get_network(self.network)
+        except UnknownNetworkError as exc:
+            raise OptionError(f"--network: {exc}") from None
         dp = self.pinned.get("dp_replicate", 1) * self.pinned.get("dp_shard", 1)
         if self.global_batch % dp:
             raise OptionError(f"--global-batch {self.global_batch} does not split over the fixed data-parallel "
@@ -177,6 +188,8 @@ class ParallelSearch:
         self.outcome = SearchOutcome([], 0)
         self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
         self._refusals: dict[tuple, str] = {}
+        self._floors: dict[Plan, float] = {}
+        self._comm_prices: dict[tuple, float] = {}
         self._clock = time.perf_counter()
 
     # -- shared, built once ---------------------------------------------------------------------
@@ -250,22 +263,94 @@ class ParallelSearch:
         self._lap("setup")
         kept = self._bound(plans)
         self._lap("memory bound")
-        order = sorted(kept, key=lambda p: (self._step_floor(p), p.describe()))
+        # best first on the floor; a TP plan's floor is tightened (its TP rank's kernels) the first time it
+        # comes up, and it goes back in line: builds run in the order of the tightest floors known
+        queue = [(self._step_floor(p), p.describe(), p, p.tp == 1) for p in kept]
+        heapq.heapify(queue)
         self._lap("time bound")
-        for i, plan in enumerate(order):
-            if len(out.ranked) == req.top and self._step_floor(plan) > out.ranked[-1].step_ns:
-                out.skipped_by_time_bound = len(order) - i     # their floors only rise from here
+        while queue:
+            floor, name, plan, tight = heapq.heappop(queue)
+            if len(out.ranked) == req.top and floor > out.ranked[-1].step_ns:
+                out.skipped_by_time_bound += 1 + len(queue)     # their floors only rise from here
                 break
+            if not tight:
+                if self._tp_bound_fits(plan):
+                    heapq.heappush(queue, (self._tight_step_floor(plan), name, plan, True))
+                self._lap("time bound")
+                continue
             self._consider(plan)
         return out
 
     def _step_floor(self, plan: Plan) -> float:
-        footprint = self.footprint(plan.checkpoint)
+        """A floor of the plan's step (docs/design.md, "Parallel plan search") from the single-device
+        footprint, cached per plan: the order of the visit."""
+        if plan not in self._floors:
+            self._floors[plan] = self._floor_from(plan, self.footprint(plan.checkpoint))
+        return self._floors[plan]
+
+    def _tight_step_floor(self, plan: Plan) -> float:
+        """The floor again for a TP plan about to be built, from the TP rank's own kernels (the norms and
+        the residual stream whole on every rank, not ``1/tp`` of the single-device ones); its trace is
+        the one the build reuses."""
+        footprint = self.memory_footprint(plan)
+        if not footprint.tp_local:
+            return self._step_floor(plan)
+        return max(self._step_floor(plan), self._floor_from(plan, footprint))
+
+    def _floor_from(self, plan: Plan, footprint: ModelFootprint) -> float:
+        """The compute floor (``ModelFootprint.step_lower_bound_ns``), the busiest data-parallel stream
+        (``comm_floor.data_parallel_comm``), the tp stream's all-reduces and, for a single stage, the
+        compute stream's whole work (kernels, the rank's share of the optimizer, FSDP's copies at the
+        memory's peak bandwidth) slowed while collectives run (``comm_floor.overlapped_step_floor_ns``)."""
         before = len(footprint._compute)
         micro_batch = self._micro_batch(plan)
-        floor = footprint.step_lower_bound_ns(plan, micro_batch, self._tp_layer_comm_ns(plan, micro_batch))
+        layer_comm = self._tp_layer_comm_ns(plan, micro_batch)
+        floor = footprint.step_lower_bound_ns(plan, micro_batch, layer_comm)
         self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
+        comm = self._dp_comm(plan)
+        # the tp stream runs every layer's forward and backward all-reduces, each micro-batch (the mean stage's)
+        layers = len(footprint.shares().layers)
+        tp_stream = (layer_comm + self._tp_layer_comm_ns(plan, micro_batch, backward=True)) * layers
+        tp_stream *= plan.microbatches / plan.pp
+        floor = max(floor, comm.busiest_ns, tp_stream)
+        if plan.pp == 1:
+            split = footprint._tp_split(plan)
+            work = (footprint.compute_ns(micro_batch) / split + footprint.optimizer_ns() / (plan.dp_shard * split)
+                    + comm.copy_bytes / self.device.memory_bandwidth_bytes_per_s * 1e9)
+            floor = max(floor, overlapped_step_floor_ns(work, layers * layer_comm, max(comm.busiest_ns, tp_stream),
+                                                        self._slowdown.factor))
         return floor
+
+    def _dp_comm(self, plan: Plan) -> DataParallelComm:
+        """``comm_floor.data_parallel_comm`` of the plan, its messages priced as the rank schedule prices
+        them over rank 0's groups (a floor of rank 0's step, hence of the slowest rank's)."""
+        if plan.dp == 1:
+            return DataParallelComm({})
+        shares = self.footprint(plan.checkpoint).shares()    # single-device sizes, over tp (no TP rank traced)
+        try:
+            cfg = self._config(plan)
+        except OptionError:
+            return DataParallelComm({})
+        topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
+        groups = mesh_groups({name: int(getattr(plan, name)) for name in MESH_ORDER}, 0, topology)
+        degrees = (plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp)
+
+        def price(op: str, nbytes: int, dim: str, dtype: torch.dtype) -> float:
+            key = (degrees, op, nbytes, dim, dtype)
+            if key not in self._comm_prices:
+                self._comm_prices[key] = self._collectives().price(
+                    op, nbytes, groups[dim], str(dtype).replace("torch.", "")).time_ns
+            return self._comm_prices[key]
+
+        return data_parallel_comm(
+            shares.param_elems, shares.root_param_elems, shares.param_dtype, plan.dp_replicate, plan.dp_shard,
+            plan.tp, plan.pp, cfg.reshards_after_forward, cfg.fsdp_wrap == "root", price,
+            _torch_dtype(cfg.fsdp_param_dtype), _torch_dtype(cfg.fsdp_reduce_dtype))
+
+    @property
+    def _slowdown(self) -> Any:
+        """The compute slowdown the rank schedules apply while collectives run (``default_slowdown``)."""
+        return default_slowdown(self.footprint(self.request.checkpoint[0]).analysis)
 
     def _collectives(self) -> Any:
         """The collective prices the rank schedules use (the ``--db``'s rows, else the model), read once."""
@@ -273,10 +358,13 @@ class ParallelSearch:
             self._pricer = default_pricer(self.footprint(self.request.checkpoint[0]).analysis)
         return self._pricer
 
-    def _tp_layer_comm_ns(self, plan: Plan, micro_batch: int) -> float:
+    def _tp_layer_comm_ns(self, plan: Plan, micro_batch: int, backward: bool = False) -> float:
         """Per layer and micro-batch, the forward all-reduces of the rowwise projections' partial outputs
         (``[tokens, out features]`` in the activation dtype) over the plan's tp group, as the rank schedule
-        prices them: the next op reads each at once, so the compute stream waits them out."""
+        prices them: the next op reads each at once, so the compute stream waits them out. ``backward``:
+        instead the backward's all-reduces of the colwise projections' input gradients (``[tokens, in
+        features]``, one per projection, as DTensor issues them; ``tensor_parallel.py``), which the compute
+        stream may overlap with the next projection's backward."""
         if plan.tp == 1:
             return 0.0
         footprint = self.footprint(plan.checkpoint)
@@ -284,14 +372,14 @@ class ParallelSearch:
         if not layers:
             return 0.0
         program = footprint.analysis.program
-        if not hasattr(self, "_rowwise"):      # (out features, dtype) -> how many rowwise projections
+        if not hasattr(self, "_rowwise"):      # (features, dtype) -> how many projections all-reduce them
             self._rowwise = Counter((features, dtype) for _, features, dtype in rowwise_outputs(program))
-            self._comm_prices: dict[tuple, float] = {}
+            self._colwise = Counter((features, dtype) for _, features, dtype in colwise_inputs(program))
         amp = _training_dtype(program)
         tokens = micro_batch * _tokens_per_sample(program, footprint.analysis.evaluator(footprint._bindings(micro_batch)))
         group_key = (plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp)
         total = 0.0
-        for (features, dtype), count in self._rowwise.items():
+        for (features, dtype), count in (self._colwise if backward else self._rowwise).items():
             act = amp if amp != torch.float32 else dtype
             nbytes = tokens * features * act.itemsize
             key = (group_key, nbytes, act)
@@ -306,6 +394,7 @@ class ParallelSearch:
 
     def _consider(self, plan: Plan) -> None:
         """Stages 2-5 for one plan, its floor below the slowest of the ``top`` found so far."""
+        ranked = self.outcome.ranked
         c = self._candidate(plan)
         self._lap("per-rank programs")
         if c is None:
@@ -316,7 +405,6 @@ class ParallelSearch:
         self._lap("rank liveness")
         c.time_ns = self._time(c)
         self._lap("time")
-        ranked = self.outcome.ranked
         if len(ranked) == self.request.top and (c.time_ns, plan.describe()) >= (ranked[-1].step_ns,
                                                                                 ranked[-1].plan.describe()):
             self.outcome.not_checked += 1        # slower than every listed plan: never replayed
@@ -336,22 +424,28 @@ class ParallelSearch:
         return self.request.global_batch // plan.dp // plan.microbatches
 
     def _bound(self, plans: Sequence[Plan]) -> list[Plan]:
-        kept = []
-        for plan in plans:
-            footprint = self.memory_footprint(plan)
-            before = len(footprint._per_batch)
-            bound = footprint.lower_bound_bytes(plan, self._micro_batch(plan))
-            self.outcome.evaluations["activation_bounds"] += len(footprint._per_batch) - before
-            if bound > self.device.memory_bytes:
-                self.outcome.pruned_by_bound += 1
-            else:
-                kept.append(plan)
-        return kept
+        """Stage 1 from the single-device footprint (a TP plan's sizes over ``tp``: no TP rank is traced
+        for it); ``_tp_bound_fits`` tightens it for the TP plans the visit reaches."""
+        return [plan for plan in plans if self._bound_fits(plan, self.footprint(plan.checkpoint))]
+
+    def _bound_fits(self, plan: Plan, footprint: ModelFootprint) -> bool:
+        before = len(footprint._per_batch)
+        bound = footprint.lower_bound_bytes(plan, self._micro_batch(plan))
+        self.outcome.evaluations["activation_bounds"] += len(footprint._per_batch) - before
+        if bound > self.device.memory_bytes:
+            self.outcome.pruned_by_bound += 1
+            return False
+        return True
+
+    def _tp_bound_fits(self, plan: Plan) -> bool:
+        """Stage 1 again for a TP plan the visit reaches, from the TP rank's program (what TP leaves whole
+        counted whole); its trace is the one the plan's build reuses (``tp_rank_program`` is cached)."""
+        return plan.tp == 1 or self._bound_fits(plan, self.memory_footprint(plan))
 
     def _config(self, plan: Plan) -> ParallelConfig:
         cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=self.request.nodes,
                              gpus_per_node=self.request.gpus_per_node, microbatches=plan.microbatches,
-                             **self.request.config_options)
+                             network=self.request.network, **self.request.config_options)
         cfg.check()
         return cfg
 
@@ -408,7 +502,7 @@ class ParallelSearch:
         if c.plan.pp > 1:
             report = c.dist.evaluate(c.bindings, replay_allocator=False).report
             return max(row["step_time_ns"] for row in report.parallel["classes"])
-        topology = topology_of(c.dist.cfg, self.request.network)
+        topology = topology_of(c.dist.cfg)
         degrees = {name: int(getattr(c.dist.cfg, name)) for name in MESH_ORDER}
         worst = 0.0
         for rc, analysis in zip(c.dist.classes, c.dist.analyses):
@@ -482,6 +576,10 @@ def _model_flops_per_token(program: Program, layers: int) -> Callable[[int], flo
 def _training_dtype(program: Program) -> torch.dtype:
     amp = getattr(program.options, "amp", None)
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "", torch.float32)
+
+
+def _torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    return getattr(torch, DTYPES[name]) if name is not None else None
 
 
 def _pins(pinned: Mapping[str, int]) -> str:

@@ -49,9 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import sympy
+import torch
 
 from boomfx.core.layers import module_path
-from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_OPT_STATE, ROLE_PARAM, Program
+from boomfx.core.program import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_OPT_STATE,
+                                 ROLE_PARAM, Program)
 from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.pipeline_stages import stage_layer_ranges
 from boomfx.distributed.search import Plan
@@ -62,6 +64,7 @@ from boomfx.training.checkpointing import find_layer_list, layer_names
 _BATCH_CATEGORIES = frozenset({Category.ACT, Category.TEMP, Category.INPUT})
 _BATCH_PHASES = frozenset({PHASE_FORWARD, PHASE_RECOMPUTE, PHASE_BACKWARD})
 _STATE_CATEGORIES = frozenset({Category.PARAM, Category.OPT})
+_COLLECTIVES = "_c10d_functional"
 
 
 @dataclass
@@ -81,6 +84,7 @@ class ModelFootprint:
     _shares: Optional["LayerShares"] = None
     _intervals: tuple[StorageInterval, ...] = ()
     _state: tuple[int, int] = (-1, -1)
+    _optimizer: float = -1.0
 
     def __post_init__(self) -> None:
         phases = self.analysis.program.phases
@@ -131,12 +135,19 @@ class ModelFootprint:
             analysis, phases, shares = self.analysis, self.analysis.program.phases, self.shares()
             ev = analysis.evaluator(self._bindings(batch))
             prices: dict[str, float] = {}
-            total = 0.0
+            total = optimizer = 0.0
             per_layer = [0.0] * len(shares.layers)
             for node in analysis.program.graph.nodes:
-                if node.name not in analysis.costs.by_node or phases.get(node.name, PHASE_FORWARD) not in _BATCH_PHASES:
-                    continue
+                if node.name not in analysis.costs.by_node or getattr(node.target, "namespace", "") == _COLLECTIVES:
+                    continue      # (a TP rank's all-reduces run on the tp stream: not compute)
+                phase = phases.get(node.name, PHASE_FORWARD)
                 rep = analysis.representative(node.name)
+                if phase == PHASE_OPTIMIZER:
+                    if self._optimizer < 0:
+                        optimizer += analysis.price_node(rep, ev).time_ns
+                    continue
+                if phase not in _BATCH_PHASES:
+                    continue
                 if rep not in prices:
                     prices[rep] = analysis.price_node(rep, ev).time_ns
                 total += prices[rep]
@@ -145,7 +156,16 @@ class ModelFootprint:
                     per_layer[layer] += prices[rep]
             hit = self._compute[batch] = total
             self._layer_compute[batch] = per_layer
+            if self._optimizer < 0:
+                self._optimizer = optimizer
         return hit
+
+    def optimizer_ns(self) -> float:
+        """Device time of the optimizer step's kernels (no batch dimension): a rank whose state is cut
+        ``k`` ways runs at least ``1/k`` of it (each price is affine in the elements, latency >= 0)."""
+        if self._optimizer < 0:
+            self.compute_ns(1)
+        return self._optimizer
 
     def shares(self) -> "LayerShares":
         if self._shares is None:
@@ -181,7 +201,7 @@ class ModelFootprint:
             return 0.0
         self.compute_ns(micro_batch)
         per_layer = self._layer_compute[micro_batch]
-        stage = [sum(per_layer[lo:hi]) / plan.tp + (hi - lo) * layer_comm_ns for lo, hi in ranges]
+        stage = [sum(per_layer[lo:hi]) / self._tp_split(plan) + (hi - lo) * layer_comm_ns for lo, hi in ranges]
         best = before = 0.0
         for c in stage:
             best = max(best, before + plan.microbatches * c)
@@ -215,7 +235,8 @@ class ModelFootprint:
         forward waits on at once per micro-batch (tensor parallelism's rowwise all-reduces), which the
         compute stream sits idle for."""
         layers = len(self.shares().layers)
-        share = (self.compute_ns(micro_batch) / plan.tp + layers * layer_comm_ns) * plan.microbatches / plan.pp
+        per_micro = self.compute_ns(micro_batch) / self._tp_split(plan) + layers * layer_comm_ns
+        share = per_micro * plan.microbatches / plan.pp
         return max(share, self.pipeline_step_floor_ns(plan, micro_batch, layer_comm_ns))
 
     def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
@@ -236,6 +257,9 @@ class LayerShares:
     node_layer: Mapping[str, int]                  # kernel node -> layer index (forward, recompute, backward)
     state_bytes: tuple[int, ...]                   # parameters + optimizer state per layer
     saved: tuple[tuple[int, sympy.Expr], ...]      # (layer, bytes) of each storage its forward saves for backward
+    param_elems: tuple[int, ...] = ()              # parameter elements per layer (what FSDP gathers per unit)
+    root_param_elems: int = 0                      # parameter elements outside the layers (FSDP's root unit)
+    param_dtype: torch.dtype = torch.float32       # the parameters' dtype (the smallest, if several)
 
 
 def layer_shares(program: Program, liveness: LivenessInfo) -> LayerShares:
@@ -257,6 +281,8 @@ def layer_shares(program: Program, liveness: LivenessInfo) -> LayerShares:
         if layer is not None and program.input_roles.get(name) == ROLE_PARAM:
             param_layer[name] = index[layer]
     state = [0] * len(layers)
+    elems = [0] * len(layers)
+    root_elems, dtypes = 0, set()
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
@@ -265,6 +291,13 @@ def layer_shares(program: Program, liveness: LivenessInfo) -> LayerShares:
             _opt_state_owner(node.name, param_layer) if role == ROLE_OPT_STATE else None)
         if owner is not None:
             state[owner] += _concrete_nbytes(node)
+        val = node.meta.get("val")
+        if role == ROLE_PARAM and val is not None:
+            dtypes.add(val.dtype)
+            if owner is not None:
+                elems[owner] += int(val.numel())
+            else:
+                root_elems += int(val.numel())
     phases = program.phases
     first_backward = next((step for step, name in enumerate(liveness.order) if phases.get(name) == PHASE_BACKWARD),
                           None)
@@ -275,7 +308,8 @@ def layer_shares(program: Program, liveness: LivenessInfo) -> LayerShares:
             if (layer is not None and iv.category == Category.ACT and not iv.resident
                     and phases.get(iv.node) == PHASE_FORWARD and iv.end_step >= first_backward):
                 saved.append((layer, iv.nbytes))
-    return LayerShares(layers, node_layer, tuple(state), tuple(saved))
+    return LayerShares(layers, node_layer, tuple(state), tuple(saved), tuple(elems), root_elems,
+                       min(dtypes, key=lambda d: d.itemsize, default=torch.float32))
 
 
 def _opt_state_owner(name: str, param_layer: Mapping[str, int]) -> Optional[int]:

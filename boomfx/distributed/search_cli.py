@@ -25,7 +25,6 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per step over all data-parallel ranks (with --search)")
     g.add_argument("--max-microbatches", type=int, default=None,
                    help="with --search: the most pipeline micro-batches tried (default: any divisor)")
-    g.add_argument("--network", default="ib-ndr", help="with --search: the network between nodes (ib-ndr)")
 
 
 def check_search_args(args: argparse.Namespace) -> None:

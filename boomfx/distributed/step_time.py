@@ -45,11 +45,12 @@ class ClassStep:
     step: RankStep
 
 
-def topology_of(cfg: Any, network: str = "ib-ndr") -> ClusterTopology:
-    return ClusterTopology(cfg.nodes, cfg.world // cfg.nodes, network)
+def topology_of(cfg: Any, network: Optional[str] = None) -> ClusterTopology:
+    """The cluster of ``cfg``'s world; its network is ``cfg.network`` unless ``network`` is given."""
+    return ClusterTopology(cfg.nodes, cfg.world // cfg.nodes, network or getattr(cfg, "network", "ib-ndr"))
 
 
-def class_steps(dist: DistributedAnalysisLike, bindings: Mapping[sympy.Symbol, int], network: str = "ib-ndr",
+def class_steps(dist: DistributedAnalysisLike, bindings: Mapping[sympy.Symbol, int], network: Optional[str] = None,
                 pricer: Optional[CollectivePriceSource] = None,
                 slowdown: Optional[OverlapSlowdown] = None,
                 points: Optional[Sequence[Any]] = None) -> list[ClassStep]:
@@ -87,7 +88,7 @@ def time_report(steps: Sequence[ClassStep]) -> list[dict[str, Any]]:
 
 def plan_evaluator(build: Callable[[Hashable], DistributedAnalysisLike],
                    bindings_for: Callable[[DistributedAnalysisLike, Plan], Mapping[sympy.Symbol, int]],
-                   flops_per_step: Callable[[Plan], float], peak_flops_per_s: float, network: str = "ib-ndr",
+                   flops_per_step: Callable[[Plan], float], peak_flops_per_s: float, network: Optional[str] = None,
                    pricer: Optional[CollectivePriceSource] = None) -> ReusingEvaluator:
     """The search's evaluator over real per-rank analyses (module docstring)."""
 
