@@ -301,7 +301,9 @@ class ParallelSearch:
         """The compute floor (``ModelFootprint.step_lower_bound_ns``), the busiest data-parallel stream
         (``comm_floor.data_parallel_comm``), the tp stream's all-reduces and, for a single stage, the
         compute stream's whole work (kernels, the rank's share of the optimizer, FSDP's copies at the
-        memory's peak bandwidth) slowed while collectives run (``comm_floor.overlapped_step_floor_ns``)."""
+        memory's peak bandwidth) slowed while collectives run (``comm_floor.overlapped_step_floor_ns``);
+        with pipeline stages, the mean stage's work with its collectives in line, as ``pipeline_time.py``
+        runs them."""
         before = len(footprint._compute)
         micro_batch = self._micro_batch(plan)
         layer_comm = self._tp_layer_comm_ns(plan, micro_batch)
@@ -313,12 +315,16 @@ class ParallelSearch:
         tp_stream = (layer_comm + self._tp_layer_comm_ns(plan, micro_batch, backward=True)) * layers
         tp_stream *= plan.microbatches / plan.pp
         floor = max(floor, comm.busiest_ns, tp_stream)
+        split = footprint._tp_split(plan)
+        copies_ns = comm.copy_bytes / self.device.memory_bandwidth_bytes_per_s * 1e9
+        optimizer_ns = footprint.optimizer_ns() / (plan.dp_shard * split * plan.pp)
         if plan.pp == 1:
-            split = footprint._tp_split(plan)
-            work = (footprint.compute_ns(micro_batch) / split + footprint.optimizer_ns() / (plan.dp_shard * split)
-                    + comm.copy_bytes / self.device.memory_bandwidth_bytes_per_s * 1e9)
+            work = footprint.compute_ns(micro_batch) / split + optimizer_ns + copies_ns
             floor = max(floor, overlapped_step_floor_ns(work, layers * layer_comm, max(comm.busiest_ns, tp_stream),
                                                         self._slowdown.factor))
+        else:   # pipeline_time runs a stage's collectives in line with its passes: the mean stage's serial work
+            work = footprint.compute_ns(micro_batch) / split * plan.microbatches / plan.pp + optimizer_ns + copies_ns
+            floor = max(floor, work + tp_stream + comm.busiest_ns)
         return floor
 
     def _dp_comm(self, plan: Plan) -> DataParallelComm:
