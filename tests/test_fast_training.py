@@ -72,3 +72,26 @@ def test_unsupported_structure_falls_back(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr("boomfx.training.expand.expand", refuse)
     assert fast_training.build_training_program_fast(ep) is None
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_fsdp_of_a_synthesised_stack_equals_fsdp_of_the_full_trace(name: str) -> None:
+    """The synthesis leaves the template layer's size queries where they were traced (ahead of the copies'
+    backward); FSDP must not take them for the start of the template's backward (it placed that unit's
+    prefetched all-gather after views reading it: the rewrite failed for fp32 stacks of 7+ layers)."""
+    from boomfx.distributed.analysis import DistributedAnalysis
+    from boomfx.distributed.plan import ParallelConfig
+
+    ep = export_meta(name, 8)
+    options = ProgramOptions(train=True)
+    symbols = symbols_of(ep, export_roles(ep))
+    fast = program_from_traced(fast_training.build_training_program_fast(ep), symbols, options)
+    full = program_from_traced(training.build_training_program(ep), symbols, options)
+    device = get_device("h100-sxm")
+    cfg = ParallelConfig(dp_shard=4, nodes=1, gpus_per_node=4)
+    numbers = []
+    for program in (fast, full):
+        classes = DistributedAnalysis(program, cfg, device).evaluate(
+            resolve_bindings(program, {}, 3, 40)).report.parallel["classes"]
+        numbers.append([(c["step_time_ns"], c["peak_live_bytes"], c["total_device_bytes"]) for c in classes])
+    assert numbers[0] == numbers[1]

@@ -98,6 +98,11 @@ class ProgramOptions:
     # nn.Module runs eagerly (passes/python_locals.py); False: freed at last use, as the export's graph
     # (``ep.module()``) runs, which is what ``boomfx validate`` measures
     python_locals: bool = True
+    # with train: the main layer stack synthesised at this many layers (>= 4) instead of the export's: a
+    # search's depth probes (boomfx/distributed/depth_probe.py). Only where the step is synthesised from a
+    # truncated trace (boomfx/training/truncate.py); a step traced whole keeps the export's depth, so a
+    # caller reads the program's layer count rather than trusting this
+    stack_depth: Optional[int] = None
 
     @property
     def holds_python_locals(self) -> bool:

@@ -142,8 +142,8 @@ def _units(program: Program, graph: torch.fx.Graph, wrap: str = "layers") -> lis
     layer_set = set(layers)
     for node in calls:
         phase = program.phase_of(node)
-        if phase not in (PHASE_FORWARD, PHASE_BACKWARD):
-            continue
+        if phase not in (PHASE_FORWARD, PHASE_BACKWARD) or _is_size_query(node):
+            continue      # a size query runs no kernel and may sit anywhere before its readers
         owner = _owning_layer(module_path(node), layer_set)
         (units[owner].fwd if phase == PHASE_FORWARD else units[owner].bwd).append(node)
     fwd_all = [n for n in calls if program.phase_of(n) == PHASE_FORWARD]
@@ -157,6 +157,13 @@ def _units(program: Program, graph: torch.fx.Graph, wrap: str = "layers") -> lis
         unit.bwd_end = bwd_all[post_backward_index(bwd_all, position[unit.bwd[-1]])]
     units[ROOT].bwd_end = bwd_all[-1]
     return [units[ROOT]] + [units[l] for l in layers]
+
+
+def _is_size_query(node: torch.fx.Node) -> bool:
+    """A node that computes a symbolic size (``sym_size``, arithmetic on sizes), not a tensor: the synthesised
+    stack (``training/expand.py``) leaves the template layer's size queries where they were traced, ahead
+    of the copies' backward, so they mark no unit's start."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def post_backward_index(nodes: Sequence[torch.fx.Node], last_own: int) -> int:

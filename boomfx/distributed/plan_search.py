@@ -58,6 +58,7 @@ from boomfx.core.networks import UnknownNetworkError, get_network
 from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
 from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.comm_floor import DataParallelComm, data_parallel_comm, overlapped_step_floor_ns
+from boomfx.distributed.depth_probe import FIT_MARGIN, ProbeDepths, carry_class, phase_peaks, probe_depths
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
 from boomfx.distributed.model_shape import _SDPA, colwise_inputs, model_shape, rowwise_outputs
@@ -90,6 +91,9 @@ class SearchRequest:
     network: str = DEFAULT_NETWORK
     max_microbatches: Optional[int] = None
     config_options: Mapping[str, Any] = field(default_factory=dict)  # other ParallelConfig fields of every plan
+    # build deep stacks at two shallow depths and carry the numbers on (depth_probe.py); False: build every
+    # plan at the model's depth
+    depth_probes: bool = True
 
     def check(self) -> None:
         for name in ("nodes", "gpus_per_node", "global_batch"):
@@ -128,13 +132,15 @@ class PlanRow:
     tokens_per_s_per_gpu: float
     exposed_comm_ns: float
     hidden_comm_ns: float
+    probed_from: Optional[tuple[int, int]] = None   # the depths its numbers were carried from (None: built whole)
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.describe(), **{k: getattr(self.plan, k) for k in
                                                  ("dp_replicate", "dp_shard", "tp", "pp", "microbatches", "checkpoint")},
                 "micro_batch": self.micro_batch, "step_ns": self.step_ns, "peak_bytes": self.peak_bytes,
                 "mfu": self.mfu, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-                "exposed_comm_ns": self.exposed_comm_ns, "hidden_comm_ns": self.hidden_comm_ns}
+                "exposed_comm_ns": self.exposed_comm_ns, "hidden_comm_ns": self.hidden_comm_ns,
+                "probed_from": list(self.probed_from) if self.probed_from else None}
 
 
 @dataclass
@@ -165,16 +171,17 @@ class SearchOutcome:
 @dataclass
 class _Candidate:
     plan: Plan
-    dist: DistributedAnalysis
+    dist: DistributedAnalysis          # the deeper probe where ``probes`` is set
     bindings: dict[sympy.Symbol, int]
     micro_batch: int
     time_ns: float = 0.0
+    probes: Optional[tuple[ProbeDepths, DistributedAnalysis]] = None   # (depths, the shallow probe)
 
 
 class ParallelSearch:
     """One search over the plans of a world for the programs ``program_for(checkpoint)`` returns."""
 
-    def __init__(self, program_for: Callable[[bool], Program], device: DeviceSpec, request: SearchRequest,
+    def __init__(self, program_for: Callable[..., Program], device: DeviceSpec, request: SearchRequest,
                  options: AnalyzeOptions = AnalyzeOptions(), reuse_blocks: bool = True) -> None:
         request.check()
         self.request = request
@@ -182,22 +189,28 @@ class ParallelSearch:
         self.options = options
         self.reuse_blocks = reuse_blocks
         self._program_for = program_for
-        self._programs: dict[bool, Program] = {}
+        self._programs: dict[tuple[bool, Optional[int]], Program] = {}
         self._footprints: dict[bool, ModelFootprint] = {}
         self._tp_footprints: dict[tuple[bool, int], ModelFootprint] = {}
         self.outcome = SearchOutcome([], 0)
         self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
         self._refusals: dict[tuple, str] = {}
+        self._refusal = ""                                 # the reason of the last build refused
+        self._synthesised: dict[tuple[bool, int], bool] = {}   # (checkpoint, depth) -> the program has that depth
+        self._peaks: dict[tuple, list[dict[str, int]]] = {}
         self._floors: dict[Plan, float] = {}
         self._comm_prices: dict[tuple, float] = {}
         self._clock = time.perf_counter()
 
     # -- shared, built once ---------------------------------------------------------------------
-    def program(self, checkpoint: bool) -> Program:
-        if checkpoint not in self._programs:
-            self._programs[checkpoint] = self._program_for(checkpoint)
-            self.outcome.evaluations["captures"] += 1
-        return self._programs[checkpoint]
+    def program(self, checkpoint: bool, depth: Optional[int] = None) -> Program:
+        """The training program; ``depth``: its stack synthesised at that many layers (``program_for(checkpoint,
+        depth)``, ``ProgramOptions.stack_depth``), for the depth probes."""
+        key = (checkpoint, depth)
+        if key not in self._programs:
+            self._programs[key] = self._program_for(checkpoint) if depth is None else self._program_for(checkpoint, depth)
+            self.outcome.evaluations["captures" if depth is None else "probe_captures"] += 1
+        return self._programs[key]
 
     def memory_footprint(self, plan: Plan) -> ModelFootprint:
         """The footprint the plan's memory floor reads: the TP rank's program for ``tp > 1`` (its sizes
@@ -260,6 +273,7 @@ class ParallelSearch:
                               + (f" with {_pins(req.pinned)}" if req.pinned else ""))
         out.plans = len(plans)
         self._flops_per_token = _model_flops_per_token(first, shape.layers)
+        self._layers = shape.layers
         self._lap("setup")
         kept = self._bound(plans)
         self._lap("memory bound")
@@ -307,12 +321,15 @@ class ParallelSearch:
         before = len(footprint._compute)
         micro_batch = self._micro_batch(plan)
         layer_comm = self._tp_layer_comm_ns(plan, micro_batch)
-        floor = footprint.step_lower_bound_ns(plan, micro_batch, layer_comm)
+        backward_comm = self._tp_layer_comm_ns(plan, micro_batch, backward=True)
+        # a pipeline stage's passes run their TP all-reduces in line (pipeline_time.py), both directions
+        in_pass = layer_comm + (backward_comm if plan.pp > 1 else 0.0)
+        floor = footprint.step_lower_bound_ns(plan, micro_batch, in_pass)
         self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
         comm = self._dp_comm(plan)
         # the tp stream runs every layer's forward and backward all-reduces, each micro-batch (the mean stage's)
         layers = len(footprint.shares().layers)
-        tp_stream = (layer_comm + self._tp_layer_comm_ns(plan, micro_batch, backward=True)) * layers
+        tp_stream = (layer_comm + backward_comm) * layers
         tp_stream *= plan.microbatches / plan.pp
         floor = max(floor, comm.busiest_ns, tp_stream)
         split = footprint._tp_split(plan)
@@ -456,62 +473,115 @@ class ParallelSearch:
         return cfg
 
     def _candidate(self, plan: Plan) -> Optional[_Candidate]:
-        """The plan's per-rank analyses, built once per program key (None: not modelled, counted)."""
-        key = plan.program_key()
+        """The plan's per-rank analyses (None: not modelled, counted): at two shallow depths of its stack
+        where ``depth_probe.probe_depths`` gives them, else at the model's."""
         try:
             cfg = self._config(plan)
-            # pipeline stages replayed from a 3-micro-batch template: one build for every micro-batch count
-            template = plan.program_key(any_microbatches=True)
-            if composable(cfg) and self._built.get(template, True) is not False:
-                key = template
-            if key not in self._built:
-                self._built[key] = None
-                dist = DistributedAnalysis(self.program(plan.checkpoint), cfg, self.device, self.options,
-                                           reuse_blocks=self.reuse_blocks, replay_microbatches=key == template)
-                self.outcome.evaluations["rank_program_builds"] += 1
-                if key == template and not dist.replayed:    # built whole for this count: later ones build theirs
-                    self._built[template] = False
-                    key = plan.program_key()
-                self._built[key] = dist
         except OptionError as exc:
-            # the reason without the plan's own spelling, so plans refused alike count together
-            self._refusals[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
+            self.outcome.not_modelled[_PLAN_PREFIX.sub("", str(exc).splitlines()[0])] += 1
+            return None
+        depths = self._probe_depths(plan, cfg)
+        dist = self._dist(plan, cfg, depths.deep if depths else None)
+        shallow = self._dist(plan, cfg, depths.shallow) if depths and dist is not None else None
+        if depths and shallow is None:        # not built at a probe's depth: the model's depth decides
+            depths, dist = None, self._dist(plan, cfg, None)
+        if dist is None:
+            self.outcome.not_modelled[self._refusal] += 1
+            return None
+        local = self.request.global_batch // plan.dp
+        bindings = {**self.footprint(plan.checkpoint).fixed, _batch_symbol(dist.program): local}
+        return _Candidate(plan, dist, bindings, self._micro_batch(plan),
+                          probes=(depths, shallow) if depths else None)
+
+    def _probe_depths(self, plan: Plan, cfg: ParallelConfig) -> Optional[ProbeDepths]:
+        """The depths the plan is built at instead of the model's, or None (probes off, a stack too shallow to
+        gain, or a step the synthesis cannot shorten: its program keeps the export's depth)."""
+        if not self.request.depth_probes:
+            return None
+        depths = probe_depths(self._layers, plan.pp * (cfg.stages_per_rank if plan.pp > 1 else 1))
+        if depths is None:
+            return None
+        key = (plan.checkpoint, depths.shallow)
+        if key not in self._synthesised:
+            self._synthesised[key] = model_shape(self.program(plan.checkpoint, depths.shallow)).layers == depths.shallow
+        return depths if self._synthesised[key] else None
+
+    def _dist(self, plan: Plan, cfg: ParallelConfig, depth: Optional[int]) -> Optional[DistributedAnalysis]:
+        """The per-rank analyses of the plan's program key at ``depth`` (None: the model's), built once; None
+        where the rewrite refuses (its reason kept under ``(program key, depth)``)."""
+        key = (plan.program_key(), depth)
+        # pipeline stages replayed from a 3-micro-batch template: one build for every micro-batch count
+        template = (plan.program_key(any_microbatches=True), depth)
+        if composable(cfg) and self._built.get(template, True) is not False:
+            key = template
+        if key not in self._built:
+            self._built[key] = None
+            try:
+                dist = DistributedAnalysis(self.program(plan.checkpoint, depth), cfg, self.device, self.options,
+                                           reuse_blocks=self.reuse_blocks, replay_microbatches=key == template)
+            except OptionError as exc:
+                # the reason without the plan's own spelling, so plans refused alike count together
+                self._refusals[key] = _PLAN_PREFIX.sub("", str(exc).splitlines()[0])
+            self.outcome.evaluations["rank_program_builds" if depth is None else "probe_builds"] += 1
+            if key == template and not dist.replayed:    # built whole for this count: later ones build theirs
+                self._built[template] = False
+                key = (plan.program_key(), depth)
+            self._built[key] = dist
         dist = self._built.get(key)
         if dist is None:
-            self.outcome.not_modelled[self._refusals[key]] += 1
+            self._refusal = self._refusals[key]
             return None
         if dist.cfg != cfg:           # same programs, another micro-batch count: only the config differs
             dist = copy.copy(dist)
             dist.cfg = cfg
-        local = self.request.global_batch // plan.dp
-        bindings = {**self.footprint(plan.checkpoint).fixed, _batch_symbol(dist.program): local}
-        return _Candidate(plan, dist, bindings, self._micro_batch(plan))
+        return dist
 
     def _liveness_fits(self, c: _Candidate) -> bool:
-        """Stage 3: every rank class's live-bytes peak (the allocator holds at least that) fits."""
+        """Stage 3: every rank class's live-bytes peak (the allocator holds at least that) fits; with depth
+        probes, each class's phase peaks carried on to the model's depth."""
         if c.plan.pp > 1 and not c.dist.replayed:
             return True           # stage programs built whole: left to the full evaluation
         outside = self.footprint(c.plan.checkpoint).outside_bytes
-        bindings = c.dist.program_bindings(c.bindings)      # pipeline stages: one micro-batch's sizes
-        liveness = [r.liveness for r in c.dist.replays()] if c.plan.pp > 1 else [a.liveness for a in c.dist.analyses]
-        for analysis, info in zip(c.dist.analyses, liveness):
+        if c.probes is not None:
+            depths, shallow = c.probes
+            peaks = [max(depths.carry(s.get(p, 0), d[p]) for p in d) if d else 0.0
+                     for s, d in zip(self._phase_peaks(shallow, c), self._phase_peaks(c.dist, c))]
+        else:
+            peaks = [max(p.values(), default=0) for p in self._phase_peaks(c.dist, c)]
+        for peak in peaks:
             self.outcome.evaluations["rank_liveness_peaks"] += 1
-            live = info.timeline(analysis.evaluator(bindings))
-            if (max(live) if live else 0) + outside > self.device.memory_bytes:
+            if peak + outside > self.device.memory_bytes:
                 self.outcome.pruned_by_liveness += 1
                 return False
         return True
 
+    def _phase_peaks(self, dist: DistributedAnalysis, c: _Candidate) -> list[dict[str, int]]:
+        """Each rank class's live-bytes peak per training phase (no allocator), kept per analysis."""
+        bindings = dist.program_bindings(c.bindings)      # pipeline stages: one micro-batch's sizes
+        key = (id(dist.analyses[0]), dist.cfg.num_microbatches, tuple(sorted(bindings.items(), key=str)))
+        if key not in self._peaks:
+            liveness = [r.liveness for r in dist.replays()] if dist.replayed else [a.liveness for a in dist.analyses]
+            self._peaks[key] = [phase_peaks(info.timeline(a.evaluator(bindings)), info.order, a.program.phases)
+                                for a, info in zip(dist.analyses, liveness)]
+        return self._peaks[key]
+
     def _time(self, c: _Candidate) -> float:
-        """Stage 4: the step without the allocator replay; pipelines through ``DistributedAnalysis``."""
+        """Stage 4: the step without the allocator replay (pipelines through ``DistributedAnalysis``); with
+        depth probes, carried on from theirs."""
         self.outcome.evaluations["time_evaluations"] += 1
+        if c.probes is not None:
+            depths, shallow = c.probes
+            return depths.carry(self._time_of(shallow, c), self._time_of(c.dist, c))
+        return self._time_of(c.dist, c)
+
+    def _time_of(self, dist: DistributedAnalysis, c: _Candidate) -> float:
         if c.plan.pp > 1:
-            report = c.dist.evaluate(c.bindings, replay_allocator=False).report
+            report = dist.evaluate(c.bindings, replay_allocator=False).report
             return max(row["step_time_ns"] for row in report.parallel["classes"])
-        topology = topology_of(c.dist.cfg)
-        degrees = {name: int(getattr(c.dist.cfg, name)) for name in MESH_ORDER}
+        topology = topology_of(dist.cfg)
+        degrees = {name: int(getattr(dist.cfg, name)) for name in MESH_ORDER}
         worst = 0.0
-        for rc, analysis in zip(c.dist.classes, c.dist.analyses):
+        for rc, analysis in zip(dist.classes, dist.analyses):
             point = analysis.evaluate(c.bindings, replay_allocator=False)
             step = schedule_rank(analysis, c.bindings, mesh_groups(degrees, rc.ranks[0], topology), self._collectives(),
                                  point=point)
@@ -520,25 +590,63 @@ class ParallelSearch:
 
     def _full(self, c: _Candidate) -> Optional[PlanRow]:
         """Stage 5: the full evaluation (allocator replay and streams, as ``--parallel`` reports); None when a
-        rank class runs out of memory."""
+        rank class runs out of memory. With depth probes, both probes' evaluations carried on
+        (``depth_probe.carry_class``); a plan whose carried total lies within ``FIT_MARGIN`` of the device's
+        memory is evaluated again at the model's depth, which decides."""
         self.outcome.evaluations["full_evaluations"] += 1
-        parallel = c.dist.evaluate(c.bindings, exact_total=False).report.parallel   # fits or not is enough
-        classes = parallel["classes"]
+        if c.probes is None:
+            parallel = c.dist.evaluate(c.bindings, exact_total=False).report.parallel   # fits or not is enough
+            classes = [{"step_ns": cls["step_time_ns"], "total_device_bytes": cls["total_device_bytes"],
+                        "fits": cls["fits"], **_comm(parallel, i)} for i, cls in enumerate(parallel["classes"])]
+            return self._row(c, classes)
+        depths, shallow = c.probes
+        at = [self._probe_numbers(dist, c) for dist in (shallow, c.dist)]
+        classes = []
+        for s, d in zip(*at):
+            carried = carry_class(depths, s, d)
+            classes.append({"step_ns": carried.step_ns, "total_device_bytes": carried.total_device_bytes,
+                            "fits": carried.total_device_bytes <= self.device.memory_bytes,
+                            "exposed_comm_ns": carried.exposed_comm_ns, "hidden_comm_ns": carried.hidden_comm_ns})
+        if any(abs(cls["total_device_bytes"] / self.device.memory_bytes - 1) <= FIT_MARGIN for cls in classes):
+            self.outcome.evaluations["full_depth_fit_checks"] += 1
+            whole = self._dist(c.plan, c.dist.cfg, None)
+            if whole is None:
+                self.outcome.not_modelled[self._refusal] += 1
+                return None
+            return self._full(_Candidate(c.plan, whole, c.bindings, c.micro_batch, c.time_ns))
+        return self._row(c, classes, (depths.shallow, depths.deep))
+
+    def _probe_numbers(self, dist: DistributedAnalysis, c: _Candidate) -> list[dict[str, Any]]:
+        """What ``carry_class`` reads of each rank class at one probe (its replay run to the end)."""
+        parallel = dist.evaluate(c.bindings, exact_total=True).report.parallel
+        return [{"step_ns": cls["step_time_ns"], "total_device_bytes": cls["total_device_bytes"],
+                 "phase_peaks": peaks, **_comm(parallel, i)}
+                for i, (cls, peaks) in enumerate(zip(parallel["classes"], self._phase_peaks(dist, c)))]
+
+    def _row(self, c: _Candidate, classes: Sequence[Mapping[str, Any]],
+             probed_from: Optional[tuple[int, int]] = None) -> Optional[PlanRow]:
         if not all(cls["fits"] for cls in classes):
             return None
-        slowest = max(range(len(classes)), key=lambda k: classes[k]["step_time_ns"])
-        step_ns = classes[slowest]["step_time_ns"]
-        times = parallel["time_by_class"][slowest] if parallel["time_by_class"] else {}
+        slowest = max(range(len(classes)), key=lambda k: classes[k]["step_ns"])
+        step_ns = classes[slowest]["step_ns"]
         seq = self._tokens_per_sample(c)
         tokens = self.request.global_batch * seq
-        return PlanRow(c.plan, c.micro_batch, step_ns, max(cls["total_device_bytes"] for cls in classes),
+        return PlanRow(c.plan, c.micro_batch, step_ns, int(max(cls["total_device_bytes"] for cls in classes)),
                        mfu(self._flops_per_token(seq) * tokens, step_ns, c.plan.world,
                            self.device.peak_for(_training_dtype(c.dist.program))),
                        tokens / (step_ns / NS_PER_S) / c.plan.world,
-                       float(times.get("exposed_comm_ns", 0.0)), float(times.get("hidden_comm_ns", 0.0)))
+                       float(classes[slowest]["exposed_comm_ns"]), float(classes[slowest]["hidden_comm_ns"]),
+                       probed_from)
 
     def _tokens_per_sample(self, c: _Candidate) -> int:
         return _tokens_per_sample(c.dist.program, c.dist.analyses[0].evaluator(c.bindings))
+
+
+def _comm(parallel: Mapping[str, Any], k: int) -> dict[str, float]:
+    """Rank class ``k``'s exposed and hidden communication in a ``ParallelReport``."""
+    times = parallel["time_by_class"][k] if parallel["time_by_class"] else {}
+    return {"exposed_comm_ns": float(times.get("exposed_comm_ns", 0.0)),
+            "hidden_comm_ns": float(times.get("hidden_comm_ns", 0.0))}
 
 
 # -- model facts for MFU ------------------------------------------------------------------------------
@@ -629,13 +737,15 @@ def search_plans(source: Any, *example_inputs: Any, nodes: int, gpus_per_node: i
 
 
 def program_maker(source: Any, *example_inputs: Any, options: ProgramOptions,
-                  log: Optional[Callable[[str], None]] = None) -> Callable[[bool], Program]:
-    """``checkpoint -> Program``: the training program with activation checkpointing on or off, the file
-    loaded (or the module exported) once for both."""
+                  log: Optional[Callable[[str], None]] = None) -> Callable[..., Program]:
+    """``(checkpoint, depth=None) -> Program``: the training program with activation checkpointing on or off
+    (``depth``: its stack synthesised at that many layers, a search's depth probe), the file loaded (or
+    the module exported) once for all."""
     from dataclasses import replace
     exported = to_exported_program(source, example_inputs, log=log)
 
-    def program_for(checkpoint: bool) -> Program:
-        return capture(exported, options=replace(options, checkpoint=checkpoint), log=log)
+    def program_for(checkpoint: bool, depth: Optional[int] = None) -> Program:
+        return capture(exported, options=replace(options, checkpoint=checkpoint, stack_depth=depth),
+                       log=log if depth is None else None)
 
     return program_for

@@ -25,6 +25,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per step over all data-parallel ranks (with --search)")
     g.add_argument("--max-microbatches", type=int, default=None,
                    help="with --search: the most pipeline micro-batches tried (default: any divisor)")
+    g.add_argument("--no-depth-probes", action="store_true",
+                   help="with --search: build every plan at the model's depth (default: a deep stack is built at "
+                        "two shallow depths and carried on; docs/design.md, 'Parallel plan search')")
 
 
 def check_search_args(args: argparse.Namespace) -> None:
@@ -57,7 +60,7 @@ def search_request(args: argparse.Namespace, dims: dict) -> SearchRequest:
          "fsdp_param_dtype": args.fsdp_param_dtype, "fsdp_reduce_dtype": args.fsdp_reduce_dtype,
          "fsdp_wrap": args.fsdp_wrap,
          "bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
-         "tp_plan": tp_plan})
+         "tp_plan": tp_plan}, depth_probes=not args.no_depth_probes)
     request.check()
     return request
 
@@ -103,6 +106,13 @@ def render_search(outcome: SearchOutcome, request: SearchRequest, device: Device
     for reason, count in outcome.not_modelled.most_common():
         lines.append(f"  not modelled ({count} plans): {reason}")
     e = outcome.evaluations
-    lines.append(f"evaluations: {e['rank_program_builds']} per-rank program builds, {e['time_evaluations']} step "
-                 f"times, {e['full_evaluations']} full (allocator) evaluations in {sum(outcome.seconds.values()):.1f} s")
+    lines.append(f"evaluations: {e['rank_program_builds']} per-rank program builds, {e['probe_builds']} at probe "
+                 f"depths, {e['time_evaluations']} step times, {e['full_evaluations']} full (allocator) evaluations in "
+                 f"{sum(outcome.seconds.values()):.1f} s")
+    probed = sorted({r.probed_from for r in outcome.ranked if r.probed_from})
+    if probed:
+        depths = ", ".join(f"{a} and {b}" for a, b in probed)
+        lines.append(f"rows from per-rank programs built at {depths} layers, carried on to the model's depth "
+                     f"(step time as the full build; peak memory ~1-3% low: confirm the chosen plan with --parallel; "
+                     f"--no-depth-probes builds every plan whole)")
     return "\n".join(lines)

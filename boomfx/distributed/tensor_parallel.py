@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -71,7 +72,7 @@ import torch
 import torch.fx as fx
 
 from boomfx.core.errors import OptionError
-from boomfx.core.layers import module_path
+from boomfx.core.layers import find_layer_list, module_path
 from boomfx.core.program import Program
 from boomfx.distributed import tp_ops
 from boomfx.distributed.loss_parallel import vocab_parallel_cross_entropy
@@ -792,17 +793,54 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
         raise OptionError("--parallel tp needs the training program captured from its export "
                           "(boomfx.frontend.capture.capture with train=True)")
     plan = module_plan(program, cfg)
+    if program.options.stack_depth is not None:   # a depth probe: the export's other layers split alike
+        plan = _over_every_layer(plan, ep)
     # the loss as the whole model's (a rank's logits need not look like a vocabulary's)
     # foreach: every rank rewrite starts from the foreach step (ranks.foreach_step)
     options = dataclasses.replace(program.options, loss=resolved_loss(ep, program.options.loss), foreach=True)
     try:
-        sharded = shard_export(ep, plan, cfg.tp, sp=cfg.sp, loss_parallel=uses_loss_parallel(cfg, options.loss))
+        sharded = _sharded_export(ep, plan, cfg.tp, cfg.sp, uses_loss_parallel(cfg, options.loss))
     except OptionError as err:   # say what to do instead, where the reason does not
         raise OptionError(str(err) if "--tp-plan" in str(err) else f"{err}; {_instead(cfg)}") from None
     traced = trace_step(sharded, options)
     local = program_from_traced(traced, program.symbols, program.options, program.source)
     local = tp_ops.lower_tp_ops(local, gather_scratch=cfg.backend == "gloo")
     return replicated_embedding_grads(local, _vocab_parallel_rows(ep, plan))
+
+
+# recent shardings (strong references: an ``id`` stays valid while its entry lives): the programs of one
+# export at several depths (a search's probes) share one sharded export, hence one truncated re-trace
+# (``training/truncate.py`` keeps it per export object)
+_SHARDED: "OrderedDict[tuple, tuple[Any, SimpleNamespace]]" = OrderedDict()
+
+
+def _sharded_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool, loss_parallel: bool) -> SimpleNamespace:
+    key = (id(ep), tuple(sorted(plan.items())), tp, sp, loss_parallel)
+    if key not in _SHARDED:
+        _SHARDED[key] = (ep, shard_export(ep, plan, tp, sp=sp, loss_parallel=loss_parallel))
+        while len(_SHARDED) > 8:
+            _SHARDED.popitem(last=False)
+    _SHARDED.move_to_end(key)
+    return _SHARDED[key][1]
+
+
+def _over_every_layer(plan: Mapping[str, str], ep: Any) -> dict[str, str]:
+    """``plan`` with each layer entry (``model.layers.3.mlp.up_proj.weight``) repeated for every layer of the
+    export: a program synthesised at a reduced depth (``ProgramOptions.stack_depth``) names only some of
+    them, and the export it re-traces from must split all its layers alike to be truncated."""
+    from boomfx.frontend.capture import export_param_names
+
+    prefix = find_layer_list(ep.graph)
+    if prefix is None:
+        return dict(plan)
+    indices = {int(fqn[len(prefix) + 1:].split(".", 1)[0]) for fqn in export_param_names(ep).values()
+               if fqn.startswith(prefix + ".") and fqn[len(prefix) + 1:].split(".", 1)[0].isdigit()}
+    out = dict(plan)
+    for fqn, style in plan.items():
+        head, _, rest = fqn[len(prefix) + 1:].partition(".") if fqn.startswith(prefix + ".") else ("", "", "")
+        if head.isdigit():
+            out.update({f"{prefix}.{i}.{rest}": style for i in indices})
+    return out
 
 
 def _instead(cfg: ParallelConfig) -> str:

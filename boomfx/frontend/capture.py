@@ -49,6 +49,8 @@ def validate_options(options: ProgramOptions) -> None:
         raise OptionError("--checkpoint-layers needs --train (activation checkpointing only changes training)")
     if options.resident_grads and not options.train:
         raise OptionError("--resident-grads needs --train (gradients exist only in training)")
+    if options.stack_depth is not None and (not options.train or options.stack_depth < 4):
+        raise OptionError(f"stack_depth={options.stack_depth}: a synthesised depth needs train=True and at least 4 layers")
 
 
 def load_exported(path: str | os.PathLike, log: Optional[Callable[[str], None]] = None) -> ExportedProgram:
@@ -145,7 +147,8 @@ def trace_step(ep: Any, options: ProgramOptions) -> Any:
             traced = build_training_program_fast(
                 ep, optimizer=options.optimizer, amp=options.amp, checkpoint=options.checkpoint,
                 fused_attention=options.target_kind == "cuda", checkpoint_layers=options.checkpoint_layers,
-                resident_grads=options.resident_grads, param_dtype=options.param_dtype, loss=options.loss)
+                resident_grads=options.resident_grads, param_dtype=options.param_dtype, loss=options.loss,
+                depth=options.stack_depth)
         if traced is None:
             traced = training.build_training_program(ep, optimizer=options.optimizer, amp=options.amp,
                                                      checkpoint=options.checkpoint,

@@ -73,12 +73,12 @@ def _shape(args: Any) -> Any:
 
 
 class _Expander:
-    def __init__(self, traced: Any, prefix: str, template: int, num_layers: int) -> None:
+    def __init__(self, traced: Any, prefix: str, template: int, num_layers: int, last: Optional[int] = None) -> None:
         self.t = traced
         self.prefix = prefix
         self.T = template
-        self.N = num_layers
-        self.S = num_layers - 1
+        self.N = num_layers                          # layers of the result
+        self.S = num_layers - 1 if last is None else last   # the traced last instance (keeps its name)
         self.order = [1, template, self.S]           # aligned instances (0 may differ: first layer)
         self.copies = list(range(template + 1, num_layers - 1))
         self.graph = traced.gm.graph
@@ -537,9 +537,13 @@ def _graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     return gm
 
 
-def expand(traced: Any, prefix: str, template: int, num_layers: int) -> Any:
-    """The TracedProgram of the full ``num_layers`` model, from the trace of layers 0, 1, 2, N-1."""
+def expand(traced: Any, prefix: str, template: int, num_layers: int, last: Optional[int] = None) -> Any:
+    """The TracedProgram of the ``num_layers`` model, from the trace of layers 0, 1, 2 and ``last`` (N-1 of the
+    export; by default ``num_layers - 1``). A depth below the export's (a search's depth probe) keeps the
+    last layer's name: the layers are 0 .. num_layers-2 and ``last``, in stack order."""
     from boomfx.training.trace import TracedProgram
 
-    gm, roles, phases, param_names, grad_nodes = _Expander(traced, prefix, template, num_layers).build()
+    if num_layers < template + 2:
+        raise Unsupported(f"cannot synthesise {num_layers} layers from a trace of layers 0..{template} and the last")
+    gm, roles, phases, param_names, grad_nodes = _Expander(traced, prefix, template, num_layers, last).build()
     return TracedProgram(gm, roles, phases, dict(traced.symbol_map), param_names, grad_nodes)

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -124,12 +125,20 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
     return Truncated(stand, prefix, n_layers)
 
 
+# the truncated traces of recent exports (strong references: an ``id`` stays valid while its entry lives):
+# a search synthesises several depths of one export under one set of options from one trace
+_TRACED: "OrderedDict[tuple, tuple[Any, Truncated, Any]]" = OrderedDict()
+_MAX_TRACED = 16
+
+
 def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", amp: Optional[str] = None,
                                 checkpoint: bool = False, *, fused_attention: bool = True,
                                 checkpoint_layers: tuple[str, ...] = (), resident_grads: bool = False,
-                                param_dtype: Optional[str] = None, loss: str = "auto") -> Any:
+                                param_dtype: Optional[str] = None, loss: str = "auto",
+                                depth: Optional[int] = None) -> Any:
     """``training.build_training_program`` for deep stacks in time independent of depth, or None
-    (too shallow, no layer list, or a structure the synthesis does not reproduce)."""
+    (too shallow, no layer list, or a structure the synthesis does not reproduce). ``depth``: synthesise
+    that many layers instead of the export's (``ProgramOptions.stack_depth``)."""
     from boomfx.training import trace as training
     from boomfx.training.expand import expand
 
@@ -139,15 +148,24 @@ def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", a
             checkpoint_layers = selection_for_truncation(ep.graph, checkpoint_layers, KEPT)
             if checkpoint_layers is None:
                 return None
-        cut = truncate(ep)
-        if cut is None:
-            return None
-        traced = training.build_training_program(cut.ep, optimizer=optimizer, amp=amp, checkpoint=checkpoint,
-                                                 fused_attention=fused_attention,
-                                                 checkpoint_layers=checkpoint_layers,
-                                                 resident_grads=resident_grads, param_dtype=param_dtype,
-                                                 loss=loss)
-        return expand(traced, cut.prefix, KEPT[-1], cut.num_layers)
+        key = (id(ep), optimizer, amp, checkpoint, fused_attention, checkpoint_layers, resident_grads, param_dtype, loss)
+        if key in _TRACED:
+            _TRACED.move_to_end(key)
+            _, cut, traced = _TRACED[key]
+        else:
+            cut = truncate(ep)
+            if cut is None:
+                return None
+            traced = training.build_training_program(cut.ep, optimizer=optimizer, amp=amp, checkpoint=checkpoint,
+                                                     fused_attention=fused_attention,
+                                                     checkpoint_layers=checkpoint_layers,
+                                                     resident_grads=resident_grads, param_dtype=param_dtype,
+                                                     loss=loss)
+            _TRACED[key] = (ep, cut, traced)
+            while len(_TRACED) > _MAX_TRACED:
+                _TRACED.popitem(last=False)
+        layers = cut.num_layers if depth is None else min(depth, cut.num_layers)
+        return expand(traced, cut.prefix, KEPT[-1], layers, last=cut.num_layers - 1)
     except Unsupported as exc:
         _log.info("fast training graph not used: %s", exc)
         return None
