@@ -177,6 +177,19 @@ def test_the_step_floor_with_collectives_is_a_floor_of_the_full_evaluation(progr
         tighter += search._tight_step_floor(plan) > floor
     # the TP rank's own kernels (norms and residual stream whole) tighten the TP plans' floors
     assert tighter > 0
+    # a pipeline's floor counts the head and loss on the last stage, the embedding on the first, and every
+    # micro-batch after the first adding its gradients into .grad: above the layers-only textbook bound
+    pipelines = [p for p in truth if p.pp > 1 and p.tp == 1 and p.microbatches > 1]
+    assert pipelines
+    for plan in pipelines:
+        footprint = search.footprint(plan.checkpoint)
+        micro_batch = GLOBAL_BATCH // plan.dp // plan.microbatches
+        footprint.compute_ns(micro_batch)
+        per_layer = footprint._layer_compute[micro_batch]
+        half = len(per_layer) // 2
+        stages = [sum(per_layer[:half]), sum(per_layer[half:])]
+        textbook = max(plan.microbatches * stages[0], stages[0] + plan.microbatches * stages[1])
+        assert footprint.pipeline_step_floor_ns(plan, micro_batch) > textbook, plan
 
 
 @pytest.mark.slow      # three data-parallel plans fully evaluated on two nodes (~10 s)

@@ -33,7 +33,8 @@ class MixedPrecision:
     reduce: Optional[torch.dtype] = None  # None: reduce-scatter in the gradients' dtype
 
 
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """The torch dtype of an ``--fsdp-param-dtype``/``--fsdp-reduce-dtype`` value (None: not given)."""
     return getattr(torch, DTYPES[name]) if name is not None else None
 
 
@@ -56,10 +57,10 @@ def policy(program: Program, cfg: ParallelConfig) -> MixedPrecision:
         raise OptionError("--fsdp-param-dtype/--fsdp-reduce-dtype with --amp: FSDP's mixed precision replaces "
                           "autocast (torchtitan uses one or the other); give one")
     master = _parameters_dtype(program)
-    param = _dtype(cfg.fsdp_param_dtype)
+    param = torch_dtype(cfg.fsdp_param_dtype)
     if param == master:
         param = None
-    reduce = _dtype(cfg.fsdp_reduce_dtype)
+    reduce = torch_dtype(cfg.fsdp_reduce_dtype)
     if reduce == (param or master):
         reduce = None
     if param is None and reduce is None:

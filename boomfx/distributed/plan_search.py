@@ -63,7 +63,8 @@ from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
 from boomfx.distributed.model_shape import _SDPA, colwise_inputs, model_shape, rowwise_outputs
 from boomfx.distributed.pipeline_compose import composable
-from boomfx.distributed.plan import DEGREES, DTYPES, ParallelConfig
+from boomfx.distributed.mixed_precision import torch_dtype
+from boomfx.distributed.plan import DEGREES, ParallelConfig
 from boomfx.distributed.rank_schedule import default_pricer, default_slowdown, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
 from boomfx.distributed.search_bounds import ModelFootprint
@@ -200,6 +201,7 @@ class ParallelSearch:
         self._peaks: dict[tuple, list[dict[str, int]]] = {}
         self._floors: dict[Plan, float] = {}
         self._comm_prices: dict[tuple, float] = {}
+        self._groups: dict[tuple[int, ...], Mapping[str, Any]] = {}
         self._clock = time.perf_counter()
 
     # -- shared, built once ---------------------------------------------------------------------
@@ -354,8 +356,7 @@ class ParallelSearch:
             cfg = self._config(plan)
         except OptionError:
             return DataParallelComm({})
-        topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
-        groups = mesh_groups({name: int(getattr(plan, name)) for name in MESH_ORDER}, 0, topology)
+        groups = self._rank0_groups(plan)
         degrees = (plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp)
 
         def price(op: str, nbytes: int, dim: str, dtype: torch.dtype) -> float:
@@ -368,7 +369,16 @@ class ParallelSearch:
         return data_parallel_comm(
             shares.param_elems, shares.root_param_elems, shares.param_dtype, plan.dp_replicate, plan.dp_shard,
             plan.tp, plan.pp, cfg.reshards_after_forward, cfg.fsdp_wrap == "root", price,
-            _torch_dtype(cfg.fsdp_param_dtype), _torch_dtype(cfg.fsdp_reduce_dtype))
+            torch_dtype(cfg.fsdp_param_dtype), torch_dtype(cfg.fsdp_reduce_dtype))
+
+    def _rank0_groups(self, plan: Plan) -> Mapping[str, Any]:
+        """Rank 0's process groups under the plan's degrees on the requested cluster (what the floors price
+        collectives over), kept per degrees."""
+        degrees = tuple(int(getattr(plan, name)) for name in MESH_ORDER)
+        if degrees not in self._groups:
+            topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
+            self._groups[degrees] = mesh_groups(dict(zip(MESH_ORDER, degrees)), 0, topology)
+        return self._groups[degrees]
 
     @property
     def _slowdown(self) -> Any:
@@ -407,9 +417,7 @@ class ParallelSearch:
             nbytes = tokens * features * act.itemsize
             key = (group_key, nbytes, act)
             if key not in self._comm_prices:
-                topology = ClusterTopology(self.request.nodes, self.request.gpus_per_node, self.request.network)
-                degrees = {name: int(getattr(plan, name)) for name in MESH_ORDER}
-                group = mesh_groups(degrees, 0, topology)["tp"]
+                group = self._rank0_groups(plan)["tp"]
                 self._comm_prices[key] = self._collectives().price("all_reduce", nbytes, group,
                                                                    str(act).replace("torch.", "")).time_ns
             total += count * self._comm_prices[key]
@@ -690,10 +698,6 @@ def _model_flops_per_token(program: Program, layers: int) -> Callable[[int], flo
 def _training_dtype(program: Program) -> torch.dtype:
     amp = getattr(program.options, "amp", None)
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "", torch.float32)
-
-
-def _torch_dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    return getattr(torch, DTYPES[name]) if name is not None else None
 
 
 def _pins(pinned: Mapping[str, int]) -> str:

@@ -50,6 +50,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import sympy
 import torch
+import torch.fx as fx
 
 from boomfx.core.layers import module_path
 from boomfx.core.program import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_OPT_STATE,
@@ -80,6 +81,7 @@ class ModelFootprint:
     _per_batch: dict[int, int] = field(default_factory=dict)
     _compute: dict[int, float] = field(default_factory=dict)
     _layer_compute: dict[int, list[float]] = field(default_factory=dict)
+    _end_compute: dict[int, tuple[float, float]] = field(default_factory=dict)   # (first stage's, last stage's)
     _layer_saved: dict[int, list[int]] = field(default_factory=dict)
     _shares: Optional["LayerShares"] = None
     _intervals: tuple[StorageInterval, ...] = ()
@@ -137,6 +139,8 @@ class ModelFootprint:
             prices: dict[str, float] = {}
             total = optimizer = 0.0
             per_layer = [0.0] * len(shares.layers)
+            ends = [0.0, 0.0]
+            end_of = _end_stages(analysis.program, shares)
             for node in analysis.program.graph.nodes:
                 if node.name not in analysis.costs.by_node or getattr(node.target, "namespace", "") == _COLLECTIVES:
                     continue      # (a TP rank's all-reduces run on the tp stream: not compute)
@@ -154,8 +158,11 @@ class ModelFootprint:
                 layer = shares.node_layer.get(node.name)
                 if layer is not None:
                     per_layer[layer] += prices[rep]
+                elif node.name in end_of:
+                    ends[end_of[node.name]] += prices[rep]
             hit = self._compute[batch] = total
             self._layer_compute[batch] = per_layer
+            self._end_compute[batch] = (ends[0], ends[1])
             if self._optimizer < 0:
                 self._optimizer = optimizer
         return hit
@@ -195,16 +202,30 @@ class ModelFootprint:
         return stage_layer_ranges(layers, plan.pp) if layers >= plan.pp else ()
 
     def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
-        """``max_s sum_{r<s} c_r + m c_s`` (module docstring); 0 without pp or layers."""
+        """``max_s sum_{r<s} c_r + m c_s + (m - 1) a_s`` (module docstring); 0 without pp or layers. ``c_s``:
+        a micro-batch's kernels on stage ``s``, its layers' and, on the first and last stage, the model's
+        own ops before and after the layer list (``pipeline_stages.py`` puts them there); ``a_s``: adding a
+        micro-batch's gradients into the stage's ``.grad`` (every micro-batch after the first reads two and
+        writes one gradient per parameter) at the memory's peak bandwidth."""
         ranges = self._stage_ranges(plan)
         if plan.pp == 1 or not ranges:
             return 0.0
         self.compute_ns(micro_batch)
         per_layer = self._layer_compute[micro_batch]
-        stage = [sum(per_layer[lo:hi]) / self._tp_split(plan) + (hi - lo) * layer_comm_ns for lo, hi in ranges]
+        split = self._tp_split(plan)
+        stage = [sum(per_layer[lo:hi]) / split + (hi - lo) * layer_comm_ns for lo, hi in ranges]
+        first, last = self._end_compute[micro_batch]
+        stage[0] += first / split
+        stage[-1] += last / split
+        shares = self.shares()
+        bandwidth = self.analysis.device.memory_bandwidth_bytes_per_s
         best = before = 0.0
-        for c in stage:
-            best = max(best, before + plan.microbatches * c)
+        for c, (lo, hi) in zip(stage, ranges):
+            accumulate_ns = 0.0
+            if shares.param_elems and bandwidth:
+                grad_bytes = sum(shares.param_elems[lo:hi]) * shares.param_dtype.itemsize / split
+                accumulate_ns = 3 * grad_bytes / bandwidth * 1e9
+            best = max(best, before + plan.microbatches * c + (plan.microbatches - 1) * accumulate_ns)
             before += c
         return best
 
@@ -247,6 +268,32 @@ class ModelFootprint:
         at_optimizer = (resident + grads) / state_split
         at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (tp * plan.pp)
         return int(max(at_optimizer, at_activation_peak, self.pipeline_bound_bytes(plan, micro_batch))) + self.outside_bytes
+
+
+def _end_stages(program: Program, shares: "LayerShares") -> dict[str, int]:
+    """Kernel nodes outside the layer list that a pipeline's first (0) or last (1) stage runs: forward ops
+    before the layers and backward ops after them (embedding) on the first, forward ops after the layers
+    and backward ops before them (head, loss) on the last; ops between layers are left out (a floor)."""
+    by_phase: dict[str, list[fx.Node]] = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            by_phase.setdefault(program.phases.get(node.name, PHASE_FORWARD), []).append(node)
+    out: dict[str, int] = {}
+    for phase, nodes in by_phase.items():
+        if phase not in (PHASE_FORWARD, PHASE_BACKWARD):
+            continue
+        own = [i for i, n in enumerate(nodes) if n.name in shares.node_layer]
+        if not own:
+            continue
+        before, after = (0, 1) if phase == PHASE_FORWARD else (1, 0)
+        for i, node in enumerate(nodes):
+            if node.name in shares.node_layer:
+                continue
+            if i < own[0]:
+                out[node.name] = before
+            elif i > own[-1]:
+                out[node.name] = after
+    return out
 
 
 @dataclass(frozen=True)
