@@ -58,7 +58,8 @@ from boomfx.core.networks import UnknownNetworkError, get_network
 from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
 from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.comm_floor import DataParallelComm, data_parallel_comm, overlapped_step_floor_ns
-from boomfx.distributed.depth_probe import FIT_MARGIN, ProbeDepths, carry_class, phase_peaks, probe_depths
+from boomfx.distributed.depth_probe import (FIT_MARGIN, ProbeDepths, carried_peak, carry_class, phase_peaks,
+                                            probe_depths)
 from boomfx.distributed.mesh_groups import MESH_ORDER, mesh_groups
 from boomfx.distributed.metrics import NS_PER_S, mfu, model_flops_per_token
 from boomfx.distributed.model_shape import _SDPA, colwise_inputs, model_shape, rowwise_outputs
@@ -552,7 +553,7 @@ class ParallelSearch:
         outside = self.footprint(c.plan.checkpoint).outside_bytes
         if c.probes is not None:
             depths, shallow = c.probes
-            peaks = [max(depths.carry(s.get(p, 0), d[p]) for p in d) if d else 0.0
+            peaks = [carried_peak(s, d, depths)
                      for s, d in zip(self._phase_peaks(shallow, c), self._phase_peaks(c.dist, c))]
         else:
             peaks = [max(p.values(), default=0) for p in self._phase_peaks(c.dist, c)]

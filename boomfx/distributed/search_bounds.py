@@ -82,6 +82,7 @@ class ModelFootprint:
     _compute: dict[int, float] = field(default_factory=dict)
     _layer_compute: dict[int, list[float]] = field(default_factory=dict)
     _end_compute: dict[int, tuple[float, float]] = field(default_factory=dict)   # (first stage's, last stage's)
+    _end_of: Optional[dict[str, int]] = None      # ``_end_stages`` of the program, found once
     _layer_saved: dict[int, list[int]] = field(default_factory=dict)
     _shares: Optional["LayerShares"] = None
     _intervals: tuple[StorageInterval, ...] = ()
@@ -140,7 +141,9 @@ class ModelFootprint:
             total = optimizer = 0.0
             per_layer = [0.0] * len(shares.layers)
             ends = [0.0, 0.0]
-            end_of = _end_stages(analysis.program, shares)
+            if self._end_of is None:
+                self._end_of = _end_stages(analysis.program, shares)
+            end_of = self._end_of
             for node in analysis.program.graph.nodes:
                 if node.name not in analysis.costs.by_node or getattr(node.target, "namespace", "") == _COLLECTIVES:
                     continue      # (a TP rank's all-reduces run on the tp stream: not compute)

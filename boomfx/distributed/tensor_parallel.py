@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections import OrderedDict
+import weakref
 from types import SimpleNamespace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -808,33 +808,30 @@ def _build_tp_rank_program(program: Program, cfg: ParallelConfig) -> Program:
     return replicated_embedding_grads(local, _vocab_parallel_rows(ep, plan))
 
 
-# recent shardings (strong references: an ``id`` stays valid while its entry lives): the programs of one
-# export at several depths (a search's probes) share one sharded export, hence one truncated re-trace
-# (``training/truncate.py`` keeps it per export object)
-_SHARDED: "OrderedDict[tuple, tuple[Any, SimpleNamespace]]" = OrderedDict()
+# per export (its graph module, held weakly: the shardings go with it), each sharding made: the programs of
+# one export at several depths (a search's probes) share one sharded export, hence one truncated re-trace
+# (``training/truncate.py`` keeps it per export)
+_SHARDED: "weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple, SimpleNamespace]]" = weakref.WeakKeyDictionary()
 
 
 def _sharded_export(ep: Any, plan: Mapping[str, str], tp: int, sp: bool, loss_parallel: bool) -> SimpleNamespace:
-    key = (id(ep), tuple(sorted(plan.items())), tp, sp, loss_parallel)
-    if key not in _SHARDED:
-        _SHARDED[key] = (ep, shard_export(ep, plan, tp, sp=sp, loss_parallel=loss_parallel))
-        while len(_SHARDED) > 8:
-            _SHARDED.popitem(last=False)
-    _SHARDED.move_to_end(key)
-    return _SHARDED[key][1]
+    kept = _SHARDED.setdefault(ep.graph_module, {})
+    key = (tuple(sorted(plan.items())), tp, sp, loss_parallel)
+    if key not in kept:
+        kept[key] = shard_export(ep, plan, tp, sp=sp, loss_parallel=loss_parallel)
+    return kept[key]
 
 
 def _over_every_layer(plan: Mapping[str, str], ep: Any) -> dict[str, str]:
     """``plan`` with each layer entry (``model.layers.3.mlp.up_proj.weight``) repeated for every layer of the
     export: a program synthesised at a reduced depth (``ProgramOptions.stack_depth``) names only some of
     them, and the export it re-traces from must split all its layers alike to be truncated."""
-    from boomfx.frontend.capture import export_param_names
+    from boomfx.training.checkpointing import layer_names
 
     prefix = find_layer_list(ep.graph)
     if prefix is None:
         return dict(plan)
-    indices = {int(fqn[len(prefix) + 1:].split(".", 1)[0]) for fqn in export_param_names(ep).values()
-               if fqn.startswith(prefix + ".") and fqn[len(prefix) + 1:].split(".", 1)[0].isdigit()}
+    indices = [name.rsplit(".", 1)[1] for name in layer_names(ep.graph, prefix)]
     out = dict(plan)
     for fqn, style in plan.items():
         head, _, rest = fqn[len(prefix) + 1:].partition(".") if fqn.startswith(prefix + ".") else ("", "", "")

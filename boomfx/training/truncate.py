@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -125,10 +125,9 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
     return Truncated(stand, prefix, n_layers)
 
 
-# the truncated traces of recent exports (strong references: an ``id`` stays valid while its entry lives):
+# per export (its graph module, held weakly: the traces go with it) and trace options, the truncated trace:
 # a search synthesises several depths of one export under one set of options from one trace
-_TRACED: "OrderedDict[tuple, tuple[Any, Truncated, Any]]" = OrderedDict()
-_MAX_TRACED = 16
+_TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple, tuple[Truncated, Any]]]" = weakref.WeakKeyDictionary()
 
 
 def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", amp: Optional[str] = None,
@@ -148,10 +147,10 @@ def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", a
             checkpoint_layers = selection_for_truncation(ep.graph, checkpoint_layers, KEPT)
             if checkpoint_layers is None:
                 return None
-        key = (id(ep), optimizer, amp, checkpoint, fused_attention, checkpoint_layers, resident_grads, param_dtype, loss)
-        if key in _TRACED:
-            _TRACED.move_to_end(key)
-            _, cut, traced = _TRACED[key]
+        kept = _TRACED.setdefault(ep.graph_module, {})
+        key = (optimizer, amp, checkpoint, fused_attention, checkpoint_layers, resident_grads, param_dtype, loss)
+        if key in kept:
+            cut, traced = kept[key]
         else:
             cut = truncate(ep)
             if cut is None:
@@ -161,9 +160,7 @@ def build_training_program_fast(ep: ExportedProgram, optimizer: str = "adamw", a
                                                      checkpoint_layers=checkpoint_layers,
                                                      resident_grads=resident_grads, param_dtype=param_dtype,
                                                      loss=loss)
-            _TRACED[key] = (ep, cut, traced)
-            while len(_TRACED) > _MAX_TRACED:
-                _TRACED.popitem(last=False)
+            kept[key] = (cut, traced)
         layers = cut.num_layers if depth is None else min(depth, cut.num_layers)
         return expand(traced, cut.prefix, KEPT[-1], layers, last=cut.num_layers - 1)
     except Unsupported as exc:
