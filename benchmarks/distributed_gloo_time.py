@@ -4,7 +4,9 @@ For each configuration (DDP, FSDP2 with and without reshard after forward, TP, P
 Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distributed_truth`` runs them):
 
 1. **real**: ``distributed_truth.run_configs`` with ``--steps`` wall-timed steps after warm-up (each after a
-   barrier); a rank's time is the median of its steps, the step's the slowest rank's;
+   barrier); a rank's time is the median of its steps, the step's the slowest rank's; ``--rounds`` fresh
+   runs of every configuration, the lowest round's step kept (neighbours on this VM's host slow whole runs
+   down by up to 2x: the same single-process step measured 4.3 and 8.0 ms an hour apart);
 2. **predicted**: the same per-rank programs boomfx builds for ``--parallel`` on a CPU target
    (``DistributedAnalysis``), priced by one database holding what ``boomfx kernels collect --threads 1``
    measures for their kernels (the default protocol of a one-thread collection) and gloo collectives
@@ -15,9 +17,12 @@ Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distribute
 Both columns run on this 2-core VM, which other jobs share: the load average is recorded before and after.
 Nothing here is fitted: the database is measured, the schedule is the product's.
 
-    python benchmarks/distributed_gloo_time.py [--only llama] [--steps 10]
+    python benchmarks/distributed_gloo_time.py [--only llama] [--steps 10] [--rounds 3]
+    python benchmarks/distributed_gloo_time.py --models llama_m,gpt_m --seq 128 --out distributed_gloo_time_wide
 
-Writes ``benchmarks/results/distributed_gloo_time.{json,md}``.
+Writes ``benchmarks/results/<--out>.{json,md}`` (default ``distributed_gloo_time``). The default models
+(d=64, 2 layers, ~4-30 ms steps) are ruled by Python's per-op work and gloo's per-message costs; the wide
+ones (d=256, 4 layers, sequence 128, ~100-250 ms) by kernels, as real training is.
 """
 from __future__ import annotations
 
@@ -41,17 +46,18 @@ import torch  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def configs(steps: int) -> list[truth.TruthConfig]:
-    """Two ranks (one per core of this machine): every parallelism the issue names, both models."""
+def configs(steps: int, models: tuple[str, ...] = ("llama", "gpt"), batch: int = 4,
+            seq: int = 32) -> list[truth.TruthConfig]:
+    """Two ranks (one per core of this machine): every parallelism the issue names, each model."""
     out = []
-    for model in ("llama", "gpt"):
+    for model in models:
         out += [truth.TruthConfig(model, "ddp", 2),
                 truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
                 truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
                 truth.TruthConfig(model, "tp", 2),
                 truth.TruthConfig(model, "pp", 2, schedule="1f1b"),
                 truth.TruthConfig(model, "pp", 2, schedule="gpipe")]
-    return [dataclasses.replace(c, timed_steps=steps) for c in out]
+    return [dataclasses.replace(c, timed_steps=steps, batch=batch, seq=seq) for c in out]
 
 
 def _collect_kernels(dist: Any, bindings: Any, db: str) -> None:
@@ -112,9 +118,16 @@ def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
     parallel = priced.evaluate(bindings).report.parallel
     rows = parallel["time_by_class"]
     step = max(r.get("pipeline_step_ns", r["step_time_ns"]) for r in rows)
+    unshared = None
+    if cfg.parallel in ("ddp", "fsdp", "tp"):   # the same schedule without the cores' sharing (the A/B)
+        from boomfx.distributed.step_time import class_steps
+        from boomfx.simulate.streams import NO_SLOWDOWN
+
+        unshared = max(c.step.step_ns for c in class_steps(priced, priced.program_bindings(bindings),
+                                                             slowdown=NO_SLOWDOWN))
     sources = sorted({c["source"] for r in rows for c in r["collectives"]})
     kernel_sources = {g.name: g.time_ns for g in first.report.by_source}
-    return {"step_ns": step,
+    return {"step_ns": step, "unshared_step_ns": unshared,
             "classes": [{"ranks": r["ranks"], "step_time_ns": r["step_time_ns"],
                          "single_stream_ns": r["single_stream_ns"], "exposed_comm_ns": r["exposed_comm_ns"],
                          "hidden_comm_ns": r["hidden_comm_ns"], "collectives": len(r["collectives"]),
@@ -123,12 +136,12 @@ def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
             "collective_sources": sources, "kernel_sources": kernel_sources}
 
 
-def single_process(model: str, db: str) -> dict[str, float]:
+def single_process(model: str, db: str, batch: int = 4, seq: int = 32) -> dict[str, float]:
     """The same model's step in one process (no parallelism, batch 4, one thread): ``boomfx.validate`` of
     its export against the database above: how much of a gap is there before any rank runs."""
     from boomfx.validate import validate
 
-    cfg = truth.TruthConfig(model, "ddp", 2)
+    cfg = truth.TruthConfig(model, "ddp", 2, batch=batch, seq=seq)
     with tempfile.TemporaryDirectory(prefix="boomfx-gloo-single-") as tmp:
         path = str(Path(tmp) / f"{model}.pt2")
         torch.export.save(predict.export(cfg), path)
@@ -140,25 +153,28 @@ def single_process(model: str, db: str) -> dict[str, float]:
 
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# Distributed step time: real gloo training steps vs boomfx (CPU, 2 ranks x 1 thread)", "",
-             f"torch {meta['torch']}; {meta['steps']} wall-timed steps per rank after warm-up; load average before "
-             f"{_load(meta['load_before'])}, after {_load(meta['load_after'])}; {meta['wall_s']:.0f} s in all. "
-             "Real: the slowest rank's median step. Predicted: the slowest rank class of `DistributedAnalysis` on a "
-             "CPU target, kernels from a one-thread collection, gloo collectives measured at the schedule's sizes. "
+             f"`{meta['command']}`; torch {meta['torch']}; batch {meta['batch']}, sequence {meta['seq']}; "
+             f"{meta['rounds']} rounds of {meta['steps']} wall-timed steps per rank after warm-up; load average "
+             f"before {_load(meta['load_before'])}, after {_load(meta['load_after'])}; {meta['wall_s']:.0f} s in all. "
+             "Real: the slowest rank's median step, in the round where it was lowest (every round's in the last "
+             "column). Predicted: the slowest rank class of `DistributedAnalysis` on a CPU target, kernels from a "
+             "one-thread collection, gloo collectives measured at the schedule's sizes. "
              "Error = predicted / real - 1.", "",
-             "| configuration | real | predicted | signed error | compute (one stream) | "
-             "exposed comm | hidden comm | collectives | real rank medians |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| configuration | real | predicted | signed error | without core sharing | compute (one stream) | "
+             "exposed comm | hidden comm | collectives | real rank medians | each round's step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | {_ms(r.get('real_ns'))} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['name']} | {_ms(r.get('real_ns'))} | error: {r['error']} | | | | | | | | |")
             continue
         worst = max(r["predicted"]["classes"], key=lambda c: c["step_time_ns"])
         lines.append(f"| {r['name']} | {_ms(r['real_ns'])} | {_ms(r['predicted']['step_ns'])} | "
-                     f"{r['signed_error'] * 100:+.1f}% | {_ms(worst['single_stream_ns'])} | "
+                     f"{r['signed_error'] * 100:+.1f}% | {_unshared(r)} | {_ms(worst['single_stream_ns'])} | "
                      f"{_ms(worst['exposed_comm_ns'])} | {_ms(worst['hidden_comm_ns'])} | {worst['collectives']} | "
-                     f"{', '.join(_ms(t) for t in r['rank_medians_ns'])} |")
+                     f"{', '.join(_ms(t) for t in r['rank_medians_ns'])} | "
+                     f"{', '.join(_ms(t) for t in r.get('round_steps_ns', []))} |")
     if meta.get("single_process"):
-        lines += ["", "The same models in one process (`boomfx.validate`, training step at batch 4, one thread, thread "
+        lines += ["", f"The same models in one process (`boomfx.validate`, training step at batch {meta['batch']}, one thread, thread "
                       "time; the database above):", "", "| model | real | predicted | signed error |", "|---|---|---|---|"]
         for model, r in meta["single_process"].items():
             if "error" in r:
@@ -166,12 +182,26 @@ def _markdown(rows: list[dict], meta: dict) -> str:
             else:
                 lines.append(f"| {model} | {_ms(r['real_ns'])} | {_ms(r['predicted_ns'])} | "
                              f"{r['signed_error'] * 100:+.1f}% |")
+    unshared = [r["predicted"]["unshared_step_ns"] / r["real_ns"] - 1 for r in rows
+                if "signed_error" in r and r["predicted"].get("unshared_step_ns") is not None]
+    shared = [r["signed_error"] for r in rows if "signed_error" in r and r["predicted"].get("unshared_step_ns")]
+    if unshared:
+        lines += ["", f"DDP, FSDP2 and TP rows ({len(shared)}): median |error| with core sharing "
+                      f"{statistics.median(abs(e) for e in shared) * 100:.1f}%, without "
+                      f"{statistics.median(abs(e) for e in unshared) * 100:.1f}% (mean signed "
+                      f"{statistics.fmean(shared) * 100:+.1f}% vs {statistics.fmean(unshared) * 100:+.1f}%)."]
     errs = [r["signed_error"] for r in rows if "signed_error" in r]
     if errs:
         lines += ["", f"median |error| {statistics.median(abs(e) for e in errs) * 100:.1f}%, mean signed "
                       f"{statistics.fmean(errs) * 100:+.1f}%, worst {max(errs, key=abs) * 100:+.1f}% over {len(errs)} "
                       "configurations (target, issue 18: median |error| <= 10%)."]
     return "\n".join(lines) + "\n"
+
+
+def _unshared(row: dict) -> str:
+    """The prediction without ``cpu_core_sharing`` and its error ("-": no collectives to share with)."""
+    ns = row["predicted"].get("unshared_step_ns")
+    return "-" if ns is None else f"{_ms(ns)} ({(ns / row['real_ns'] - 1) * 100:+.1f}%)"
 
 
 def _ms(ns: Any) -> str:
@@ -186,8 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="configurations whose name contains this")
     parser.add_argument("--steps", type=int, default=10, help="wall-timed steps per rank (default 10)")
+    parser.add_argument("--models", default="llama,gpt", help="MODEL_DIMS entries of distributed_truth.py")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--out", default="distributed_gloo_time", help="results file stem")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="real runs of every configuration; the least-disturbed round's step is kept (default 3)")
     args = parser.parse_args(argv)
-    chosen = [c for c in configs(args.steps) if args.only in c.name]
+    models = tuple(m for m in args.models.split(",") if m)
+    chosen = [c for c in configs(args.steps, models, args.batch, args.seq) if args.only in c.name]
     start = time.perf_counter()
     load_before = os.getloadavg()
     rows = []
@@ -199,25 +236,30 @@ def main(argv: list[str] | None = None) -> int:
                 predicted[cfg.name] = predicted_step(cfg, db)
             except Exception as exc:     # recorded in the table, the other configurations still run
                 predicted[cfg.name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        real = truth.run_configs(chosen)
+        # rounds: every configuration once a round, a fresh start of the ranks each; a configuration's real
+        # step is its least-disturbed round's (this VM's neighbours slow a whole run down up to 2x)
+        rounds = [truth.run_configs(chosen) for _ in range(args.rounds)]
         singles = {}
         for model in sorted({c.model for c in chosen}):
             try:
-                singles[model] = single_process(model, db)
+                singles[model] = single_process(model, db, args.batch, args.seq)
             except Exception as exc:
                 singles[model] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-    for res in real:
+    for runs in zip(*rounds):
+        res = min(runs, key=lambda run: max(r.step_time_s for r in run.ranks))
         medians = [r.step_time_s * 1e9 for r in res.ranks]
         row = {"name": res.config.name, "real_ns": max(medians), "rank_medians_ns": medians,
+               "round_steps_ns": [max(r.step_time_s for r in run.ranks) * 1e9 for run in runs],
                "predicted": predicted[res.config.name]}
         if "error" in row["predicted"]:
             row["error"] = row["predicted"]["error"]
         else:
             row["signed_error"] = row["predicted"]["step_ns"] / row["real_ns"] - 1.0
         rows.append(row)
-    meta = {"torch": torch.__version__, "steps": args.steps, "load_before": load_before,
+    meta = {"torch": torch.__version__, "steps": args.steps, "rounds": args.rounds, "batch": args.batch, "seq": args.seq,
+            "command": "python benchmarks/distributed_gloo_time.py " + " ".join(argv if argv is not None else sys.argv[1:]), "load_before": load_before,
             "load_after": os.getloadavg(), "wall_s": time.perf_counter() - start, "single_process": singles}
-    write_results("distributed_gloo_time", meta, rows, _markdown(rows, meta))
+    write_results(args.out, meta, rows, _markdown(rows, meta))
     return 0
 
 

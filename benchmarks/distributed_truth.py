@@ -72,6 +72,10 @@ MODEL_DIMS = {
     # 4 layers: interleaved 1F1B's 2 ranks x 2 chunks of one layer each
     "llama4": dict(vocab=VOCAB, d=64, layers=4, heads=4, kv_heads=2, hidden=128),
     "gpt4": dict(vocab=VOCAB, d=64, layers=4, heads=4, max_seq=64),
+    # wider (d=256, 4 layers): step time where kernels, not Python's per-op work, decide it
+    # (distributed_gloo_time.py --models llama_m,gpt_m)
+    "llama_m": dict(vocab=VOCAB, d=256, layers=4, heads=8, kv_heads=4, hidden=704),
+    "gpt_m": dict(vocab=VOCAB, d=256, layers=4, heads=8, max_seq=256),
 }
 TP_PLANS = {  # module-name suffix inside each layer -> "colwise" | "rowwise"
     "llama": {
@@ -169,6 +173,11 @@ def build_model(name: str) -> torch.nn.Module:
     return Llama(**MODEL_DIMS[name]) if name.startswith("llama") else GPT(**MODEL_DIMS[name])
 
 
+def model_family(name: str) -> str:
+    """"llama" or "gpt": which architecture (and TP plan) a MODEL_DIMS entry is."""
+    return "llama" if name.startswith("llama") else "gpt"
+
+
 def layer_list(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.layers if hasattr(model, "layers") else model.h
 
@@ -177,7 +186,7 @@ def _tp_plan(model_name: str) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {module: styles[style]() for module, style in TP_PLANS[model_name.rstrip("4")].items()}
+    return {module: styles[style]() for module, style in TP_PLANS[model_family(model_name)].items()}
 
 
 def _apply_tp(model: torch.nn.Module, model_name: str, mesh: Any) -> None:

@@ -138,6 +138,27 @@ def test_cpu_rank_blocks_on_wait():
     assert span["add"].start_ns >= wait.end_ns
 
 
+def test_cpu_rank_shares_the_hosts_cores_with_gloo():
+    from boomfx.core.devices import host_cores
+    from boomfx.simulate.streams import cpu_core_sharing
+
+    analysis = _analysis(_tp_block, (64, 64), (64, 64), device=get_device("cpu"))
+    # the ranks on a host: a node of the groups' cluster (2 local ranks; 2 nodes of 1 rank: one a host)
+    two_local = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)})
+    assert two_local.timeline.slowdown == cpu_core_sharing(2, host_cores())
+    one_local = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2, 1)})
+    assert one_local.timeline.slowdown.factor == cpu_core_sharing(1, host_cores()).factor
+    # relu runs beside the all-reduce: with both slowed by f, the overlap costs (f - 1) x the shorter one
+    # more than without sharing (processor sharing conserves the cores' work)
+    free = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)}, slowdown=NO_SLOWDOWN)
+    two = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)}, slowdown=cpu_core_sharing(2, 2))
+    span = {s.name: s for s in free.timeline.spans}
+    ar = span[free.collectives[0].node]
+    relu = span["relu"]
+    assert relu.start_ns >= ar.start_ns and relu.end_ns <= ar.end_ns     # relu fully inside the all-reduce
+    assert two.step_ns == pytest.approx(free.step_ns + (relu.end_ns - relu.start_ns))
+
+
 def test_unknown_group_is_one_clear_error():
     with pytest.raises(CollectiveError, match="process group 'tp' has no ranks"):
         schedule_rank(_analysis(_tp_block, (64, 64), (64, 64)), {}, {"dp": CollectiveGroup.of(8)})

@@ -304,9 +304,14 @@ def _host_memory_bytes() -> int:
         return 16 * GiB
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_spec() -> DeviceSpec:
     """This host as a device. Its analytic peaks are rough; a measured database should price CPU runs."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
     # NB: 2 AVX2 FMA units x 8 fp32 lanes x 2 FLOPs x ~2.5 GHz per core; bandwidth a typical DDR4 channel pair.
     fp32 = cores * 2 * 8 * 2 * 2.5e9
     return DeviceSpec(

@@ -384,7 +384,7 @@ class ParallelSearch:
     @property
     def _slowdown(self) -> Any:
         """The compute slowdown the rank schedules apply while collectives run (``default_slowdown``)."""
-        return default_slowdown(self.footprint(self.request.checkpoint[0]).analysis)
+        return default_slowdown(self.footprint(self.request.checkpoint[0]).analysis, self.request.gpus_per_node)
 
     def _collectives(self) -> Any:
         """The collective prices the rank schedules use (the ``--db``'s rows, else the model), read once."""

@@ -49,6 +49,7 @@ import torch
 import torch.fx
 
 from boomfx.analysis.analysis import Analysis, PointResult
+from boomfx.core.devices import host_cores
 from boomfx.core.errors import CollectiveError
 from boomfx.core.program import PHASE_OPTIMIZER
 from boomfx.kernels_db.collective_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, REDUCE_SCATTER,
@@ -56,7 +57,7 @@ from boomfx.kernels_db.collective_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_A
 from boomfx.kernels_db.collectives import CollectivePrice, CollectivePricer
 from boomfx.passes.specs import dtype_itemsize, to_sympy
 from boomfx.simulate.streams import (COMM_PREFIX, COMPUTE, DEFAULT_GPU_SLOWDOWN, NO_SLOWDOWN, OverlapSlowdown,
-                                     StreamOp, StreamTimeline, simulate_streams)
+                                     StreamOp, StreamTimeline, cpu_core_sharing, simulate_streams)
 
 C10D_NAMESPACE = "_c10d_functional"
 WAIT = "wait_tensor"
@@ -365,9 +366,15 @@ _HOST_SYNC = {torch.ops.aten._local_scalar_dense, torch.ops.aten.item, torch.ops
               torch.ops.aten.masked_select, torch.ops.aten._unique2}
 
 
-def default_slowdown(analysis: Analysis) -> OverlapSlowdown:
-    """GPUs: compute slows while NCCL runs (``DEFAULT_GPU_SLOWDOWN``); CPUs: none modelled (gloo's threads)."""
-    return DEFAULT_GPU_SLOWDOWN if analysis.device.kind == "cuda" else NO_SLOWDOWN
+def default_slowdown(analysis: Analysis, ranks_on_host: int = 1) -> OverlapSlowdown:
+    """GPUs: compute slows while NCCL runs (``DEFAULT_GPU_SLOWDOWN``); CPUs: the host's ``ranks_on_host``
+    ranks' compute and gloo threads share its cores (``cpu_core_sharing``, one compute thread a rank as
+    torchrun starts them); other devices: none."""
+    if analysis.device.kind == "cuda":
+        return DEFAULT_GPU_SLOWDOWN
+    if analysis.device.kind == "cpu":
+        return cpu_core_sharing(ranks_on_host, host_cores())
+    return NO_SLOWDOWN
 
 
 def default_pricer(analysis: Analysis) -> CollectivePricer:
@@ -385,12 +392,15 @@ def schedule_rank(analysis: Analysis, bindings: Mapping[sympy.Symbol, int], grou
     """Simulate one rank's step with its collectives on their own streams (see the module docstring).
 
     ``pricer`` defaults to a ``CollectivePricer`` over the analysis's ``--db`` (its collective rows, else the
-    model); ``slowdown`` to ``default_slowdown``; ``point`` to ``analysis.evaluate(bindings)``.
+    model); ``slowdown`` to ``default_slowdown`` for the GPUs (ranks) a node of the groups' cluster holds;
+    ``point`` to ``analysis.evaluate(bindings)``.
     """
     pricer = pricer if pricer is not None else default_pricer(analysis)
     point = point if point is not None else analysis.evaluate(bindings)
     ops, collectives = rank_stream_ops(analysis, point, bindings, groups, pricer, waits)
     synchronous = analysis.device.kind == "cpu"
-    timeline = simulate_streams(ops, slowdown if slowdown is not None else default_slowdown(analysis),
-                                synchronous=synchronous)
+    if slowdown is None:
+        ranks_on_host = max((g.topology.gpus_per_node for g in groups.values()), default=1)
+        slowdown = default_slowdown(analysis, ranks_on_host)
+    timeline = simulate_streams(ops, slowdown, synchronous=synchronous)
     return RankStep(timeline, tuple(collectives), point, tuple(ops), synchronous)

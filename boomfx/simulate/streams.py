@@ -13,7 +13,9 @@ What the runtime does and this simulator keeps:
 - Ops sharing a ``rendezvous`` key are the same collective seen by several ranks: none starts before all
   of them could.
 - While a collective runs on a rank, that rank's compute runs ``slowdown.factor`` times slower (NCCL's
-  kernels take SMs and memory bandwidth); collectives themselves are not slowed.
+  kernels take SMs and memory bandwidth); the collective runs ``slowdown.comm_factor`` times slower while
+  compute runs beside it (1 on a GPU: NCCL's kernels keep their SMs; on a CPU host whose cores the ranks'
+  threads fill, gloo's thread and the compute thread share the cores, ``cpu_core_sharing``).
 
 The engine is SimPy's: a heap of ``(t_ns, priority, seq, event)`` with a monotonic ``seq`` so equal times
 pop in the order they were pushed. A running compute op's remaining work is updated whenever its rate
@@ -33,7 +35,8 @@ Example::
 Known limitations:
 - The slowdown is one factor for every kernel; published measurements range from none (compute-bound GEMMs
   with few SMs taken) to 1.5-1.9x (bandwidth-bound kernels next to a large all-gather).
-- Collectives are not slowed by the compute they overlap, nor by each other when two groups share a link.
+- Collectives are not slowed by each other when two groups share a link; on a GPU, not by the compute they
+  overlap either.
 """
 from __future__ import annotations
 
@@ -53,10 +56,12 @@ class StreamError(BoomfxError):
 
 @dataclass(frozen=True)
 class OverlapSlowdown:
-    """How much slower compute runs while a collective overlaps it, and where the number comes from."""
+    """How much slower compute runs while a collective overlaps it (``factor``), how much slower the
+    collective runs while compute overlaps it (``comm_factor``), and where the numbers come from."""
 
     factor: float
     source: str
+    comm_factor: float = 1.0
 
 
 # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
@@ -68,15 +73,21 @@ DEFAULT_GPU_SLOWDOWN = OverlapSlowdown(1.189, "arXiv:2507.03114: mean compute sl
 NO_SLOWDOWN = OverlapSlowdown(1.0, "off")
 
 
-def cpu_core_sharing(ranks_on_host: int, cores: int) -> OverlapSlowdown:
-    """A CPU rank's compute while its collective runs: each of the host's ``ranks_on_host`` ranks has a compute
-    thread and a communication thread (gloo's), so ``2 x ranks`` busy threads share ``cores``; compute gets
-    ``cores / (2 x ranks)`` of a core when that is below one (a mechanism, not a fit; NB: the collective
-    itself slows too, which is not modelled)."""
-    if ranks_on_host < 1 or cores < 1:
-        raise StreamError(f"core sharing needs at least one rank and core, got {ranks_on_host} and {cores}")
-    factor = max(1.0, 2.0 * ranks_on_host / cores)
-    return OverlapSlowdown(factor, f"{ranks_on_host} ranks x (compute + gloo thread) on {cores} cores")
+def cpu_core_sharing(ranks_on_host: int, cores: int, threads_per_rank: int = 1) -> OverlapSlowdown:
+    """A CPU host's ranks while their collectives run: each rank has ``threads_per_rank`` compute threads and
+    gloo's communication thread, so ``ranks x (threads + 1)`` busy threads share ``cores``. The kernels were
+    priced with the rank's compute threads on cores of their own (``max(cores, ranks x threads)`` of them
+    shared out), so compute and the collective each get that share of what they had alone, and both slow by
+    the same factor (processor sharing: a mechanism, not a fit). gloo's transfer over loopback TCP is CPU
+    work (the kernel copies each byte), so the collective slows too. torchrun starts each of several local
+    ranks with ``OMP_NUM_THREADS=1``, hence the default."""
+    if ranks_on_host < 1 or cores < 1 or threads_per_rank < 1:
+        raise StreamError(f"core sharing needs at least one rank, core and thread, got {ranks_on_host}, {cores} "
+                          f"and {threads_per_rank}")
+    busy = ranks_on_host * (threads_per_rank + 1)
+    factor = max(1.0, busy / max(cores, ranks_on_host * threads_per_rank))
+    return OverlapSlowdown(factor, f"{ranks_on_host} ranks x ({threads_per_rank} compute + 1 gloo thread) on "
+                                   f"{cores} cores", comm_factor=factor)
 
 
 def is_comm_stream(stream: str) -> bool:
@@ -172,8 +183,9 @@ class _Op:
 
 class _Engine:
     def __init__(self, ops: Sequence[StreamOp], slowdown: OverlapSlowdown, synchronous: bool) -> None:
-        if slowdown.factor < 1.0:
-            raise StreamError(f"an overlap slowdown below 1 ({slowdown.factor}) would speed compute up")
+        if slowdown.factor < 1.0 or slowdown.comm_factor < 1.0:
+            raise StreamError(f"an overlap slowdown below 1 ({slowdown.factor}, {slowdown.comm_factor}) would "
+                              "speed work up")
         self.slowdown = slowdown
         self.synchronous = synchronous
         self.ops = [_Op(spec, i) for i, spec in enumerate(ops)]
@@ -335,7 +347,8 @@ class _Engine:
             self.host_t[rank] = max(self.host_t[rank], t)
             self.issue_next(rank)
 
-    # -- rates: compute slows down while a collective runs on the same rank -------------------------
+    # -- rates: compute slows down while a collective runs on the same rank (and the collective while
+    # compute runs, where they share cores) -------------------------------------------------------------
     def advance(self, rank: int, t: float) -> None:
         for op in self.running[rank]:
             if not op.waiting:
@@ -344,11 +357,17 @@ class _Engine:
 
     def rerate(self, rank: int, force: Sequence[_Op] = ()) -> None:
         """New rates on ``rank`` and new completion events for ops whose rate changed (or in ``force``)."""
-        comm_busy = any(is_comm_stream(o.spec.stream) for o in self.running[rank])
+        # NCCL's kernel spins on its peers (holding SMs); gloo's thread sleeps on them (synchronous: a CPU)
+        comm_busy = any(is_comm_stream(o.spec.stream) and not (o.waiting and self.synchronous)
+                        for o in self.running[rank])
+        compute_busy = any(not is_comm_stream(o.spec.stream) for o in self.running[rank])
         for op in self.running[rank]:
             if op.waiting:
                 continue
-            rate = 1.0 / self.slowdown.factor if comm_busy and not is_comm_stream(op.spec.stream) else 1.0
+            if is_comm_stream(op.spec.stream):
+                rate = 1.0 / self.slowdown.comm_factor if compute_busy else 1.0
+            else:
+                rate = 1.0 / self.slowdown.factor if comm_busy else 1.0
             if rate != op.rate or op.version == 0 or op in force:
                 op.rate = rate
                 op.version += 1
