@@ -37,6 +37,27 @@ def test_collect_for_model_then_nothing_left(capsys, exported, tmp_path: Path) -
     assert report["by_source"][0]["name"] == "measured-in-step" and report["by_source"][0]["share"] == 1.0
 
 
+def test_collect_for_a_parallel_plan_measures_every_rank_kernel(capsys, examples_dir, tmp_path: Path) -> None:
+    # a TP rank's kernels are the sharded shapes, which the single-device program's collection lacks
+    path, db = str(examples_dir / "llama_tiny.pt2"), tmp_path / "cpu.sqlite"
+    shape = ["--train", "--batch", "2", "--seq", "16"]
+    assert main(["kernels", "collect", "--device", "cpu", "--for", path, *shape, "--parallel", "tp=2", "--db", str(db),
+                 "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "of 1 rank classes" in out and "failed 0" in out
+    assert "measuring at one thread each" in err        # 2 local ranks: one thread each, as torchrun runs them
+    assert main(["analyze", path, *shape, "--parallel", "tp=2", "--device", "cpu", "--db", str(db), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    sources = {k["source"] for k in report["kernels"] if k["op"].startswith("aten.")}
+    assert sources == {"measured-in-step"}
+    assert {k["op"] for k in report["kernels"] if k["source"] != "measured-in-step"} == {
+        "_c10d_functional.all_reduce.default"}     # collectives: priced by the collective model or --collectives
+    for bad in (["--rank", "1"], ["--compile"]):
+        assert main(["kernels", "collect", "--device", "cpu", "--for", path, *shape, "--parallel", "tp=2",
+                     "--db", str(db), "--quiet", *bad]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_export_import_round_trip(capsys, exported, tmp_path: Path) -> None:
     _, path = exported("mlp")
     db, csv, db2 = tmp_path / "a.sqlite", tmp_path / "a.csv", tmp_path / "b.sqlite"

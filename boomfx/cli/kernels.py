@@ -44,6 +44,8 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--collectives", action="store_true",  # boomfx/cli/collectives.py
                    help="measure collectives (gloo on cpu, NCCL on cuda) with --world local ranks")
     c.add_argument("--world", type=int, default=2, help="with --collectives: local ranks (default 2)")
+    from boomfx.distributed.cli import add_parallel_args   # --for FILE --parallel: every rank class's kernels
+    add_parallel_args(c)
     i = ksub.add_parser("import", help="import CSV measurements (boomfx CSV or the public GPU data set)")
     i.add_argument("path", help="a CSV file exported by boomfx, or a directory of public measurements")
     i.add_argument("--db", default=None)

@@ -70,11 +70,16 @@ def _collect(args: argparse.Namespace) -> int:
     budget = parse_budget(args.budget)
     path = _db_path(args.db, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
+    parallel = _parallel(args)
     if args.collectives:   # collectives with local ranks (boomfx/cli/collectives.py)
         from boomfx.cli.collectives import collect
         return collect(args, spec.name, path)
     progress = False if args.quiet else None
     threads = args.threads
+    if threads is None and parallel is not None and device.type == "cpu" and _local_ranks(parallel) > 1:
+        threads = 1   # torchrun starts each of several local ranks with OMP_NUM_THREADS=1
+        print(f"--parallel: {_local_ranks(parallel)} ranks on this host, measuring at one thread each as torchrun "
+              "runs them (--threads to choose)", file=sys.stderr)
     if threads is not None:
         if threads < 1:
             raise OptionError(f"--threads must be at least 1, got {threads}")
@@ -113,6 +118,16 @@ def _collect(args: argparse.Namespace) -> int:
             what = f"the library kernels of {args.for_file}"
             if device.type == "cpu" and args.in_step and not (result.pending or fused.pending):
                 what += _in_step(path, analysis.kernel_calls(bindings), fused_measurer)
+        elif parallel is not None:   # each rank class's program, as analyze --parallel builds and prices it
+            per_class = _rank_class_calls(program, parallel, spec, bindings)
+            calls = [c for class_calls in per_class for c in class_calls]
+            result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
+            what = f"{len(calls)} kernels of {len(per_class)} rank classes of {args.for_file} ({parallel.describe()})"
+            if device.type == "cpu" and args.in_step and not result.pending:
+                what += "".join(_in_step(path, class_calls, measurer) for class_calls in per_class)
+            if device.type == "cpu" and (parallel.dp_shard > 1 or parallel.tp > 1):
+                from boomfx.kernels_db.framework_overheads import collect_framework_costs
+                collect_framework_costs(Store(path), measurer)   # FSDP2's hooks, DTensor's dispatch
         else:
             calls = analysis.kernel_calls(bindings)
             result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
@@ -144,6 +159,31 @@ def _collect(args: argparse.Namespace) -> int:
               f"with --threads 1 (its clock excludes the time other jobs run) or on a quieter machine; a rerun "
               f"measures only what is missing", file=sys.stderr)
     return 0
+
+
+def _parallel(args: argparse.Namespace) -> Any:
+    """The ``--parallel`` plan of a collection (``--for`` only, eager, no ``--rank``), else None."""
+    from boomfx.distributed.cli import parallel_config
+    if args.rank is not None:
+        raise OptionError("--rank: kernels collect --parallel measures every rank class's kernels")
+    cfg = parallel_config(args)
+    if cfg is not None and (not args.for_file or args.blocks or args.compile or args.collectives):
+        raise OptionError("--parallel needs --for FILE.pt2 (eager: no --blocks, --compile or --collectives)")
+    return cfg
+
+
+def _local_ranks(cfg: Any) -> int:
+    """Ranks that share one host under ``cfg`` (a node's GPUs: CPU ranks' host)."""
+    return min(cfg.world, cfg.gpus_per_node_or_product)
+
+
+def _rank_class_calls(program: Any, cfg: Any, spec: Any, bindings: Any) -> list[list]:
+    """Each rank class's aten kernels under ``cfg`` (collectives and sends are priced apart)."""
+    from boomfx.analysis.analysis import AnalyzeOptions
+    from boomfx.distributed.analysis import DistributedAnalysis
+    dist = DistributedAnalysis(program, cfg, spec, AnalyzeOptions(spec.name, db="none"))
+    rank_bindings = dist.program_bindings(bindings)
+    return [[c for c in a.kernel_calls(rank_bindings) if c.op.namespace == "aten"] for a in dist.analyses]
 
 
 def _in_step(path: Path, calls: list, measurer: Any) -> str:
