@@ -16,7 +16,8 @@ Predicted: the function traced with ``make_fx`` on fake tensors, its kernels mea
 (``collect_calls``, as ``benchmarks/cpu_accuracy.py`` does, one thread), its collectives measured with gloo at
 exactly their message sizes (``collect_collectives``), then ``schedule_rank`` with the CPU rules (ops run on
 the host thread, collectives on gloo's thread until waited; while one runs, compute gets the share of the
-cores ``cpu_core_sharing`` gives: 2 ranks x 2 threads on 2 cores here, half speed).
+cores ``cpu_core_sharing`` gives: 2 ranks x (1 compute thread + gloo's 0.7 of a core) on 2 cores here, both
+1.7x slower while they overlap).
 
 Run: ``python benchmarks/distributed_step_time.py`` (writes ``benchmarks/results/distributed_step_time.{json,md}``).
 Timing on a shared machine: the load average is recorded next to the numbers.

@@ -151,7 +151,7 @@ def test_cpu_rank_shares_the_hosts_cores_with_gloo():
     # relu runs beside the all-reduce: with both slowed by f, the overlap costs (f - 1) x the shorter one
     # more than without sharing (processor sharing conserves the cores' work)
     free = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)}, slowdown=NO_SLOWDOWN)
-    two = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)}, slowdown=cpu_core_sharing(2, 2))
+    two = schedule_rank(analysis, {}, {"tp": CollectiveGroup.of(2)}, slowdown=cpu_core_sharing(2, 2, comm_cpu_share=1))
     span = {s.name: s for s in free.timeline.spans}
     ar = span[free.collectives[0].node]
     relu = span["relu"]

@@ -199,20 +199,25 @@ def test_zero_length_ops_in_a_row_on_a_cpu():
 def test_cpu_core_sharing():
     from boomfx.simulate.streams import cpu_core_sharing
     # 2 ranks x (compute + gloo thread) = 4 busy threads on 2 cores: compute at half speed; on 16 cores: none
-    assert cpu_core_sharing(2, 2).factor == 2.0 and cpu_core_sharing(2, 16).factor == 1.0
-    assert cpu_core_sharing(2, 2).comm_factor == 2.0        # the collective shares the cores too
-    # 2 ranks x (2 compute + 1 gloo) = 6 threads where the kernels were priced on 4 threads' worth of cores
-    assert cpu_core_sharing(2, 2, threads_per_rank=2).factor == 1.5
-    assert cpu_core_sharing(4, 8).factor == 1.0 and cpu_core_sharing(8, 8).factor == 2.0
+    # 2 one-thread ranks and gloo threads busy 0.7 of a core: 3.4 cores' worth of work on 2 cores
+    assert cpu_core_sharing(2, 2).factor == pytest.approx(1.7) and cpu_core_sharing(2, 16).factor == 1.0
+    assert cpu_core_sharing(2, 2).comm_factor == cpu_core_sharing(2, 2).factor   # the collective shares too
+    assert cpu_core_sharing(2, 2, comm_cpu_share=1.0).factor == 2.0
+    # 2 ranks x (2 compute + 1) = 6 threads where the kernels were priced on 4 threads' worth of cores
+    assert cpu_core_sharing(2, 2, threads_per_rank=2, comm_cpu_share=1.0).factor == 1.5
+    assert cpu_core_sharing(4, 8).factor == 1.0 and cpu_core_sharing(8, 8, comm_cpu_share=0.5).factor == 1.5
     ops = [StreamOp("a", COMPUTE, 10.0), StreamOp("ar", "comm:dp", 4.0, deps=("a",)), StreamOp("b", COMPUTE, 10.0),
            StreamOp("w", COMPUTE, 0.0, deps=("ar",), host_sync=True)]
-    # a 0-10; from 10 ar and b share: both at half speed, ar's 4 done at 18 (b has done 4 of its 10), then
-    # b's last 6 alone: 24 = 10 + 10 + 4, the cores' work conserved
-    timeline = simulate_streams(ops, cpu_core_sharing(2, 2), synchronous=True)
+    # share 1: a 0-10; from 10 ar and b share: both at half speed, ar's 4 done at 18 (b has done 4 of its
+    # 10), then b's last 6 alone: 24 = 10 + 10 + 4, the cores' work conserved
+    timeline = simulate_streams(ops, cpu_core_sharing(2, 2, comm_cpu_share=1.0), synchronous=True)
     assert timeline.total_ns == 24.0
     assert {s.name: (s.start_ns, s.end_ns) for s in timeline.spans}["ar"] == (10.0, 18.0)
-    with pytest.raises(StreamError):
-        cpu_core_sharing(0, 2)
+    # share 0.7: ar takes 4 x 1.7 = 6.8 (10-16.8), b does 4 of its 10 meanwhile, 6 more alone: 22.8
+    assert simulate_streams(ops, cpu_core_sharing(2, 2), synchronous=True).total_ns == pytest.approx(22.8)
+    for bad in ((0, 2), (2, 2, 1, 1.5)):
+        with pytest.raises(StreamError):
+            cpu_core_sharing(*bad)
 
 
 def test_a_gloo_collective_waiting_for_its_peer_leaves_compute_its_core():
@@ -223,7 +228,7 @@ def test_a_gloo_collective_waiting_for_its_peer_leaves_compute_its_core():
            StreamOp("w", COMPUTE, 0.0, deps=("ar",), host_sync=True, rank=0),
            StreamOp("a", COMPUTE, 2.0, rank=1), StreamOp("ar", "comm:dp", 4.0, deps=("a",), rank=1, rendezvous="x"),
            StreamOp("b", COMPUTE, 10.0, rank=1), StreamOp("w", COMPUTE, 0.0, deps=("ar",), host_sync=True, rank=1)]
-    timeline = simulate_streams(ops, cpu_core_sharing(2, 2), synchronous=True)
+    timeline = simulate_streams(ops, cpu_core_sharing(2, 2, comm_cpu_share=1.0), synchronous=True)
     spans = {(s.rank, s.name): (s.start_ns, s.end_ns) for s in timeline.spans}
     # rank 1: b did 8 of 10 by 10; then ar and b at half speed: b's last 2 done at 14, ar's 4: 2 by 14, 2 more: 16
     assert spans[(1, "b")] == (2.0, 14.0) and spans[(1, "ar")][1] == 16.0
