@@ -151,7 +151,7 @@ def predict(db: str) -> dict[str, dict]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
-    from boomfx.core.devices import cpu_spec
+    from boomfx.core.devices import cpu_spec, host_cores
     from boomfx.distributed.rank_schedule import c10d_packet, schedule_rank
     from boomfx.frontend.capture import capture
     from boomfx.kernels_db.collect import collect_calls
@@ -182,9 +182,8 @@ def predict(db: str) -> dict[str, dict]:
     out = {}
     for name, analysis in analyses.items():
         # the functions call wait_tensor where eager code waits: keep the graph's positions
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         step = schedule_rank(analysis, {}, groups, pricer=pricer, waits="as_placed",
-                             slowdown=cpu_core_sharing(WORLD, cores))
+                             slowdown=cpu_core_sharing(WORLD, host_cores()))
         out[name] = {"step_ns": step.step_ns, "exposed_comm_ns": step.timeline.exposed_comm_ns,
                      "hidden_comm_ns": step.timeline.hidden_comm_ns,
                      "collective_sources": sorted({c.price.source.value for c in step.collectives}),

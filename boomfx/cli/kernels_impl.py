@@ -76,9 +76,10 @@ def _collect(args: argparse.Namespace) -> int:
         return collect(args, spec.name, path)
     progress = False if args.quiet else None
     threads = args.threads
-    if threads is None and parallel is not None and device.type == "cpu" and _local_ranks(parallel) > 1:
+    local_ranks = parallel.gpus_per_node_or_product if parallel is not None else 1   # ranks sharing this host
+    if threads is None and device.type == "cpu" and local_ranks > 1:
         threads = 1   # torchrun starts each of several local ranks with OMP_NUM_THREADS=1
-        print(f"--parallel: {_local_ranks(parallel)} ranks on this host, measuring at one thread each as torchrun "
+        print(f"--parallel: {local_ranks} ranks on this host, measuring at one thread each as torchrun "
               "runs them (--threads to choose)", file=sys.stderr)
     if threads is not None:
         if threads < 1:
@@ -100,7 +101,8 @@ def _collect(args: argparse.Namespace) -> int:
                                                                 compile=args.compile, loss=args.loss,
                                                                 foreach=args.foreach))
         bindings = resolve_bindings(program, dict(parse_dim(d) for d in args.dim), args.batch, args.seq)
-        analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none"))
+        # the single-device program's analysis (--parallel builds each rank class's instead)
+        analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")) if parallel is None else None
         if args.blocks:  # block mode: whole repeated blocks, one row per class (kernels_db/blocks_db.py)
             from boomfx.kernels_db.blocks_db import collect_blocks
             blocks = collect_blocks(Store(path), analysis, bindings, device, budget, progress)
@@ -170,11 +172,6 @@ def _parallel(args: argparse.Namespace) -> Any:
     if cfg is not None and (not args.for_file or args.blocks or args.compile or args.collectives):
         raise OptionError("--parallel needs --for FILE.pt2 (eager: no --blocks, --compile or --collectives)")
     return cfg
-
-
-def _local_ranks(cfg: Any) -> int:
-    """Ranks that share one host under ``cfg`` (a node's GPUs: CPU ranks' host)."""
-    return min(cfg.world, cfg.gpus_per_node_or_product)
 
 
 def _rank_class_calls(program: Any, cfg: Any, spec: Any, bindings: Any) -> list[list]:
