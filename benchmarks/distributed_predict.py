@@ -43,6 +43,7 @@ def parallel_config(cfg: truth.TruthConfig):
         **degrees,
         reshard_after_forward=cfg.reshard_after_forward,
         pp_schedule=cfg.schedule,
+        pp_stages_per_rank=cfg.stages_per_rank if cfg.schedule == "interleaved_1f1b" else None,
         microbatches=cfg.microbatches,
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,

@@ -72,6 +72,8 @@ MODEL_DIMS = {
     # 4 layers: interleaved 1F1B's 2 ranks x 2 chunks of one layer each
     "llama4": dict(vocab=VOCAB, d=64, layers=4, heads=4, kv_heads=2, hidden=128),
     "gpt4": dict(vocab=VOCAB, d=64, layers=4, heads=4, max_seq=64),
+    # 8 layers: interleaved 1F1B with 4 chunks per rank (the runtime then reshards and re-gathers chunks)
+    "llama8": dict(vocab=VOCAB, d=64, layers=8, heads=4, kv_heads=2, hidden=128),
     # wider (d=256, 4 layers): step time where kernels, not Python's per-op work, decide it
     # (distributed_gloo_time.py --models llama_m,gpt_m)
     "llama_m": dict(vocab=VOCAB, d=256, layers=4, heads=8, kv_heads=4, hidden=704),
@@ -112,6 +114,7 @@ class TruthConfig:
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
     fsdp_wrap: str = "layers"  # "root": one fully_shard on the whole model
+    stages_per_rank: int = 2   # interleaved 1F1B's chunks per rank (boomfx's default --pp-stages-per-rank)
     # the step's loss: "mean" of the logits, or "cross_entropy" against random next-token labels (a
     # language model's, boomfx's --train default for logits); loss_parallel (tp_vocab, tp_sp with
     # cross_entropy): the head's logits stay Shard(-1) and the loss runs under loss_parallel()
@@ -125,6 +128,8 @@ class TruthConfig:
             extra = "-reshard" if self.reshard_after_forward else "-noreshard"
         if self.parallel.startswith("pp"):
             extra += f"-{self.schedule}-mb{self.microbatches}"
+            if self.schedule == "interleaved_1f1b" and self.stages_per_rank != 2:
+                extra += f"-v{self.stages_per_rank}"
         if self.gradient_as_bucket_view:
             extra += "-bucketview"
         if self.param_dtype or self.reduce_dtype:
@@ -321,6 +326,12 @@ class _Stage(torch.nn.Module):
         return self.lm_head(self.norm(x)) if self.last else x
 
 
+def _pp_root_reshard(cfg: "TruthConfig") -> dict:
+    """A stage module's (the FSDP root's) ``reshard_after_forward``: False as torchtitan passes with pp,
+    else fully_shard's own default (None: the root is never resharded after forward, its layers are)."""
+    return {} if cfg.reshard_after_forward else {"reshard_after_forward": False}
+
+
 def stage_layer_ranges(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Layers per stage: as even as possible, earlier stages take the remainder."""
     base, extra = divmod(n_layers, stages)
@@ -426,7 +437,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
             mp = {"mp_policy": _mixed_precision(cfg)} if cfg.param_dtype or cfg.reduce_dtype else {}
             for layer in module.layers:
                 fully_shard(layer, mesh=inner, reshard_after_forward=cfg.reshard_after_forward, **mp)
-            fully_shard(module, mesh=inner, reshard_after_forward=cfg.reshard_after_forward, **mp)
+            fully_shard(module, mesh=inner, **_pp_root_reshard(cfg), **mp)
         opt = torch.optim.AdamW(_param_groups(module), foreach=True)
         named = dict(module.named_parameters())
         if cfg.parallel == "pp_ddp":
@@ -490,12 +501,11 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     return step, opt, dict(model.named_parameters())
 
 
-STAGES_PER_RANK = 2  # interleaved 1F1B's chunks per rank (boomfx's default --pp-stages-per-rank)
 
 
 def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tuple[Any, Any, dict]:
-    """``ScheduleInterleaved1F1B`` over ``pp`` ranks holding ``STAGES_PER_RANK`` chunks each: pipeline rank
-    r runs virtual stages r, r + pp, ... of the ``pp x STAGES_PER_RANK``-stage split. ``pp``: the world;
+    """``ScheduleInterleaved1F1B`` over ``pp`` ranks holding ``cfg.stages_per_rank`` chunks each: pipeline rank
+    r runs virtual stages r, r + pp, ... of the ``pp x stages_per_rank``-stage split. ``pp``: the world;
     pp_fsdp: 2, on a (pp, dp) mesh, each chunk's layers and the chunk module ``fully_shard``ed over its
     dp group (the runtime unshards a rank's chunks before its first action and reduce-scatters each
     after its last backward)."""
@@ -507,9 +517,9 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
         mesh = init_device_mesh("cpu", (2, cfg.world // 2), mesh_dim_names=("pp", "dp"))
         pp, group, dp = 2, mesh["pp"].get_group(), mesh["dp"]
         rank, data_seed = mesh["pp"].get_local_rank(), 1000 + dp.get_local_rank()
-    total = pp * STAGES_PER_RANK
+    total = pp * cfg.stages_per_rank
     ranges = stage_layer_ranges(len(layer_list(model)), total)
-    chunks = [c * pp + rank for c in range(STAGES_PER_RANK)]
+    chunks = [c * pp + rank for c in range(cfg.stages_per_rank)]
     modules = [_Stage(model, *ranges[k], k == 0, k == total - 1) for k in chunks]
     if dp is not None:
         from torch.distributed.fsdp import fully_shard
@@ -518,7 +528,7 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
         for module in modules:
             for layer in module.layers:
                 fully_shard(layer, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
-            fully_shard(module, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
+            fully_shard(module, mesh=dp, **_pp_root_reshard(cfg), **mp)
     stages = [PipelineStage(mod, k, total, torch.device("cpu"), group=group) for mod, k in zip(modules, chunks)]
     schedule = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=_loss_fn(cfg))
     params = [p for mod in modules for p in mod.parameters()]
@@ -897,6 +907,13 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(model, "pp", 2, batch=8, microbatches=8, loss="cross_entropy"),
             TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
             TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False),
+            # pp x FSDP resharding the layers after forward (the stage module keeps fully_shard's root
+            # default): 1F1B with 2 layers per stage, GPipe, 8 micro-batches, mixed precision
+            TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=True),
+            TruthConfig(model, "pp_fsdp", 4, schedule="gpipe", reshard_after_forward=True),
+            TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=True, batch=8, microbatches=8),
+            TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=True, param_dtype="bfloat16",
+                        reduce_dtype="float32"),
             # DDP's gradient_as_bucket_view, each next to the default at the same shapes: at seq 8 the
             # optimizer step (all gradients alive without the option) is the peak, so the option shows
             *[TruthConfig(model, parallel, world, batch=batch, seq=8, gradient_as_bucket_view=view)
@@ -925,5 +942,13 @@ def default_configs() -> list[TruthConfig]:
             TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False),
             TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False,
                         param_dtype="bfloat16", reduce_dtype="float32"),
+            # ... with the layers resharding after forward
+            TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=True),
+            # 4 chunks per rank (8 layers; Llama): the runtime keeps 3 gathered, re-gathering the others
+            *([TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=reshard,
+                           stages_per_rank=4) for reshard in (False, True)]
+              + [TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False,
+                             stages_per_rank=4, param_dtype="bfloat16", reduce_dtype="float32")]
+              if model == "llama" else []),
         ]
     return configs

@@ -98,7 +98,7 @@ from boomfx.passes.kernels import OP_CLASS_MEMORY, op_class
 from boomfx.passes.op_sets import NO_KERNEL_OPS
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import to_sympy
-from boomfx.core.program import Program
+from boomfx.core.program import META_ACTION, Program
 
 aten = torch.ops.aten
 
@@ -427,13 +427,19 @@ def _virtual_nodes(program: Program, cls_of: Mapping[torch.fx.Node, str], backen
     return virtual
 
 
+def _region(program: Program, node: torch.fx.Node) -> tuple:
+    """What one call of a compiled region runs: a phase, and in a pipeline stage program one schedule
+    action (each micro-batch's forward or backward is its own call; no kernel spans two)."""
+    return program.phase_of(node), node.meta.get(META_ACTION)
+
+
 def _stays_virtual(program: Program, node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str], backend: str,
                    n_reads: int, body: frozenset) -> bool:
     """The realisation rules of ``_virtual_nodes`` for one pointwise node."""
     if _cat_inputs(node) is not None and _concat_kernel(node, cls_of, backend):
         return False
     consumers = _consumers(node, cls_of)
-    phase = program.phase_of(node)
+    region = _region(program, node)
     if not consumers or program.runs_eagerly(node):
         return False
     for c in consumers:
@@ -441,7 +447,7 @@ def _stays_virtual(program: Program, node: torch.fx.Node, cls_of: Mapping[torch.
             if node in _cat_inputs(c):
                 return False    # computed straight into its slice of the concat buffer: a kernel of its own
             continue            # a view of it is copied into the slice by a kernel that inlines it
-        if c.op != "call_function" or program.phase_of(c) != phase or program.runs_eagerly(c) or cls_of.get(
+        if c.op != "call_function" or _region(program, c) != region or program.runs_eagerly(c) or cls_of.get(
                 c) not in (CLASS_POINTWISE, CLASS_REDUCTION):
             return False
     if n_reads > _ACC_READS[backend]:
@@ -595,6 +601,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
     group_kind: list[str] = []
     group_space: list[Any] = []
     group_phase: list[str] = []
+    group_region: list[tuple] = []      # (phase, schedule action): what one call of a compiled region runs
     group_pointwise: list[bool] = []
     group_rows: list[list[Any]] = []     # output numels of the group's reductions
     readers: dict[torch.fx.Node, list[int]] = {}     # stored value -> groups reading it (rule 5)
@@ -666,6 +673,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
         if node.op != "call_function" or cls == CLASS_NONE or node in virtual or node in dead:
             continue
         phase = program.phase_of(node)
+        region = _region(program, node)
         if program.runs_eagerly(node) and cls in FUSIBLE:
             cls = CLASS_SCATTER       # rule 2: the optimizer step (and AccumulateGrad) run eagerly, one kernel per op
         space = _space(node, cls)
@@ -676,7 +684,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                 if g is None:
                     continue
                 g = find(g)
-                if group_kind[g] != "fused" or group_phase[g] != phase:
+                if group_kind[g] != "fused" or group_region[g] != region:
                     continue
                 spaces_fit = (_same_space(group_space[g], space) or (
                     cls == CLASS_POINTWISE and any(_same_space(r, space) for r in group_rows[g]))) and not (
@@ -694,6 +702,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
             group_kind.append(kind)
             group_space.append(space)
             group_phase.append(phase)
+            group_region.append(region)
             group_pointwise.append(cls == CLASS_POINTWISE)
             group_rows.append([])
             alive.append(True)
@@ -716,7 +725,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                     continue
                 g = find(group_of[prod])
                 t = find(target_group)
-                if g == t or group_kind[g] != "fused" or group_phase[g] != phase:
+                if g == t or group_kind[g] != "fused" or group_region[g] != region:
                     continue
                 if not _same_space(group_space[g], group_space[t]):
                     continue
@@ -730,7 +739,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
             for buf in _stored_inputs(node, cls_of, virtual):
                 for g in list(readers.get(buf, ())):
                     g, t = find(g), find(target_group)
-                    if g == t or group_kind[g] != "fused" or group_phase[g] != phase:
+                    if g == t or group_kind[g] != "fused" or group_region[g] != region:
                         continue
                     mix_ok = all(_mix_order_ok(group_rows[g], r, group_space[t], backend)
                                  for r in group_rows[t])
@@ -745,6 +754,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
         group_pointwise.append(True)
         group_rows.append([])
         group_phase.append(program.phase_of(v))
+        group_region.append(_region(program, v))
         alive.append(True)
         group_of[v] = len(group_members) - 1
     order = {n: i for i, n in enumerate(nodes)}

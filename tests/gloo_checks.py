@@ -76,6 +76,25 @@ PP_FSDP_INTERLEAVED = [
     truth.TruthConfig(model, "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False, timed_steps=0)
     for model in ("llama4", "gpt4")]
 
+# ... with the layers resharding after forward, and with 4 chunks per rank (8 layers): the runtime then
+# reshards chunks and gathers them again, 3 at most gathered at a time
+PP_FSDP_INTERLEAVED_RESHARDING = [
+    truth.TruthConfig("llama4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=True, timed_steps=0),
+    truth.TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False, timed_steps=0,
+                      stages_per_rank=4),
+    truth.TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=True, timed_steps=0,
+                      stages_per_rank=4)]
+
+# pp x FSDP2 resharding after forward (the layers; the stage module, FSDP's root, keeps fully_shard's
+# default and stays gathered): 1F1B with two layers per stage, GPipe, 8 micro-batches (built whole: the
+# 3-micro-batch template does not replay it), and torchtitan's mixed precision
+PP_FSDP_RESHARD = [
+    truth.TruthConfig("llama4", "pp_fsdp", 4, reshard_after_forward=True, timed_steps=0),
+    truth.TruthConfig("gpt", "pp_fsdp", 4, reshard_after_forward=True, timed_steps=0, schedule="gpipe"),
+    truth.TruthConfig("llama", "pp_fsdp", 4, reshard_after_forward=True, timed_steps=0, batch=8, microbatches=8),
+    truth.TruthConfig("llama", "pp_fsdp", 4, reshard_after_forward=True, timed_steps=0, param_dtype="bfloat16",
+                      reduce_dtype="float32")]
+
 # pp x torchtitan's TP plan (pp=2 x tp=2): the vocabulary-parallel ends on the first and last stages,
 # with cross-entropy gathered or under loss parallel, and with sequence parallelism
 PP_TP_VOCAB = [

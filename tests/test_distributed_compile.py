@@ -16,7 +16,7 @@ import pytest
 import sympy
 import torch
 
-from boomfx.core.program import ProgramOptions, Program
+from boomfx.core.program import META_ACTION, ProgramOptions, Program
 from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.p2p import is_p2p
 from boomfx.distributed.plan import ParallelConfig
@@ -37,6 +37,7 @@ CONFIGS = {
     "pp": ("pp=2", {}),
     "pp_tp": ("pp=2,tp=2", {}),
     "pp_fsdp": ("pp=2,dp_shard=2", {}),
+    "pp_fsdp_reshard": ("pp=2,dp_shard=2", {"reshard_after_forward": True}),
 }
 # ops a distributed runtime issues outside compiled regions (FSDP2's copy-in/copy-out, collectives)
 _RUNTIME_OPS = ("_c10d_functional.", "boomfx_pp.", "aten._chunk_cat", "aten.split_with_sizes_copy")
@@ -74,12 +75,20 @@ def test_compiled_rank_programs_send_what_eager_ones_send(programs: dict[bool, P
     for e, c in zip(eager, compiled):
         fused = fused_nodes(c.program)
         assert fused, name                                   # it is compiled
+        spanning = 0
         assert _messages(c.program) == _messages(e.program) and _messages(e.program), name
         for node in fused:                                   # no collective or FSDP copy inside a kernel
             members = set(node.target.members)
             inside = [n for n in e.program.graph.nodes if n.name in members and n.op == "call_function"
                       and str(n.target).startswith(_RUNTIME_OPS)]
             assert not inside, (name, node.name, inside)
+            # each micro-batch's forward or backward is its own call of the compiled regions: no kernel
+            # joins two (the stages' embeddings of all micro-batches read one gathered weight)
+            # (of the members the eager program holds: compiling adds recomputed and decomposed nodes)
+            actions = {n.meta.get(META_ACTION) for n in e.program.graph.nodes if n.name in members}
+            assert len(actions) <= 1, (name, node.name, actions)
+            spanning += len(actions)
+        assert spanning > len(fused) // 2, name
 
 
 @pytest.mark.slow

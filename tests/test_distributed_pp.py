@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_MIXED_PRECISION, PP_TP_VOCAB, PP_TWO_RANKS, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_INTERLEAVED_RESHARDING, PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_TP_VOCAB, PP_TWO_RANKS, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
@@ -142,10 +142,7 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "needs at least pp=2 micro-batches" in _bad(
         capsys, *base, "--parallel", "pp=2", "--microbatches", "1"
     )
-    assert "pp with dp_shard and --reshard-after-forward true" in _bad(
-        capsys, *base, "--parallel", "pp=2,dp_shard=2", "--microbatches", "2", "--reshard-after-forward", "true"
-    )
-    assert "interleaved_1f1b with dp_shard and 4 stages per rank is not built yet" in _bad(
+    assert "pp=2 x 4 stages per rank = 8 stages but the model has 2 layers" in _bad(
         capsys, *base, "--parallel", "pp=2,dp_shard=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2",
         "--pp-stages-per-rank", "4"
     )
@@ -523,6 +520,31 @@ def test_pp_fsdp_mixed_precision_collectives_and_dtypes(cfg, four_rank_gloo_runs
             assert accumulators == []
 
 
+@pytest.mark.parametrize("cfg", PP_FSDP_RESHARD, ids=[c.name for c in PP_FSDP_RESHARD])
+def test_pp_fsdp_resharding_after_forward_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes,
+                                                      tmp_path_factory) -> None:
+    """``fully_shard`` with ``reshard_after_forward=True`` on each stage layer under GPipe and 1F1B: every
+    rank's peak within 1% of the gloo run's, and its collectives in order, with their dtypes and sizes.
+    Hand count of the all-gathers: the root once; each layer at the stage's first action and at every
+    action that follows a forward (a forward reshards, a backward leaves the layer gathered)."""
+    from boomfx.simulate.pipeline import FORWARD, stage_orders
+
+    real = four_rank_gloo_runs[cfg.name]
+    program, classes = pp_tp_classes(cfg)
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
+    size = {"bfloat16": 2, "float32": 4}
+    gloo_dtype = {"bfloat16": "c10::BFloat16", "float32": "float"}
+    for stage, (rc, calls) in enumerate(class_collectives(cfg, program, classes)):
+        predicted = [(GLOO_NAME[c.op], gloo_dtype[c.dtype], c.input_bytes // size[c.dtype]) for c in calls]
+        for rank in rc.ranks:
+            assert predicted == [(c["op"], c["dtype"], c["numel"][0]) for c in real.ranks[rank].collectives]
+        actions = stage_orders("gpipe" if cfg.schedule == "gpipe" else "1f1b", 2, cfg.microbatches)[stage]
+        gathering = sum(1 for i, a in enumerate(actions) if i == 0 or actions[i - 1].kind == FORWARD)
+        lo, hi = truth.stage_layer_ranges(len(truth.layer_list(truth.build_model(cfg.model))), 2)[stage]
+        assert [op for op, _, _ in predicted].count("all_gather") == 1 + (hi - lo) * gathering
+
+
 @pytest.mark.parametrize("cfg", PP_FSDP_INTERLEAVED, ids=[c.name for c in PP_FSDP_INTERLEAVED])
 def test_interleaved_pp_fsdp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
     """``ScheduleInterleaved1F1B`` over ``fully_shard``ed chunks (each chunk's layer and the chunk module):
@@ -555,6 +577,40 @@ def test_interleaved_pp_fsdp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classe
             assert Counter(predicted) == Counter(ran)
             assert resident_bytes(rc.program, "param") == real.ranks[rank].start_param_bytes
             assert resident_bytes(rc.program, "opt_state") == real.ranks[rank].start_optimizer_bytes
+
+
+def _runs_sorted(seq: list) -> list:
+    """``seq`` with each run of one op's consecutive entries sorted: gloo's two worker threads may start two
+    collectives issued back to back in either order (the profiler stamps each when a thread starts it)."""
+    out, run = [], []
+    for item in seq + [(None, 0)]:
+        if run and item[0] != run[0][0]:
+            out += sorted(run)
+            run = []
+        run.append(item)
+    return out
+
+
+@pytest.mark.parametrize("cfg", PP_FSDP_INTERLEAVED_RESHARDING, ids=[c.name for c in PP_FSDP_INTERLEAVED_RESHARDING])
+def test_interleaved_pp_fsdp_resharding_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes, tmp_path_factory) -> None:
+    """``ScheduleInterleaved1F1B`` over ``fully_shard``ed chunks where units are gathered more than once a step:
+    layers resharding after each forward (gathered again by their hooks), or 4 chunks per rank (the
+    runtime's RESHARD / UNSHARD actions keep 3 gathered, re-gathering the others when they come back).
+    Each (pipeline rank, shard) class: peak within 1% of the real run's, its FSDP collectives in the real
+    order with their sizes, the same sends and receives, and more all-gathers than units."""
+    real = four_rank_gloo_runs[cfg.name]
+    program, classes = pp_tp_classes(cfg)
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], c.input_bytes // 4) for c in calls]
+        fsdp = [c for c in predicted if c[0] not in ("send", "recv")]
+        units = sum(1 for op, _ in fsdp if op == "all_reduce")
+        assert sum(1 for op, _ in fsdp if op == "all_gather") > units
+        for rank in rc.ranks:
+            ran = [(c["op"], c["numel"][0]) for c in real.ranks[rank].collectives]
+            assert _runs_sorted([c for c in ran if c[0] not in ("send", "recv")]) == _runs_sorted(fsdp)
+            assert Counter(predicted) == Counter(ran)
 
 
 # -- pipeline x HSDP (8 ranks: pp=2 x dp_replicate=2 x dp_shard=2) -----------------------------------
@@ -615,8 +671,8 @@ def test_pp_fsdp_tp_composes() -> None:
 def test_reshard_after_forward_follows_torchtitans_default_policy() -> None:
     """Not given, ``reshard_after_forward`` is torchtitan's "default" policy: on without pipeline
     parallelism, off with it; the pipeline program built without the option is the one built with
-    ``False`` (same nodes, same all-gathers), and an explicit ``True`` with pp is refused before any work."""
-    from boomfx.core.errors import OptionError
+    ``False`` (same nodes, same all-gathers); an explicit ``True`` gathers the layer again (here 2
+    micro-batches of 1F1B: both forwards and the first backward), with every schedule."""
     from boomfx.core.program import ProgramOptions
     from boomfx.distributed.plan import ParallelConfig
     from boomfx.distributed.ranks import rank_programs
@@ -624,15 +680,20 @@ def test_reshard_after_forward_follows_torchtitans_default_policy() -> None:
 
     assert ParallelConfig(dp_shard=2).reshards_after_forward is True
     assert ParallelConfig(pp=2, dp_shard=2, microbatches=2).reshards_after_forward is False
-    assert ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True).not_modelled()
+    assert ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True).not_modelled() is None
+    assert ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True,
+                          pp_schedule="interleaved_1f1b", pp_stages_per_rank=4).not_modelled() is None
     program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
     default = rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2))
     given = rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=False))
     assert [rc.ranks for rc in default] == [rc.ranks for rc in given]
     for a, b in zip(default, given):
         assert [(n.op, str(n.target)) for n in a.program.graph.nodes] == [(n.op, str(n.target)) for n in b.program.graph.nodes]
-    with pytest.raises(OptionError, match="resharding between micro-batches"):
-        rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True))
+    gather = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+    resharding = rank_programs(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, reshard_after_forward=True))
+    for a, b in zip(resharding, given):   # one layer per stage: 3 gathers of it instead of 1
+        count = [sum(1 for n in rc.program.graph.nodes if n.target is gather) for rc in (a, b)]
+        assert count[0] == count[1] + 2
 
 
 @pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (2, 2, 3), (4, 4, 4), (3, 6, 2)])
@@ -652,6 +713,35 @@ def test_interleaved_order_is_torchs(pp, m, v) -> None:
         theirs = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.microbatch_index, a.stage_index)
                   for a in schedule._calculate_single_rank_operations(rank) if a is not None]
         assert [(p.kind, p.microbatch, p.virtual_stage) for p in ours[rank]] == theirs
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (2, 4, 4), (4, 8, 5), (3, 6, 3), (2, 2, 6)])
+def test_fsdp_unshard_reshard_is_torchs_lowering(pp, m, v) -> None:
+    """The chunks torch's runtime reshards and all-gathers before each pass (``_add_unshard_reshard`` on
+    ``ScheduleInterleaved1F1B``'s own order), against ``unshard_reshard`` on boomfx's order: up to 3 chunks
+    are each gathered once a step (before the first pass); more cycle through 3 at a time."""
+    from torch.distributed.pipelining.schedules import (
+        RESHARD, UNSHARD, ScheduleInterleaved1F1B, _add_unshard_reshard)
+
+    from boomfx.simulate.pipeline import stage_orders, unshard_reshard
+
+    schedule = object.__new__(ScheduleInterleaved1F1B)
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, pp, m
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    for rank, order in enumerate(stage_orders("interleaved", pp, m, v)):
+        theirs, evict, fetch = [], [], []
+        for a in _add_unshard_reshard(schedule._calculate_single_rank_operations(rank)):
+            if a.computation_type == RESHARD:
+                evict.append(a.stage_index)
+            elif a.computation_type == UNSHARD:
+                fetch.append(a.stage_index)
+            else:
+                theirs.append((tuple(sorted(evict)), tuple(fetch)))
+                evict, fetch = [], []
+        ours = unshard_reshard(order)
+        assert ours == theirs
+        assert (v <= 3) == (sum(len(f) for _, f in ours) == v)   # up to 3: each gathered once a step
 
 
 def test_interleaved_ranks_hold_their_chunks() -> None:

@@ -59,12 +59,12 @@ def programs(gpt_pt2):
     return {ckpt: make(ckpt) for ckpt in (False, True)}
 
 
-def _full(programs, device, plan: Plan, nodes: int = NODES, gpus: int = GPUS, network: str = "ib-ndr"
-          ) -> Optional[dict]:
+def _full(programs, device, plan: Plan, nodes: int = NODES, gpus: int = GPUS, network: str = "ib-ndr",
+          reshard_after_forward: Optional[bool] = None) -> Optional[dict]:
     """An independent full evaluation of ``plan``: the ``--parallel`` analysis of it at its per-rank batch
     (None: a plan whose per-rank programs are not built yet)."""
     cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=nodes, gpus_per_node=gpus,
-                         microbatches=plan.microbatches, network=network)
+                         microbatches=plan.microbatches, network=network, reshard_after_forward=reshard_after_forward)
     program = programs[plan.checkpoint]
     try:
         dist = DistributedAnalysis(program, cfg, device, AnalyzeOptions(device.name))
@@ -190,6 +190,23 @@ def test_the_step_floor_with_collectives_is_a_floor_of_the_full_evaluation(progr
         stages = [sum(per_layer[:half]), sum(per_layer[half:])]
         textbook = max(plan.microbatches * stages[0], stages[0] + plan.microbatches * stages[1])
         assert footprint.pipeline_step_floor_ns(plan, micro_batch) > textbook, plan
+
+
+def test_the_floors_hold_for_pipelines_that_reshard_after_forward(programs, truth) -> None:
+    """``--reshard-after-forward true`` with pp: each FSDP layer is all-gathered at least twice a step (its
+    first forward and first backward, pp_fsdp.py), not once; the memory bound and the step floor stay under
+    the full evaluation of those plans, which take longer than the same plans without resharding."""
+    request = SearchRequest(NODES, GPUS, GLOBAL_BATCH, SEQ, config_options={"reshard_after_forward": True})
+    search = ParallelSearch(lambda ckpt: programs[ckpt], H100, request, AnalyzeOptions(H100.name))
+    plans = [p for p in truth if p.pp > 1 and p.dp_shard > 1]
+    assert plans
+    for plan in plans:
+        full = _full(programs, H100, plan, reshard_after_forward=True)
+        micro_batch = GLOBAL_BATCH // plan.dp // plan.microbatches
+        assert search.memory_footprint(plan).lower_bound_bytes(plan, micro_batch) <= full["total_bytes"], plan
+        assert search._dp_comm(plan).busiest_ns > 0
+        assert search._step_floor(plan) <= search._tight_step_floor(plan) <= full["step_ns"], plan
+        assert full["step_ns"] > truth[plan]["step_ns"], plan
 
 
 @pytest.mark.slow      # three data-parallel plans fully evaluated on two nodes (~10 s)

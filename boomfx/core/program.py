@@ -42,6 +42,10 @@ META_TP_LINEAR = "boomfx.tp_linear"
 # Node meta: per output of a compiled kernel, the (node name, output index) whose storage Inductor's wrapper
 # hands it from its pool of dead buffers (passes/buffer_reuse.py), or None for a fresh allocation
 META_BUFFER_REUSE = "boomfx.buffer_reuse"
+# Node meta: the pipeline schedule action (kind, micro-batch, virtual stage) a stage program's node runs in
+# (boomfx/distributed/pipeline_stages.py); none: once a step. Each action is its own call of the compiled
+# regions, so no fusion joins nodes of two actions (passes/fusion.py).
+META_ACTION = "boomfx.pp_action"
 
 
 @dataclass(frozen=True)

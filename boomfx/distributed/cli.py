@@ -37,8 +37,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--reshard-after-forward",
         default=None,
         choices=("true", "false"),
-        help="FSDP2 reshard_after_forward for every unit (default: torchtitan's policy, true without pp "
-        "and false with pp)",
+        help="FSDP2 reshard_after_forward for every layer unit (default: torchtitan's policy, true without pp "
+        "and false with pp; the root is never resharded, fully_shard's default for it)",
     )
     g.add_argument(
         "--fsdp-param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy param_dtype (bf16, fp32)"

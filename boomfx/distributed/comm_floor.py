@@ -11,8 +11,9 @@ whatever the rewrite's details (``fsdp.py``, ``pp_fsdp.py``):
   model with ``fsdp_wrap="root"``): an all-gather of the unit's parameters in the all-gather dtype
   (``MixedPrecisionPolicy.param_dtype``, else the parameters'), a second one in the backward when the unit
   reshards after its forward (never the root), and a reduce-scatter of its gradients (``reduce_dtype``, else
-  the compute dtype). With pipeline stages each unit is gathered once a
-  step and reduce-scattered once after the last micro-batch. HSDP (``dp_replicate > 1`` too) then all-reduces
+  the compute dtype). With pipeline stages each unit is reduce-scattered once after the last micro-batch
+  and gathered once a step, or when it reshards after forward at least twice (its first forward and its
+  first backward: every schedule runs a forward right before its first backward; ``pp_fsdp.py``). HSDP (``dp_replicate > 1`` too) then all-reduces
   the reduce-scatter's output, the unit's shard, over ``dp_replicate``: another group, another stream.
 - DDP (``dp_replicate > 1`` alone): an all-reduce of every gradient over ``dp_replicate``, priced here as one
   message of their total. The collective model's time is the fastest of NCCL's algorithm/protocol candidates,
@@ -80,7 +81,7 @@ def data_parallel_comm(layer_elems: tuple[int, ...], root_elems: int, param_dtyp
         return DataParallelComm({"dp_replicate": price(ALL_REDUCE, grads, "dp_replicate", param_dtype)})
     gather = _smallest(fsdp_param_dtype, param_dtype)
     reduce = _smallest(fsdp_reduce_dtype, fsdp_param_dtype, param_dtype)
-    gathers_per_layer = 2 if pp == 1 and reshards else 1
+    gathers_per_layer = 2 if reshards else 1
     if one_unit:
         units, root, gathers_per_layer = [sum(units) + root], 0, 1
     shard_ns = replicate_ns = 0.0

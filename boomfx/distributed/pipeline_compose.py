@@ -45,9 +45,12 @@ class ComposeError(Exception):
 
 
 def composable(cfg: object) -> bool:
-    """A pipeline config whose stage programs can be replayed from the template."""
+    """A pipeline config whose stage programs can be replayed from the template. Not FSDP resharding
+    after forward: whether an action all-gathers depends on its place in the schedule (after a
+    forward or a backward), not on which of the three kinds of micro-batch it runs."""
+    resharding = getattr(cfg, "dp_shard", 1) > 1 and getattr(cfg, "reshards_after_forward", False)
     return (getattr(cfg, "pp", 1) > 1 and getattr(cfg, "stages_per_rank", 1) == 1
-            and getattr(cfg, "num_microbatches", 1) > TEMPLATE_MICROBATCHES)
+            and getattr(cfg, "num_microbatches", 1) > TEMPLATE_MICROBATCHES and not resharding)
 
 
 def _kind_of(i: int, m: int) -> int:

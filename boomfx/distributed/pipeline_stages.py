@@ -44,7 +44,7 @@ carries its chunk (``META_CHUNK``), so the step's time is priced per virtual sta
 Known limitations:
 - Interleaved 1F1B with dp_replicate is refused (OptionError): torch 2.13's DDP fails under
   ``ScheduleInterleaved1F1B`` (its reducer's bucket rebuild asserts, seen on gloo); with dp_shard it is
-  built for up to 3 chunks per rank (``pp_fsdp.py``: the runtime keeps them all unsharded).
+  built for any number of chunks per rank (``pp_fsdp.py``: the runtime keeps 3 gathered at a time).
 - One activation crosses each stage boundary (the residual stream); a model that hands more, or
   ties a parameter across stages (tied embeddings), is refused. A length the graph reads off an
   earlier stage's tensor is not a second activation: it is read off the received one.
@@ -57,8 +57,9 @@ the graph reads off another stage's tensor is read off the stage's own, ``_Split
 ``dp_replicate`` each stage program is DDP-rewritten (``fsdp.ddp_rank_program``) with its gradients
 ready at ``gm.meta[META_GRAD_READY]``: the last micro-batch's accumulations, the only backward
 ``PipelineStage`` runs outside ``DistributedDataParallel.no_sync``; with ``dp_shard`` each stage
-program is FSDP-rewritten per shard (``pp_fsdp.fsdp_stage_program``: gathered once, gradients
-accumulated unsharded, reduce-scattered after the last backward).
+program is FSDP-rewritten per shard (``pp_fsdp.fsdp_stage_program``: gathered once, or per action
+when the layers reshard after forward; gradients accumulated unsharded, reduce-scattered after the last
+backward).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ import torch.fx
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import module_path
 from boomfx.core.program import (
+    META_ACTION,
     META_RUNTIME_USES,
     PHASE_BACKWARD,
     PHASE_FORWARD,
@@ -97,7 +99,6 @@ ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
 META_GRAD_READY = "boomfx.pp_grad_ready"  # node name -> parameter: its .grad final (the last backward)
 META_CHUNK = "boomfx.pp_chunk"  # a stage program node's virtual stage (its model chunk, interleaved 1F1B)
-META_ACTION = "boomfx.pp_action"  # a node's schedule action (kind, micro-batch, virtual stage); none: once a step
 META_LAYOUT = "boomfx.pp_layout"  # gm.meta: the stage program's StageLayout (pipeline_compose.py reads it)
 PP_GROUP = "pp"
 _SEQ_STRIDE = 1_000_000  # each micro-batch's backward nodes get their own autograd seq_nr range

@@ -193,16 +193,10 @@ class ParallelConfig:
             return None
         if self.dp_shard > 1 and self.fsdp_wrap != "layers":
             return "--parallel pp with --fsdp-wrap root is not built yet (each stage's layers as units is)"
-        if self.pp_schedule == "interleaved_1f1b" and self.dp_shard > 1 and self.stages_per_rank > 3:
-            return (f"--pp-schedule interleaved_1f1b with dp_shard and {self.stages_per_rank} stages per rank is not "
-                    f"built yet (the runtime then reshards chunks between actions; up to 3 per rank are modelled)")
         if self.pp_schedule == "interleaved_1f1b" and self.dp_replicate > 1:
             return ("--pp-schedule interleaved_1f1b with dp_replicate: torch 2.13's DistributedDataParallel fails "
                     "under ScheduleInterleaved1F1B (its reducer's bucket rebuild asserts at the second step's first "
                     "forward, seen on gloo); gpipe and 1f1b with dp_replicate are modelled")
-        if self.dp_shard > 1 and self.reshard_after_forward:
-            return ("--parallel pp with dp_shard and --reshard-after-forward true: resharding between "
-                    "micro-batches is not modelled yet (false, torchtitan's default with pp, is)")
         return None
 
     # -- derived ---------------------------------------------------------------------------------

@@ -17,10 +17,17 @@ of the stage's layers, then the stage module as the root):
   divides by the micro-batch count follow, on the sharded gradients;
 - AdamW steps the shards.
 
+With ``reshard_after_forward=True`` on the layers (``fully_shard(layer)``'s default) each layer is
+gathered per action instead (``_resharding_layers``, ``_Gathers``): whenever a forward or backward finds
+it sharded; a forward's post-forward reshards it, a backward leaves it gathered. The stage module, the
+root, keeps ``fully_shard``'s root default (never resharded after forward) and is gathered once.
+
 Interleaved 1F1B (``_PipelineScheduleRuntime``): each chunk module is a root of its own, and the
-lowered schedule's UNSHARD / REDUCE_GRAD actions replace the hooks' timing (``_interleaved_units``):
-every unit's all-gather issued before the first action, each chunk's waited at its first forward,
-each chunk's reduce-scatters after its last backward.
+lowered schedule's RESHARD / UNSHARD / REDUCE_GRAD actions set the timing (``_interleaved_units``): the
+next 3 chunks the rank computes on are kept gathered (``simulate.pipeline.unshard_reshard``; with up to
+3 chunks every unit's all-gather is issued before the first action), each chunk's handles waited at
+its next action, its reduce-scatters after its last backward; resharding layers also follow their
+hooks there.
 
 Mixed precision (``MixedPrecisionPolicy``, torchtitan's default with pp: bf16 parameters, fp32
 reduction): the stages are cut from the step traced with bf16 parameters (``mixed_precision.py``), the
@@ -37,11 +44,13 @@ collectives in that order (its reduce-scatter as an all_reduce of the ``[N x T]`
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from typing import Callable, Optional
 
 import torch
 import torch.fx
 
+from boomfx.core.errors import OptionError
 from boomfx.core.layers import module_path
 from boomfx.core.program import (
     META_RUNTIME_USES,
@@ -57,7 +66,9 @@ from boomfx.distributed.fsdp import (
     _all_gather,
     _copy_out,
     _grad_nodes_by_param,
+    _is_size_query,
     _master,
+    _rebase_saved_views,
     _reduce_scatter,
     _shard_optimizer,
     _Unit,
@@ -74,6 +85,7 @@ from boomfx.distributed.pipeline_stages import (
     META_LAYOUT,
     StageProgram,
 )
+from boomfx.simulate.pipeline import PipelinePass, unshard_reshard
 
 aten = torch.ops.aten
 
@@ -133,7 +145,9 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     order = [u for u in order if u.params]
     fulls_of: dict[str, list[torch.fx.Node]] = {}
     previous_flat: Optional[torch.fx.Node] = None
-    for unit in order:
+    # with reshard_after_forward the layers are gathered per action (_resharding_layers), the root once
+    for unit in (order[:1] if spec.reshard_after_forward and order and order[0].name == ROOT else
+                 [] if spec.reshard_after_forward else order):
         members = set(unit.params)
         anchor = first_fwd if unit.name == ROOT else next(
             x for x in graph.nodes if x.op == "call_function" and any(a in members for a in x.all_input_nodes)
@@ -149,11 +163,150 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
                                     and user not in created)
         fulls_of[unit.name] = fulls
         previous_flat = flat
-    if previous_flat is not None:
+    if spec.reshard_after_forward:
+        layers = [u for u in order if u.name != ROOT]
+        fulls_of.update(_resharding_layers(edit, spec, rank, layers, full_shapes, compute_dtype, previous_flat))
+    elif previous_flat is not None:
         edit.keep_alive(first_action_end, [previous_flat])
 
     sharded_grads = _reduce_units(edit, spec, rank, order, last_backward, full_shapes, grad_of, fulls_of, divisors)
     return _finish(program, graph, phases, edit, moved, erased, last_backward, sharded_grads)
+
+
+def _resharding_layers(edit: GraphEditor, spec: ShardSpec, rank: int, layers: list[_Unit], full_shapes: dict,
+                       compute_dtype: dict, root_flat: Optional[torch.fx.Node]) -> dict[str, list[torch.fx.Node]]:
+    """The layer units under ``reshard_after_forward=True`` inside a pipeline stage (torch 2.13,
+    ``PipelineScheduleSingle``; seen on gloo, GPipe and 1F1B): a unit is all-gathered at a forward or
+    backward action only when it is sharded (``_Gathers``). ``root_flat``: the root's flat buffer, alive
+    to the first layer's wait. Returned: unit -> its parameters' unsharded tensors at the end (the last
+    backward's gather)."""
+    graph = edit.graph
+    nodes_of = _action_nodes(edit)
+    state = _Gathers(edit, spec, rank, layers, full_shapes, compute_dtype, {u.name for u in layers})
+    for action, nodes in nodes_of.items():
+        before = set(graph.nodes)
+        state.run(action, nodes, root_flat)
+        root_flat = None
+        for x in graph.nodes:   # the gathers run in the action (a replay repeats them with it)
+            if x not in before:
+                _tagged(x, nodes[0])
+    _check_all_read_in_actions(edit, [layers])
+    return dict(state.current)
+
+
+def _check_all_read_in_actions(edit: GraphEditor, groups: list[list[_Unit]]) -> None:
+    """Every parameter read outside the optimizer happens in a schedule action (each read its gather's
+    tensors): one left would read a shard as if it were the whole parameter."""
+    for unit in (u for group in groups for u in group):
+        left = [u for p in unit.params for u in p.users if edit.phases.get(u.name) != PHASE_OPTIMIZER]
+        if left:
+            raise OptionError(f"FSDP in a pipeline stage: {left[0].name} reads unit {unit.name or 'root'}'s "
+                              f"parameters outside every schedule action")
+
+
+def _action_nodes(edit: GraphEditor) -> dict[tuple, list[torch.fx.Node]]:
+    """Each schedule action's nodes (call_function, not the optimizer's), actions in program order."""
+    nodes_of: dict[tuple, list[torch.fx.Node]] = {}
+    for x in edit.graph.nodes:
+        action = x.meta.get(META_ACTION)
+        if x.op == "call_function" and action is not None and edit.phases.get(x.name) != PHASE_OPTIMIZER:
+            nodes_of.setdefault(action, []).append(x)
+    return nodes_of
+
+
+class _Gathers:
+    """Which FSDP units are gathered and the unsharded tensors each action reads. The ``resharding`` units
+    (``reshard_after_forward=True``: the layers) follow FSDP2's hooks inside a stage: all-gathered at a
+    forward or backward only when sharded; each forward's post-forward reshards them; a backward leaves
+    them gathered (``PipelineStage`` turns ``reshard_after_backward`` off), so the forward after a
+    backward (1F1B's steady state) reuses that gather and the backward after it gathers again. In a
+    backward that gathers, the stage root's pre-backward prefetches the last layer (when the gradient
+    reaches the stage's output: before its first op inside the model) and each layer's pre-backward
+    prefetches the one before it; a forward's flat buffers live to the next layer's wait, the last to
+    the action's end. Other units are gathered by whoever owns them (``gathered``) and only read here."""
+
+    def __init__(self, edit: GraphEditor, spec: ShardSpec, rank: int, units: list[_Unit], full_shapes: dict,
+                 compute_dtype: dict, resharding: set[str]) -> None:
+        self.edit, self.spec, self.rank, self.units = edit, spec, rank, units
+        self.full_shapes, self.compute_dtype, self.resharding = full_shapes, compute_dtype, resharding
+        self.names = {u.name for u in units if not _is_root(u.name)}
+        self.sharded = {u.name: True for u in units}
+        self.current: dict[str, list[torch.fx.Node]] = {}
+        self.forward_fulls: dict[tuple[str, int], list[torch.fx.Node]] = {}
+
+    def gather(self, unit: _Unit, anchor: torch.fx.Node, phase: str,
+               wait_at: Optional[torch.fx.Node] = None) -> tuple[torch.fx.Node, torch.fx.Node]:
+        return _all_gather(self.edit, self.spec, self.rank, unit, anchor, phase, self.compute_dtype[unit.name],
+                           wait_at=wait_at)
+
+    def gathered(self, unit: _Unit, waited: torch.fx.Node, anchor: torch.fx.Node, phase: str) -> None:
+        """``unit``'s all-gather ``waited`` is copied out before ``anchor``: its parameters are unsharded."""
+        self.current[unit.name] = _copy_out(self.edit, self.spec.world, self.full_shapes, unit, waited, anchor,
+                                            phase, self.compute_dtype[unit.name])
+        self.sharded[unit.name] = False
+
+    def resharded(self, unit: _Unit, at: torch.fx.Node) -> None:
+        """``unit``'s unsharded parameters are freed after ``at``."""
+        if not self.sharded[unit.name]:
+            self.edit.keep_alive(at, self.current[unit.name])
+            self.sharded[unit.name] = True
+
+    def run(self, action: tuple, nodes: list[torch.fx.Node], previous_flat: Optional[torch.fx.Node] = None) -> None:
+        """One forward or backward action: gathers where the hooks gather, then every gathered unit's
+        parameter reads in the action read its unsharded tensors."""
+        kernels = [x for x in nodes if not is_p2p(x) and not _is_size_query(x)]
+        own = {u.name: [x for x in kernels if owning_layer(module_path(x), self.names) == u.name] for u in self.units}
+        hooked = [u for u in self.units if u.name in self.resharding and own[u.name]]
+        members = set(nodes)
+        if action[0] == BACKWARD:
+            self._backward_gathers(list(reversed(hooked)), kernels, own)
+        else:
+            previous_flat = self._forward_gathers(hooked, own, previous_flat)
+            if previous_flat is not None and kernels:
+                self.edit.keep_alive(kernels[-1], [previous_flat])
+        for unit in self.units:
+            if self.sharded[unit.name]:
+                continue
+            for p, full in zip(unit.params, self.current[unit.name]):
+                p.replace_all_uses_with(full, delete_user_cb=lambda user: user in members)
+            key = (unit.name, action[1])
+            if action[0] != BACKWARD:
+                self.forward_fulls[key] = self.current[unit.name]
+            elif self.forward_fulls.get(key, self.current[unit.name]) is not self.current[unit.name] and kernels:
+                # the forward's saved views of the parameters read the re-gathered storage
+                anchor = (own[unit.name] or kernels)[0]
+                _rebase_saved_views(self.edit, self.forward_fulls[key], self.current[unit.name], anchor,
+                                    self.edit.phases)
+        for unit in hooked:
+            if action[0] != BACKWARD:
+                self.resharded(unit, own[unit.name][-1])      # post-forward
+
+    def _forward_gathers(self, hooked: list[_Unit], own: dict,
+                         previous_flat: Optional[torch.fx.Node]) -> Optional[torch.fx.Node]:
+        for unit in hooked:
+            if self.sharded[unit.name]:
+                ops = own[unit.name]
+                flat, waited = self.gather(unit, ops[0], PHASE_FORWARD)
+                if previous_flat is not None:
+                    self.edit.keep_alive(waited, [previous_flat])
+                previous_flat = flat
+                self.gathered(unit, waited, ops[0], PHASE_FORWARD)
+        return previous_flat
+
+    def _backward_gathers(self, order: list[_Unit], kernels: list, own: dict) -> None:
+        prefetched: dict[str, torch.fx.Node] = {}
+        in_model = next((x for x in kernels if module_path(x)), None)   # the loss's backward is outside
+        if order and self.sharded[order[0].name] and in_model is not None:
+            prefetched[order[0].name] = self.gather(order[0], in_model, PHASE_BACKWARD)[1]
+        for i, unit in enumerate(order):
+            if self.sharded[unit.name]:
+                ops = own[unit.name]
+                waited = prefetched.pop(unit.name, None)
+                if waited is None:
+                    waited = self.gather(unit, ops[0], PHASE_BACKWARD)[1]
+                self.gathered(unit, waited, ops[0], PHASE_BACKWARD)
+                if i + 1 < len(order) and self.sharded[order[i + 1].name]:
+                    prefetched[order[i + 1].name] = self.gather(order[i + 1], ops[0], PHASE_BACKWARD)[1]
 
 
 def _chunk_root(k: int) -> str:
@@ -201,40 +354,67 @@ def _interleaved_units(edit: GraphEditor, spec: ShardSpec, rank: int, stage: Sta
                        chunk_units: list[list[_Unit]], full_shapes: dict, compute_dtype: dict,
                        grad_of: dict[str, torch.fx.Node], divisors: list,
                        moved: dict[str, str]) -> dict[torch.fx.Node, str]:
-    """FSDP under ``ScheduleInterleaved1F1B`` (``_PipelineScheduleRuntime``, torch 2.13): the lowered
-    schedule's ``UNSHARD`` actions (``_add_unshard_reshard``, up to 3 active chunks: all of a rank's 2
-    or 3) issue every unit's all-gather before the first action, chunk by chunk, the chunk module
-    first; a chunk's handles are waited (copied out, the flat buffer freed) at its first forward; its
-    ``REDUCE_GRAD`` follows its last backward action (after that action's send)."""
-    graph, phases = edit.graph, edit.phases
-    n = spec.world
+    """FSDP under ``ScheduleInterleaved1F1B`` (``_PipelineScheduleRuntime``, torch 2.13): before each action
+    the lowered schedule's ``RESHARD`` and ``UNSHARD`` actions (``simulate.pipeline.unshard_reshard``: the
+    next 3 chunks the rank computes on kept gathered) free a chunk's unsharded parameters (after the
+    previous action) and issue all-gathers of the chunk's units, chunk module first (up to 3 chunks: all of
+    them before the first action, once a step); a chunk's handles are waited (copied out, the flat buffers
+    freed) at its next action. With ``reshard_after_forward`` the layers' own hooks also reshard after
+    each forward and gather again when needed (``_Gathers``). A chunk's ``REDUCE_GRAD`` follows its last
+    backward action (after that action's send)."""
+    graph = edit.graph
     layout = stage.program.gm.meta[META_LAYOUT].renamed(moved)
     by_name = {x.name: x for x in graph.nodes}
-    calls = [x for x in graph.nodes if x.op == "call_function"]
-    issue_at = calls[0]
-    first_forward = {}
-    for x in calls:
-        action = x.meta.get(META_ACTION)
-        if action is not None and action[0] != BACKWARD:
-            first_forward.setdefault(action[2], x)
-    fulls_of: dict[str, list[torch.fx.Node]] = {}
-    for k, group in zip(chunk_ids, chunk_units):
-        for unit in group:
-            _, waited = _all_gather(edit, spec, rank, unit, issue_at, PHASE_FORWARD, compute_dtype[unit.name],
-                                    wait_at=first_forward[k])
-            fulls = _copy_out(edit, n, full_shapes, unit, waited, first_forward[k], PHASE_FORWARD,
-                              compute_dtype[unit.name])
-            created = set(fulls)
-            for p, full in zip(unit.params, fulls):
-                p.replace_all_uses_with(full, delete_user_cb=lambda user: phases.get(user.name) != PHASE_OPTIMIZER
-                                        and user not in created)
-            fulls_of[unit.name] = fulls
-    sharded: dict[torch.fx.Node, str] = {}
+    nodes_of = _action_nodes(edit)
+    order = [PipelinePass(*a) for a in nodes_of]
+    units_of = dict(zip(chunk_ids, chunk_units))
+    resharding = {u.name for group in chunk_units for u in group if not _is_root(u.name)} \
+        if spec.reshard_after_forward else set()
+    states = {k: _Gathers(edit, spec, rank, group, full_shapes, compute_dtype, resharding)
+              for k, group in units_of.items()}
+    issue_first = next(x for x in graph.nodes if x.op == "call_function")
     m = layout.microbatches
-    for k, group in zip(chunk_ids, chunk_units):
-        end = by_name[layout.action_ends[(BACKWARD, m - 1, k)]]
-        sharded.update(_reduce_units(edit, spec, rank, group, end, full_shapes, grad_of, fulls_of, divisors))
+    sharded: dict[torch.fx.Node, str] = {}
+    before = set(graph.nodes)
+    for i, ((evict, fetch), action) in enumerate(zip(unshard_reshard(order), order)):
+        nodes = nodes_of[(action.kind, action.microbatch, action.virtual_stage)]
+        for k in evict:
+            for unit in units_of[k]:
+                states[k].resharded(unit, by_name[layout.action_ends[astuple(order[i - 1])]])
+        for k in fetch:
+            j = next(j for j in range(i, len(order)) if order[j].virtual_stage == k)
+            wait_at = nodes_of[astuple(order[j])][0]
+            phase = PHASE_BACKWARD if order[j].kind == BACKWARD else PHASE_FORWARD
+            for unit in units_of[k]:
+                if states[k].sharded[unit.name]:
+                    waited = states[k].gather(unit, issue_first if i == 0 else nodes[0], phase, wait_at=wait_at)[1]
+                    states[k].gathered(unit, waited, wait_at, phase)
+        k = action.virtual_stage
+        states[k].run(astuple(action), nodes)
+        if action.kind == BACKWARD and action.microbatch == m - 1:   # REDUCE_GRAD
+            end = by_name[layout.action_ends[astuple(action)]]
+            sharded.update(_reduce_units(edit, spec, rank, units_of[k], end, full_shapes, grad_of,
+                                         states[k].current, divisors))
+            for unit in units_of[k]:
+                states[k].sharded[unit.name] = True
+    _tag_by_position(graph, before)
+    _check_all_read_in_actions(edit, chunk_units)
     return sharded
+
+
+def _tag_by_position(graph: torch.fx.Graph, before: set) -> None:
+    """Nodes added since ``before`` run in the action of the first older node after them (none after the
+    last action: once a step)."""
+    pending: list[torch.fx.Node] = []
+    for x in graph.nodes:
+        if x not in before:
+            pending.append(x)
+        elif META_ACTION in x.meta and x.meta[META_ACTION] is not None:
+            for y in pending:
+                _tagged(y, x)
+            pending = []
+        elif x.op == "call_function":
+            pending = []
 
 
 def _finish(program: Program, graph: torch.fx.Graph, phases: dict[str, str], edit: GraphEditor,

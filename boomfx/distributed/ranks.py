@@ -139,7 +139,7 @@ def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, mp: 
     from boomfx.distributed.pp_fsdp import fsdp_stage_program
 
     program = stage.program
-    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=False, replicate_world=cfg.dp_replicate,
+    spec = ShardSpec(cfg.dp_shard, reshard_after_forward=cfg.reshards_after_forward, replicate_world=cfg.dp_replicate,
                      all_gather_scratch=cfg.backend == "gloo", master_dtype=mp.master, reduce_dtype=mp.reduce)
     classes = []
     for members in _by_shard_shapes(program, ranks, cfg):

@@ -113,6 +113,27 @@ def stage_orders(schedule: str, p: int, m: int, chunks: int = 1) -> list[list[Pi
     return orders
 
 
+def unshard_reshard(order: Sequence[PipelinePass], max_active: int = 3) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """What torch's pipeline runtime (``_PipelineScheduleRuntime``, torch 2.13) does with FSDP-wrapped chunks
+    before each pass of a rank's ``order``: it keeps the next ``max_active`` distinct virtual stages the rank
+    computes on gathered; before a pass it reshards the gathered ones not among them, then all-gathers those
+    among them not gathered yet, in the order they come. Returned per pass: (resharded, all-gathered)."""
+    active: list[int] = []
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for i in range(len(order)):
+        upcoming: list[int] = []
+        for later in order[i:]:
+            if later.virtual_stage not in upcoming:
+                upcoming.append(later.virtual_stage)
+                if len(upcoming) == max_active:
+                    break
+        evict = tuple(sorted(k for k in active if k not in upcoming))
+        fetch = tuple(k for k in upcoming if k not in active)
+        active = [k for k in active if k in upcoming] + list(fetch)
+        out.append((evict, fetch))
+    return out
+
+
 def _interleaved(s: int, p: int, m: int, v: int) -> list[PipelinePass]:
     """Megatron's order: the k-th forward of a stage is chunk (k // p) % v of micro-batch (k // (p v)) p + k % p;
     backwards walk the chunks in reverse."""
