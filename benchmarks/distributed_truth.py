@@ -435,7 +435,7 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
             from torch.distributed.fsdp import fully_shard
 
             mp = {"mp_policy": _mixed_precision(cfg)} if cfg.param_dtype or cfg.reduce_dtype else {}
-            for layer in module.layers:
+            for layer in module.layers if cfg.fsdp_wrap == "layers" else ():
                 fully_shard(layer, mesh=inner, reshard_after_forward=cfg.reshard_after_forward, **mp)
             fully_shard(module, mesh=inner, **_pp_root_reshard(cfg), **mp)
         opt = torch.optim.AdamW(_param_groups(module), foreach=True)
@@ -526,7 +526,7 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
 
         mp = {"mp_policy": _mixed_precision(cfg)} if cfg.param_dtype or cfg.reduce_dtype else {}
         for module in modules:
-            for layer in module.layers:
+            for layer in module.layers if cfg.fsdp_wrap == "layers" else ():
                 fully_shard(layer, mesh=dp, reshard_after_forward=cfg.reshard_after_forward, **mp)
             fully_shard(module, mesh=dp, **_pp_root_reshard(cfg), **mp)
     stages = [PipelineStage(mod, k, total, torch.device("cpu"), group=group) for mod, k in zip(modules, chunks)]
@@ -944,11 +944,17 @@ def default_configs() -> list[TruthConfig]:
                         param_dtype="bfloat16", reduce_dtype="float32"),
             # ... with the layers resharding after forward
             TruthConfig(f"{model}4", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=True),
+            # each stage module fully_shard'ed alone (--fsdp-wrap root)
+            TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False, fsdp_wrap="root"),
             # 4 chunks per rank (8 layers; Llama): the runtime keeps 3 gathered, re-gathering the others
+            # (async, mid-step: gloo's temporaries of a re-gather live until the peer arrives, so the real
+            # per-step peaks of these rows vary by up to 6%; peak_bytes is their minimum)
             *([TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=reshard,
                            stages_per_rank=4) for reshard in (False, True)]
               + [TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False,
-                             stages_per_rank=4, param_dtype="bfloat16", reduce_dtype="float32")]
+                             stages_per_rank=4, param_dtype="bfloat16", reduce_dtype="float32"),
+                 TruthConfig("llama8", "pp_fsdp", 4, schedule="interleaved_1f1b", reshard_after_forward=False,
+                             stages_per_rank=4, fsdp_wrap="root")]
               if model == "llama" else []),
         ]
     return configs

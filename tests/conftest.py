@@ -183,7 +183,7 @@ def four_rank_gloo_runs():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
     from gloo_checks import (MEMORY_FOUR_RANKS, PP_FSDP_INTERLEAVED, PP_FSDP_INTERLEAVED_RESHARDING,
-                             PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_TP_VOCAB)
+                             PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_FSDP_WRAP_ROOT, PP_TP_VOCAB)
 
     configs = [truth.TruthConfig(model, parallel, 4, timed_steps=0)
                for parallel in ("tp_fsdp", "pp_tp", "pp_ddp") for model in ("llama", "gpt")]
@@ -192,5 +192,5 @@ def four_rank_gloo_runs():
     configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=0)
                 for model in ("llama", "gpt")]
     configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_RESHARD + PP_FSDP_INTERLEAVED + PP_FSDP_INTERLEAVED_RESHARDING
-    configs += PP_TP_VOCAB + MEMORY_FOUR_RANKS
+    configs += PP_FSDP_WRAP_ROOT + PP_TP_VOCAB + MEMORY_FOUR_RANKS
     return {r.config.name: r for r in truth.run_configs(configs)}

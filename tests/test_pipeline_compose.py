@@ -83,7 +83,8 @@ def test_replayed_stages_equal_built_ones(llama2, schedule: str, m: int) -> None
 
 
 @pytest.mark.parametrize("degrees", [dict(tp=2), dict(dp_shard=2), dict(dp_replicate=2),
-                                     dict(dp_shard=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32")])
+                                     dict(dp_shard=2, fsdp_param_dtype="bf16", fsdp_reduce_dtype="fp32"),
+                                     dict(dp_shard=2, fsdp_wrap="root")])
 def test_replayed_stages_with_tensor_or_data_parallelism_equal_built_ones(llama2, degrees) -> None:
     _compare(llama2[False], ParallelConfig(pp=2, microbatches=5, **degrees), 10, 64)
 

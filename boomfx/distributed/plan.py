@@ -191,8 +191,6 @@ class ParallelConfig:
             return None
         if self.pp == 1:
             return None
-        if self.dp_shard > 1 and self.fsdp_wrap != "layers":
-            return "--parallel pp with --fsdp-wrap root is not built yet (each stage's layers as units is)"
         if self.pp_schedule == "interleaved_1f1b" and self.dp_replicate > 1:
             return ("--pp-schedule interleaved_1f1b with dp_replicate: torch 2.13's DistributedDataParallel fails "
                     "under ScheduleInterleaved1F1B (its reducer's bucket rebuild asserts at the second step's first "

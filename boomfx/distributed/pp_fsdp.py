@@ -3,7 +3,8 @@
 As torch 2.13 runs a ``fully_shard``ed stage module under ``torch.distributed.pipelining``
 (``PipelineStage`` sets ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``
 before every backward; torchtitan uses ``reshard_after_forward=False`` with pp), per FSDP unit (each
-of the stage's layers, then the stage module as the root):
+of the stage's layers, then the stage module as the root; with ``--fsdp-wrap root`` the stage module
+alone, all its parameters one unit):
 
 - resident: each parameter's padded dim-0 shard, AdamW state of the local shard (``fsdp.py``);
 - the unit's parameters are all-gathered once, before the first micro-batch's first use (the root
@@ -104,7 +105,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     units = {name: _Unit(name, [], [], []) for name in roots + tuple(stage.layers)}
     for p in params:
         fqn = program.param_names.get(p.name, p.name)
-        owner = next((l for l in stage.layers if fqn.startswith(l + ".")), None)
+        owner = next((l for l in stage.layers if fqn.startswith(l + ".")), None) if spec.wrap == "layers" else None
         if owner is None:   # a root parameter: the chunk module whose forward reads it
             owner = _chunk_root(next(u.meta[META_CHUNK] for u in p.users if META_CHUNK in u.meta)) \
                 if interleaved else ROOT

@@ -140,7 +140,8 @@ def _fsdp_stage_classes(stage, ranks: tuple[int, ...], cfg: ParallelConfig, mp: 
 
     program = stage.program
     spec = ShardSpec(cfg.dp_shard, reshard_after_forward=cfg.reshards_after_forward, replicate_world=cfg.dp_replicate,
-                     all_gather_scratch=cfg.backend == "gloo", master_dtype=mp.master, reduce_dtype=mp.reduce)
+                     all_gather_scratch=cfg.backend == "gloo", master_dtype=mp.master, reduce_dtype=mp.reduce,
+                     wrap=cfg.fsdp_wrap)
     classes = []
     for members in _by_shard_shapes(program, ranks, cfg):
         shard = cfg.coords(members[0])["dp_shard"]
