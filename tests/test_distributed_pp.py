@@ -177,6 +177,34 @@ def test_pipeline_report_has_every_stage() -> None:
     assert [r["step_time_ns"] for r in rows] == [c["step_time_ns"] for c in par["classes"]]
 
 
+def test_pipeline_stages_on_an_oversubscribed_cpu_host_share_its_cores(monkeypatch) -> None:
+    """pp=2 x dp_shard=2 is 4 one-thread gloo ranks: on a 2-core host every stage's passes take twice
+    their kernels' time (processor sharing, ``cpu_core_sharing``'s base), on 64 cores their own."""
+    import boomfx.distributed.rank_schedule as rank_schedule
+    from boomfx.analysis.analysis import AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.analysis import DistributedAnalysis
+    from boomfx.distributed.pipeline_time import pipeline_run
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.distributed.step_time import class_steps
+    from boomfx.frontend.capture import capture, resolve_bindings
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    spec = cpu_spec()
+    dist = DistributedAnalysis(program, ParallelConfig(pp=2, dp_shard=2, microbatches=2, backend="gloo"), spec,
+                               AnalyzeOptions(spec.name, db="none"))
+    bindings = dist.program_bindings(resolve_bindings(program, {}, 4, 16))
+    points = [a.evaluate(bindings) for a in dist.analyses]
+    busy = {}
+    for cores in (64, 2):
+        monkeypatch.setattr(rank_schedule, "host_cores", lambda cores=cores: cores)
+        run = pipeline_run(dist, points, bindings, class_steps(dist, bindings, points=points))
+        busy[cores] = run.timeline.busy_ns
+    assert all(b > 0 for b in busy[64])
+    assert busy[2] == pytest.approx(tuple(2 * b for b in busy[64]))
+
+
 def test_max_batch_walks_micro_batches() -> None:
     """``--max-batch`` with pp searches the micro-batch: micro-batch 3 of M=2 is the batch of 6, the
     same stage memory as evaluating batch 6 directly; a batch M does not divide is refused."""

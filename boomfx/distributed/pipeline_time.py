@@ -8,6 +8,10 @@ line), and its optimizer runs once. ``pipeline_step`` then places
 every pass as the schedule does (``boomfx/simulate/pipeline.py``), so each stage's step includes
 the bubble: the time it waits for the stage before it in forward and after it in backward.
 
+On a CPU host with fewer cores than the ranks' compute threads (4 one-thread gloo ranks on 2 cores) every
+stage's costs are ``cpu_core_sharing``'s ``base`` times its kernels' (processor sharing; taken for every
+pass, though a stage waiting in the bubble leaves its share of the cores to the others).
+
 Known limitations: ``pipeline_step``'s (one stream per stage, sends that never queue).
 """
 
@@ -20,6 +24,7 @@ from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, 
 from boomfx.distributed.p2p import NAMESPACE
 from boomfx.distributed.pipeline_stages import META_CHUNK
 from boomfx.distributed.pipeline_step import PipelineStep, StageCompute, pipeline_step
+from boomfx.distributed.rank_schedule import default_slowdown
 from boomfx.distributed.step_time import topology_of
 
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
@@ -91,8 +96,10 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
     cfg = dist.cfg
     m = cfg.num_microbatches
     priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
+    base = default_slowdown(dist.analyses[0], cfg.gpus_per_node_or_product).base   # oversubscribed CPU host
     if cfg.stages_per_rank > 1:
-        return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _interleaved_costs(dist, points, bindings, priced), m,
+        return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule],
+                             _shared(_interleaved_costs(dist, points, bindings, priced), base), m,
                              [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device,
                              chunks=cfg.stages_per_rank)
     weights = weights or [None] * len(points)
@@ -100,5 +107,13 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
         stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices, weights=w)
         for rc, analysis, point, prices, w in zip(dist.classes, dist.analyses, points, priced, weights)
     ]
-    return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], costs, m, [rc.ranks[0] for rc in dist.classes],
-                         topology_of(cfg), dist.device)
+    return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _shared(costs, base), m,
+                         [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device)
+
+
+def _shared(costs: Sequence[StageCompute], base: float) -> list[StageCompute]:
+    """Each stage's costs ``base`` times slower (the host's cores shared by more compute threads)."""
+    if base == 1.0:
+        return list(costs)
+    return [StageCompute(c.forward_ns * base, c.backward_ns * base, c.optimizer_ns * base, c.boundary_bytes)
+            for c in costs]

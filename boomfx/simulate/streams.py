@@ -15,7 +15,9 @@ What the runtime does and this simulator keeps:
 - While a collective runs on a rank, that rank's compute runs ``slowdown.factor`` times slower (NCCL's
   kernels take SMs and memory bandwidth); the collective runs ``slowdown.comm_factor`` times slower while
   compute runs beside it (1 on a GPU: NCCL's kernels keep their SMs; on a CPU host whose cores the ranks'
-  threads fill, gloo's thread and the compute thread share the cores, ``cpu_core_sharing``).
+  threads fill, gloo's thread and the compute thread share the cores, ``cpu_core_sharing``). On a CPU host
+  with fewer cores than the ranks' compute threads every compute op also runs ``slowdown.base`` times
+  slower (processor sharing: 4 one-thread ranks on 2 cores progress at half a core each).
 
 The engine is SimPy's: a heap of ``(t_ns, priority, seq, event)`` with a monotonic ``seq`` so equal times
 pop in the order they were pushed. A running compute op's remaining work is updated whenever its rate
@@ -57,11 +59,14 @@ class StreamError(BoomfxError):
 @dataclass(frozen=True)
 class OverlapSlowdown:
     """How much slower compute runs while a collective overlaps it (``factor``), how much slower the
-    collective runs while compute overlaps it (``comm_factor``), and where the numbers come from."""
+    collective runs while compute overlaps it (``comm_factor``), how much slower both run always
+    (``base``: a CPU host with fewer cores than its ranks' compute threads), and where the numbers come
+    from."""
 
     factor: float
     source: str
     comm_factor: float = 1.0
+    base: float = 1.0
 
 
 # "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
@@ -94,8 +99,11 @@ def cpu_core_sharing(ranks_on_host: int, cores: int, threads_per_rank: int = 1,
                           f"{ranks_on_host}, {cores}, {threads_per_rank} and {comm_cpu_share}")
     demand = ranks_on_host * (threads_per_rank + comm_cpu_share)
     factor = max(1.0, demand / max(cores, ranks_on_host * threads_per_rank))
+    # more compute threads than cores: each progresses at cores / threads of a core, collective or not
+    # (the local ranks are taken to compute together, as data and tensor parallel ranks do)
+    base = max(1.0, ranks_on_host * threads_per_rank / cores)
     return OverlapSlowdown(factor, f"{ranks_on_host} ranks x ({threads_per_rank} compute + {comm_cpu_share:g} gloo) "
-                                   f"threads on {cores} cores", comm_factor=factor)
+                                   f"threads on {cores} cores", comm_factor=factor, base=base)
 
 
 def is_comm_stream(stream: str) -> bool:
@@ -191,9 +199,9 @@ class _Op:
 
 class _Engine:
     def __init__(self, ops: Sequence[StreamOp], slowdown: OverlapSlowdown, synchronous: bool) -> None:
-        if slowdown.factor < 1.0 or slowdown.comm_factor < 1.0:
-            raise StreamError(f"an overlap slowdown below 1 ({slowdown.factor}, {slowdown.comm_factor}) would "
-                              "speed work up")
+        if slowdown.factor < 1.0 or slowdown.comm_factor < 1.0 or slowdown.base < 1.0:
+            raise StreamError(f"a slowdown below 1 ({slowdown.factor}, {slowdown.comm_factor}, {slowdown.base}) "
+                              "would speed work up")
         self.slowdown = slowdown
         self.synchronous = synchronous
         self.ops = [_Op(spec, i) for i, spec in enumerate(ops)]
@@ -373,9 +381,9 @@ class _Engine:
             if op.waiting:
                 continue
             if is_comm_stream(op.spec.stream):
-                rate = 1.0 / self.slowdown.comm_factor if compute_busy else 1.0
+                rate = 1.0 / (self.slowdown.base * self.slowdown.comm_factor) if compute_busy else 1.0
             else:
-                rate = 1.0 / self.slowdown.factor if comm_busy else 1.0
+                rate = 1.0 / (self.slowdown.base * (self.slowdown.factor if comm_busy else 1.0))
             if rate != op.rate or op.version == 0 or op in force:
                 op.rate = rate
                 op.version += 1
