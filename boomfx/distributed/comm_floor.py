@@ -13,8 +13,8 @@ whatever the rewrite's details (``fsdp.py``, ``pp_fsdp.py``):
   reshards after its forward (never the root), and a reduce-scatter of its gradients (``reduce_dtype``, else
   the compute dtype). With pipeline stages each unit is reduce-scattered once after the last micro-batch
   and gathered once a step, or when it reshards after forward at least twice (its first forward and its
-  first backward: every schedule runs a forward right before its first backward; ``pp_fsdp.py``). HSDP (``dp_replicate > 1`` too) then all-reduces
-  the reduce-scatter's output, the unit's shard, over ``dp_replicate``: another group, another stream.
+  first backward: every schedule runs a forward right before its first backward; ``pp_fsdp.py``). HSDP
+  (``dp_replicate > 1`` too) then all-reduces the reduce-scatter's output, the unit's shard, over ``dp_replicate``: another group, another stream.
 - DDP (``dp_replicate > 1`` alone): an all-reduce of every gradient over ``dp_replicate``, priced here as one
   message of their total. The collective model's time is the fastest of NCCL's algorithm/protocol candidates,
   each affine in the bytes with a non-negative latency (``kernels_db/collective_model.py``), so it is concave

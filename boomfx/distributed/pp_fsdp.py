@@ -147,8 +147,7 @@ def fsdp_stage_program(stage: StageProgram, spec: ShardSpec, rank: int) -> Progr
     fulls_of: dict[str, list[torch.fx.Node]] = {}
     previous_flat: Optional[torch.fx.Node] = None
     # with reshard_after_forward the layers are gathered per action (_resharding_layers), the root once
-    for unit in (order[:1] if spec.reshard_after_forward and order and order[0].name == ROOT else
-                 [] if spec.reshard_after_forward else order):
+    for unit in [u for u in order if u.name == ROOT] if spec.reshard_after_forward else order:
         members = set(unit.params)
         anchor = first_fwd if unit.name == ROOT else next(
             x for x in graph.nodes if x.op == "call_function" and any(a in members for a in x.all_input_nodes)
@@ -181,16 +180,12 @@ def _resharding_layers(edit: GraphEditor, spec: ShardSpec, rank: int, layers: li
     backward action only when it is sharded (``_Gathers``). ``root_flat``: the root's flat buffer, alive
     to the first layer's wait. Returned: unit -> its parameters' unsharded tensors at the end (the last
     backward's gather)."""
-    graph = edit.graph
-    nodes_of = _action_nodes(edit)
+    before = set(edit.graph.nodes)
     state = _Gathers(edit, spec, rank, layers, full_shapes, compute_dtype, {u.name for u in layers})
-    for action, nodes in nodes_of.items():
-        before = set(graph.nodes)
+    for action, nodes in _action_nodes(edit).items():
         state.run(action, nodes, root_flat)
         root_flat = None
-        for x in graph.nodes:   # the gathers run in the action (a replay repeats them with it)
-            if x not in before:
-                _tagged(x, nodes[0])
+    _tag_by_position(edit.graph, before)   # the gathers run in their action (a replay repeats them with it)
     _check_all_read_in_actions(edit, [layers])
     return dict(state.current)
 
@@ -396,8 +391,7 @@ def _interleaved_units(edit: GraphEditor, spec: ShardSpec, rank: int, stage: Sta
             end = by_name[layout.action_ends[astuple(action)]]
             sharded.update(_reduce_units(edit, spec, rank, units_of[k], end, full_shapes, grad_of,
                                          states[k].current, divisors))
-            for unit in units_of[k]:
-                states[k].sharded[unit.name] = True
+            states[k].sharded.update((unit.name, True) for unit in units_of[k])   # reduce_grad reshards
     _tag_by_position(graph, before)
     _check_all_read_in_actions(edit, chunk_units)
     return sharded

@@ -59,9 +59,9 @@ class StreamError(BoomfxError):
 @dataclass(frozen=True)
 class OverlapSlowdown:
     """How much slower compute runs while a collective overlaps it (``factor``), how much slower the
-    collective runs while compute overlaps it (``comm_factor``), how much slower both run always
-    (``base``: a CPU host with fewer cores than its ranks' compute threads), and where the numbers come
-    from."""
+    collective runs while compute overlaps it (``comm_factor``), how much slower compute always runs and a
+    collective beside compute runs on top of those (``base``: a CPU host with fewer cores than its ranks'
+    compute threads), and where the numbers come from."""
 
     factor: float
     source: str
