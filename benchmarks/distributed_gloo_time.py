@@ -1,7 +1,8 @@
 """Distributed step time against real gloo training steps (issue 18's ground truth on this machine).
 
 For each configuration (DDP, FSDP2 with and without reshard after forward, TP, PP with 1F1B and GPipe, on a
-Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distributed_truth`` runs them):
+Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distributed_truth`` runs them; ``--world
+4``: ``configs``' 4-rank set, two ranks a core):
 
 1. **real**: ``distributed_truth.run_configs`` with ``--steps`` wall-timed steps after warm-up (each after a
    barrier); a rank's time is the median of its steps, the step's the slowest rank's; ``--rounds`` fresh
@@ -10,7 +11,8 @@ Llama-style and a GPT-2-style model, 2 ranks of one thread each, as ``distribute
 2. **predicted**: the same per-rank programs boomfx builds for ``--parallel`` on a CPU target
    (``DistributedAnalysis``), priced by one database holding what ``boomfx kernels collect --threads 1``
    measures for their kernels (the default protocol of a one-thread collection) and gloo collectives
-   measured at exactly the message sizes the schedule asks for (``collect_collectives``, 2 ranks, as
+   measured at exactly the message sizes the schedule asks for, among as many ranks as each one's group
+   has, and the pipeline stages' sends (``collect_collectives``, as
    ``boomfx kernels collect --collectives`` measures them); the step is the slowest rank class's
    (pipelines: the schedule's end, bubble included).
 
@@ -19,6 +21,7 @@ Nothing here is fitted: the database is measured, the schedule is the product's.
 
     python benchmarks/distributed_gloo_time.py [--only llama] [--steps 10] [--rounds 3]
     python benchmarks/distributed_gloo_time.py --models llama_m,gpt_m --seq 128 --out distributed_gloo_time_wide
+    python benchmarks/distributed_gloo_time.py --world 4 --steps 20 --rounds 2 --out distributed_gloo_time_4rank
 
 Writes ``benchmarks/results/<--out>.{json,md}`` (default ``distributed_gloo_time``). The default models
 (d=64, 2 layers, ~4-30 ms steps) are ruled by Python's per-op work and gloo's per-message costs; the wide
@@ -47,10 +50,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def configs(steps: int, models: tuple[str, ...] = ("llama", "gpt"), batch: int = 4,
-            seq: int = 32) -> list[truth.TruthConfig]:
-    """Two ranks (one per core of this machine): every parallelism the issue names, each model."""
+            seq: int = 32, world: int = 2) -> list[truth.TruthConfig]:
+    """Two ranks (one per core of this machine): every parallelism the issue names, each model. Four
+    (``world=4``, two ranks a core: ``cpu_core_sharing``'s base 2): DDP, FSDP2, FSDP2 x TP (TP 4 would split
+    Llama's 2 KV heads) and pipelines of 2 stages over DDP and FSDP2 pairs."""
     out = []
     for model in models:
+        if world == 4:
+            out += [truth.TruthConfig(model, "ddp", 4),
+                    truth.TruthConfig(model, "fsdp", 4, reshard_after_forward=True),
+                    truth.TruthConfig(model, "fsdp", 4, reshard_after_forward=False),
+                    truth.TruthConfig(model, "tp_fsdp", 4, reshard_after_forward=True),
+                    truth.TruthConfig(model, "pp_ddp", 4, schedule="1f1b"),
+                    truth.TruthConfig(model, "pp_fsdp", 4, schedule="1f1b", reshard_after_forward=False)]
+            continue
         out += [truth.TruthConfig(model, "ddp", 2),
                 truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=True),
                 truth.TruthConfig(model, "fsdp", 2, reshard_after_forward=False),
@@ -84,18 +97,21 @@ def _collect_kernels(dist: Any, bindings: Any, db: str) -> None:
         torch.set_num_threads(threads)
 
 
-def _collect_collectives(report: dict, world: int, db: str) -> None:
-    """gloo collectives at every (op, message size) the schedule priced, 2 local ranks."""
+def _collect_collectives(report: dict, db: str) -> None:
+    """gloo collectives at every (op, group size, message size) the schedule priced (pipeline stages' sends
+    included: 2 ranks), each among as many local ranks as its group has (a TP pair of a 4-rank world: 2)."""
     from boomfx.kernels_db.collective_bench import collect_collectives
     from boomfx.kernels_db.store import Store
 
-    wanted: dict[str, set[int]] = {}
+    wanted: dict[tuple[str, int], set[int]] = {}    # (op, the group's ranks) -> message sizes
     for row in report["time_by_class"]:
         for c in row["collectives"]:
             if c["source"] != "measured":
-                wanted.setdefault(c["op"], set()).add(int(c["message_bytes"]))
-    for op, sizes in sorted(wanted.items()):
-        collect_collectives(Store(db), world=world, ops=(op,), sizes=sorted(sizes), backend="gloo")
+                wanted.setdefault((c["op"], c["group_size"]), set()).add(int(c["message_bytes"]))
+        if row.get("send_bytes") and row.get("send_source") != "measured":   # a pipeline stage's send
+            wanted.setdefault(("send_recv", 2), set()).add(int(row["send_bytes"]))
+    for (op, ranks), sizes in sorted(wanted.items()):
+        collect_collectives(Store(db), world=ranks, ops=(op,), sizes=sorted(sizes), backend="gloo")
 
 
 def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
@@ -113,13 +129,13 @@ def predicted_step(cfg: truth.TruthConfig, db: str) -> dict[str, Any]:
     _collect_kernels(dist, dist.program_bindings(bindings), db)
     priced = DistributedAnalysis(program, pcfg, spec, AnalyzeOptions(spec.name, db=db))
     first = priced.evaluate(bindings)
-    _collect_collectives(first.report.parallel, cfg.world, db)
+    _collect_collectives(first.report.parallel, db)
     # each evaluation reads the database's collective rows afresh (rank_schedule.default_pricer)
     parallel = priced.evaluate(bindings).report.parallel
     rows = parallel["time_by_class"]
     step = max(r.get("pipeline_step_ns", r["step_time_ns"]) for r in rows)
     unshared = None
-    if cfg.parallel in ("ddp", "fsdp", "tp"):   # the same schedule without the cores' sharing (the A/B)
+    if cfg.parallel in ("ddp", "fsdp", "tp", "tp_fsdp"):   # the same schedule without the cores' sharing (A/B)
         from boomfx.distributed.step_time import class_steps
         from boomfx.simulate.streams import NO_SLOWDOWN
 
@@ -152,7 +168,7 @@ def single_process(model: str, db: str, batch: int = 4, seq: int = 32) -> dict[s
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:
-    lines = ["# Distributed step time: real gloo training steps vs boomfx (CPU, 2 ranks x 1 thread)", "",
+    lines = [f"# Distributed step time: real gloo training steps vs boomfx (CPU, {meta.get('world', 2)} ranks x 1 thread)", "",
              f"`{meta['command']}`; torch {meta['torch']}; batch {meta['batch']}, sequence {meta['seq']}; "
              f"{meta['rounds']} rounds of {meta['steps']} wall-timed steps per rank after warm-up; load average "
              f"before {_load(meta['load_before'])}, after {_load(meta['load_after'])}; {meta['wall_s']:.0f} s in all. "
@@ -219,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="llama,gpt", help="MODEL_DIMS entries of distributed_truth.py")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2, help="ranks (4: two a core here)")
     parser.add_argument("--out", default="distributed_gloo_time", help="results file stem")
     parser.add_argument("--rounds", type=int, default=3,
                         help="real runs of every configuration; the least-disturbed round's step is kept (default 3)")
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
-    chosen = [c for c in configs(args.steps, models, args.batch, args.seq) if args.only in c.name]
+    chosen = [c for c in configs(args.steps, models, args.batch, args.seq, args.world) if args.only in c.name]
     start = time.perf_counter()
     load_before = os.getloadavg()
     rows = []
@@ -256,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             row["signed_error"] = row["predicted"]["step_ns"] / row["real_ns"] - 1.0
         rows.append(row)
-    meta = {"torch": torch.__version__, "steps": args.steps, "rounds": args.rounds, "batch": args.batch, "seq": args.seq,
+    meta = {"torch": torch.__version__, "world": args.world, "steps": args.steps, "rounds": args.rounds, "batch": args.batch, "seq": args.seq,
             "command": "python benchmarks/distributed_gloo_time.py " + " ".join(argv if argv is not None else sys.argv[1:]), "load_before": load_before,
             "load_after": os.getloadavg(), "wall_s": time.perf_counter() - start, "single_process": singles}
     write_results(args.out, meta, rows, _markdown(rows, meta))

@@ -4,8 +4,9 @@
 group over a ``FileStore`` in a temporary directory: gloo on CPU tensors (one intra-op thread per rank, as
 torchrun sets), NCCL on ``cuda:<rank>`` when ``backend="nccl"`` (untested here: no GPU). Every rank times each
 call after a barrier; a sample is the slowest rank's time of that iteration (the collective is done when
-the last rank is), and the row keeps the median and p10/p90 of the samples. Sizes follow nccl-tests' convention
-(``kernels_db/collectives.py``): the whole buffer, so an all-gather of S bytes gathers S/world from each rank.
+the last rank is), and the row keeps the mean (``summarize_samples``: a step pays the tail too) and p10/p90.
+Sizes follow nccl-tests' convention (``kernels_db/collectives.py``): the whole buffer, so an all-gather of S
+bytes gathers S/world from each rank.
 
 ``collect_collectives(store, ...)`` stores the rows as ``boomfx::collective`` records of this machine's
 fingerprint, where ``CollectivePricer`` finds them (source "measured").
@@ -112,14 +113,21 @@ def _worker(rank: int, world: int, backend: str, store_path: str, ops: Sequence[
                     break
                 samples = torch.tensor(mine, dtype=torch.float64, device=device)
                 dist.all_reduce(samples, op=dist.ReduceOp.MAX)   # an iteration ends with its slowest rank
-                values = sorted(samples.cpu().tolist())
-                results["rows"].append((op, size, statistics.median(values), _quantile(values, 0.1),
-                                        _quantile(values, 0.9), iters))
+                results["rows"].append((op, size, *summarize_samples(samples.cpu().tolist()), iters))
     finally:
         dist.barrier()
         if rank == 0:
             Path(result_path).write_text(json.dumps(results))
         dist.destroy_process_group()
+
+
+def summarize_samples(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(time, p10, p90) of one row: the time is the samples' mean, as nccl-tests reports its average over
+    iterations. A step adds up many collectives, so it pays their mean; on a shared CPU host a gloo
+    collective's times are heavy-tailed (2-rank all-reduce of 32 KiB on the development VM: median 0.4 ms,
+    p90 3.7 ms, mean 1.0-1.9 ms), and a median would leave their stalls out of every step."""
+    values = sorted(samples)
+    return statistics.fmean(values), _quantile(values, 0.1), _quantile(values, 0.9)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -130,7 +138,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 def measure_collectives(world: int = 2, ops: Sequence[str] = DEFAULT_OPS, sizes: Sequence[int] = DEFAULT_SIZES,
-                        backend: str = "gloo", warmup: int = 3, iters: int = 15) -> CollectiveRun:
+                        backend: str = "gloo", warmup: int = 3, iters: int = 40) -> CollectiveRun:
     """Spawn ``world`` local ranks and time every op at every size (see the module docstring)."""
     import torch.multiprocessing as mp
     if world < 2:
@@ -149,14 +157,14 @@ def measure_collectives(world: int = 2, ops: Sequence[str] = DEFAULT_OPS, sizes:
         mp.spawn(_worker, args=(world, backend, os.path.join(tmp, "store"), names, tuple(sizes), warmup, iters,
                                 result_path), nprocs=world, join=True)
         results = json.loads(Path(result_path).read_text())
-    rows = tuple(CollectiveRow(op, size, world, world, "float32", med, p10, p90, n)
-                 for op, size, med, p10, p90, n in results["rows"])
+    rows = tuple(CollectiveRow(op, size, world, world, "float32", mean, p10, p90, n)
+                 for op, size, mean, p10, p90, n in results["rows"])
     return CollectiveRun(rows, backend, tuple(tuple(f) for f in results["failed"]), time.perf_counter() - start)
 
 
 def collect_collectives(store: Any, world: int = 2, ops: Sequence[str] = DEFAULT_OPS,
                         sizes: Sequence[int] = DEFAULT_SIZES, backend: Optional[str] = None,
-                        warmup: int = 3, iters: int = 15) -> CollectiveRun:
+                        warmup: int = 3, iters: int = 40) -> CollectiveRun:
     """Measure (``measure_collectives``) and store the rows under this machine's fingerprint."""
     from boomfx.kernels_db.measure import current_fingerprint
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo")

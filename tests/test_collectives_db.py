@@ -166,3 +166,14 @@ def test_concatenated_runs_are_split_and_in_place_na_is_ignored(tmp_path: Path, 
     group = CollectiveGroup.of(4, ranks_per_node=2)
     price = price_collective("_c10d_functional.all_reduce_.default", 16384, group, get_device("h100-sxm"), Store(db))
     assert (price.source, price.time_ns) == (PriceSource.MEASURED, 24_000.0)
+
+
+def test_a_measured_collective_row_keeps_the_mean_of_its_samples() -> None:
+    """nccl-tests reports the average over its iterations, and a step pays every collective's tail: one stall
+    of 3.4 ms among nine 0.4 ms all-reduces puts the row at their mean, 0.7 ms, where a median says 0.4."""
+    from boomfx.kernels_db.collective_bench import summarize_samples
+    samples = [400_000.0] * 9 + [3_400_000.0]
+    mean, p10, p90 = summarize_samples(samples)
+    assert mean == pytest.approx(700_000.0)
+    assert p10 == pytest.approx(400_000.0)
+    assert p90 == pytest.approx(400_000.0 + 0.1 * 3_000_000.0)   # between the 9th and 10th of 10 sorted

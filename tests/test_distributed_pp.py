@@ -878,3 +878,38 @@ def test_an_interleaved_stages_chunks_are_one_block_class() -> None:
     assert [by_name[n].target for n in first] == [by_name[n].target for n in second]
     shapes = lambda nodes: [[tuple(t.shape) for t in tree_leaves(by_name[n].meta["val"])] for n in nodes]  # noqa: E731
     assert shapes(first) == shapes(second)
+
+
+def test_pipeline_sends_are_priced_by_the_databases_measured_rows(tmp_path) -> None:
+    """A stage's send is a ``send_recv`` of its boundary activation: with a measured row for that size in
+    ``--db`` (what ``kernels collect --collectives`` stores) the pipeline uses it, not the model, and each
+    added microsecond of it lands on the step (1F1B, M=2, 2 stages: F0's send and B1's gradient back are on
+    the critical path, and the stages' passes are the same either way)."""
+    from boomfx.analysis.analysis import AnalyzeOptions
+    from boomfx.core.devices import cpu_spec
+    from boomfx.core.program import ProgramOptions
+    from boomfx.distributed.analysis import DistributedAnalysis
+    from boomfx.distributed.plan import ParallelConfig
+    from boomfx.frontend.capture import capture, resolve_bindings
+    from boomfx.kernels_db.collective_import import CollectiveRow, record_of
+    from boomfx.kernels_db.measure import current_fingerprint
+    from boomfx.kernels_db.store import Store
+
+    program = capture(str(ROOT / "examples" / "llama_tiny.pt2"), options=ProgramOptions(True))
+    spec = cpu_spec()
+    cfg = ParallelConfig(pp=2, microbatches=2, backend="gloo")
+    bindings = resolve_bindings(program, {}, 4, 16)
+    rows = {}
+    for name, send_ns in (("none", None), ("fast", 1.0e5), ("slow", 6.0e5)):
+        db = "none"
+        if send_ns is not None:
+            db = str(tmp_path / f"{name}.sqlite")
+            row = CollectiveRow("send_recv", 8192, 2, 2, "float32", send_ns, send_ns, send_ns, 40)
+            with Store(db) as store:   # one [2, 16, 64] fp32 activation per micro-batch (8,192 B)
+                store.put_many([record_of(row, current_fingerprint(torch.device("cpu")), "measured:gloo", "gloo")])
+        dist = DistributedAnalysis(program, cfg, spec, AnalyzeOptions(spec.name, db=db))
+        rows[name] = dist.evaluate(bindings).report.parallel["time_by_class"][0]
+    assert rows["none"]["send_source"] == "model" and rows["none"]["send_bytes"] == 8192
+    for name, send_ns in (("fast", 1.0e5), ("slow", 6.0e5)):
+        assert (rows[name]["send_source"], rows[name]["send_ns"]) == ("measured", send_ns)
+    assert rows["slow"]["pipeline_step_ns"] - rows["fast"]["pipeline_step_ns"] == pytest.approx(2 * 5.0e5, rel=0.05)

@@ -114,3 +114,24 @@ def test_trace_has_a_compute_and_a_comm_lane_per_rank(tmp_path):
     pipe = pipeline_step("gpipe", [StageCompute(1000.0, 2000.0, 0.0, 0)] * 2, 2, [0, 1], ClusterTopology(1, 2), H100)
     names = [e["name"] for e in pipeline_trace_events(pipe.timeline) if e["ph"] == "X"]
     assert sorted(names) == sorted(f"{k}{i}@v{s}" for k in "FB" for i in (0, 1) for s in (0, 1))
+
+
+def test_each_reported_collective_names_its_groups_size():
+    """dp_shard=4 x tp=2 on 8 ranks: the TP all-reduces run among 2 ranks and FSDP2's all-gathers and
+    reduce-scatters among 4; each row of ``time_by_class`` says so, and its price is the one of a group that
+    size (the model's, here: no database), which is what a measured row must match to be used."""
+    from pathlib import Path
+
+    import boomfx
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "llama_tiny.pt2")
+    report = boomfx.analyze(tiny, train=True, device="h100-sxm", batch=2, seq=16, db="none",
+                            parallel={"dp_shard": 4, "tp": 2})
+    rows = report.parallel["time_by_class"][0]["collectives"]
+    sizes = {(c["group"], c["op"]): c["group_size"] for c in rows}
+    assert {g for g, _ in sizes} == {"tp", "dp_shard"}
+    assert all(n == (2 if g == "tp" else 4) for (g, _), n in sizes.items())
+    tp_reduce = next(c for c in rows if c["group"] == "tp" and c["op"] == "all_reduce")
+    pair = CollectiveGroup((0, 1), ClusterTopology(1, 8))       # ranks 0 and 1 of one 8-GPU node
+    expected = price_collective("all_reduce", tp_reduce["message_bytes"], pair, H100).time_ns
+    assert tp_reduce["time_ns"] == pytest.approx(expected)

@@ -190,7 +190,8 @@ class DistributedAnalysis:
                 for i, (report, row) in enumerate(zip(reports, time_rows)):
                     report.step_time_ns = run.stage_end_ns[i]
                     row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,
-                               bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i])
+                               bubble_fraction=run.bubble_fraction, send_ns=run.send_ns[i],
+                               send_source=run.send_sources[i], send_bytes=run.send_bytes[i])
                     if self.replayed:   # the template's streams ran three micro-batches: the replay's counts
                         from boomfx.distributed.pipeline_compose import replayed_comm
 

@@ -49,6 +49,8 @@ class PipelineStep:
     timeline: PipelineTimeline
     send_ns: tuple[float, ...]            # per virtual stage: its output's transfer to the next (0 for the last)
     stage_end_ns: tuple[float, ...]       # per physical stage: last backward + its optimizer step
+    send_sources: tuple[str, ...] = ()    # per virtual stage: where its send's price came from ("" for the last)
+    send_bytes: tuple[int, ...] = ()      # per virtual stage: the activation it sends per micro-batch
 
     @property
     def total_ns(self) -> float:
@@ -74,19 +76,24 @@ def pipeline_step(schedule: str, stages: Sequence[StageCompute], microbatches: i
                   topology: ClusterTopology, device: DeviceSpec, chunks: int = 1,
                   pricer: Optional[CollectivePricer] = None, dtype: Optional[str] = None) -> PipelineStep:
     """Simulate ``schedule`` over ``stages`` (virtual stages in model order, ``len(stage_ranks) * chunks``);
-    ``stage_ranks[s]`` is a global rank of physical stage s (its peer in the next stage's group)."""
+    ``stage_ranks[s]`` is a global rank of physical stage s (its peer in the next stage's group). ``pricer``:
+    the database's collective rows (a measured ``send_recv`` at the boundary's size), else the model."""
     p = len(stage_ranks)
     if p * chunks != len(stages):
         raise OptionError(f"{len(stages)} stage costs for {p} stages x {chunks} chunks")
     pricer = pricer if pricer is not None else CollectivePricer(None, device)
     sends: list[float] = []
+    sources: list[str] = []
     for k, stage in enumerate(stages):
         if k == len(stages) - 1 or p == 1:
             sends.append(0.0)
+            sources.append("")
             continue
         here, there = stage_ranks[k % p], stage_ranks[(k + 1) % p]
         group = CollectiveGroup((here, there), topology)
-        sends.append(pricer.price(SEND_RECV, stage.boundary_bytes, group, dtype).time_ns)
+        price = pricer.price(SEND_RECV, stage.boundary_bytes, group, dtype)
+        sends.append(price.time_ns)
+        sources.append(price.source.value)
     costs = [StageCosts(s.forward_ns, s.backward_ns, send) for s, send in zip(stages, sends)]
     timeline = simulate_pipeline(schedule, costs, microbatches, chunks)
     ends = [0.0] * p
@@ -95,4 +102,5 @@ def pipeline_step(schedule: str, stages: Sequence[StageCompute], microbatches: i
     optimizer = [0.0] * p
     for k, stage in enumerate(stages):
         optimizer[k % p] += stage.optimizer_ns
-    return PipelineStep(timeline, tuple(sends), tuple(e + o for e, o in zip(ends, optimizer)))
+    return PipelineStep(timeline, tuple(sends), tuple(e + o for e, o in zip(ends, optimizer)), tuple(sources),
+                        tuple(int(s.boundary_bytes) for s in stages))

@@ -24,7 +24,7 @@ from boomfx.core.program import PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, 
 from boomfx.distributed.p2p import NAMESPACE
 from boomfx.distributed.pipeline_stages import META_CHUNK
 from boomfx.distributed.pipeline_step import PipelineStep, StageCompute, pipeline_step
-from boomfx.distributed.rank_schedule import default_slowdown
+from boomfx.distributed.rank_schedule import default_pricer, default_slowdown
 from boomfx.distributed.step_time import topology_of
 
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
@@ -97,18 +97,19 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
     m = cfg.num_microbatches
     priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
     base = default_slowdown(dist.analyses[0], cfg.gpus_per_node_or_product).base   # oversubscribed CPU host
+    pricer = default_pricer(dist.analyses[0])      # the stage sends: measured send_recv rows, else the model
     if cfg.stages_per_rank > 1:
         return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule],
                              _shared(_interleaved_costs(dist, points, bindings, priced), base), m,
                              [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device,
-                             chunks=cfg.stages_per_rank)
+                             chunks=cfg.stages_per_rank, pricer=pricer)
     weights = weights or [None] * len(points)
     costs = [
         stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices, weights=w)
         for rc, analysis, point, prices, w in zip(dist.classes, dist.analyses, points, priced, weights)
     ]
     return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _shared(costs, base), m,
-                         [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device)
+                         [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device, pricer=pricer)
 
 
 def _shared(costs: Sequence[StageCompute], base: float) -> list[StageCompute]:

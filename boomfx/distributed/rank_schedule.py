@@ -88,6 +88,7 @@ class ScheduledCollective:
     group: str                # the process group's name in the graph (a mesh dimension)
     message_bytes: int
     price: CollectivePrice
+    group_size: int = 0       # ranks in that group (the world its measured row needs)
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,7 @@ def rank_stream_ops(analysis: Analysis, point: PointResult, bindings: Mapping[sy
             deps.append(last_compute)
         ops.append(StreamOp(node.name, f"{COMM_PREFIX}:{group_name}", price.time_ns, host_of(node.name),
                             deps=tuple(dict.fromkeys(deps))))
-        collectives.append(ScheduledCollective(node.name, op, group_name, nbytes, price))
+        collectives.append(ScheduledCollective(node.name, op, group_name, nbytes, price, group.world))
         emitted.add(node.name)
 
     def waits_due(at: int) -> None:

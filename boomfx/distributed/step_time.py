@@ -79,7 +79,8 @@ def time_report(steps: Sequence[ClassStep]) -> list[dict[str, Any]]:
             "single_stream_ns": step.point.report.time.total_ns,
             "exposed_comm_ns": rank.exposed_comm_ns, "hidden_comm_ns": rank.hidden_comm_ns,
             "comm_cost_ns": step.communication_cost_ns(), "overlap_slowdown": step.timeline.slowdown.factor,
-            "collectives": [{"node": c.node, "op": c.op, "group": c.group, "message_bytes": c.message_bytes,
+            "collectives": [{"node": c.node, "op": c.op, "group": c.group, "group_size": c.group_size,
+                             "message_bytes": c.message_bytes,
                              "time_ns": c.price.time_ns, "source": c.price.source.value,
                              "algorithm": c.price.algorithm, "protocol": c.price.protocol}
                             for c in step.collectives]})
