@@ -178,8 +178,8 @@ def test_pipeline_report_has_every_stage() -> None:
 
 
 def test_pipeline_stages_on_an_oversubscribed_cpu_host_share_its_cores(monkeypatch) -> None:
-    """pp=2 x dp_shard=2 is 4 one-thread gloo ranks: on a 2-core host every stage's passes take twice
-    their kernels' time (processor sharing, ``cpu_core_sharing``'s base), on 64 cores their own."""
+    """pp=2 x dp_shard=2 is 4 one-thread gloo ranks: on a 2-core host every stage's passes and sends take
+    twice their price (processor sharing, ``cpu_core_sharing``'s base), on 64 cores their own."""
     import boomfx.distributed.rank_schedule as rank_schedule
     from boomfx.analysis.analysis import AnalyzeOptions
     from boomfx.core.devices import cpu_spec
@@ -196,13 +196,14 @@ def test_pipeline_stages_on_an_oversubscribed_cpu_host_share_its_cores(monkeypat
                                AnalyzeOptions(spec.name, db="none"))
     bindings = dist.program_bindings(resolve_bindings(program, {}, 4, 16))
     points = [a.evaluate(bindings) for a in dist.analyses]
-    busy = {}
+    busy, sends = {}, {}
     for cores in (64, 2):
         monkeypatch.setattr(rank_schedule, "host_cores", lambda cores=cores: cores)
         run = pipeline_run(dist, points, bindings, class_steps(dist, bindings, points=points))
-        busy[cores] = run.timeline.busy_ns
+        busy[cores], sends[cores] = run.timeline.busy_ns, run.send_ns
     assert all(b > 0 for b in busy[64])
     assert busy[2] == pytest.approx(tuple(2 * b for b in busy[64]))
+    assert sends[64][0] > 0 and sends[2] == pytest.approx(tuple(2 * s for s in sends[64]))   # gloo's threads too
 
 
 def test_max_batch_walks_micro_batches() -> None:

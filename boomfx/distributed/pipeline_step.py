@@ -74,10 +74,13 @@ def stage_costs_from_point(point: PointResult, boundary_bytes: int) -> StageComp
 
 def pipeline_step(schedule: str, stages: Sequence[StageCompute], microbatches: int, stage_ranks: Sequence[int],
                   topology: ClusterTopology, device: DeviceSpec, chunks: int = 1,
-                  pricer: Optional[CollectivePricer] = None, dtype: Optional[str] = None) -> PipelineStep:
+                  pricer: Optional[CollectivePricer] = None, dtype: Optional[str] = None,
+                  send_slowdown: float = 1.0) -> PipelineStep:
     """Simulate ``schedule`` over ``stages`` (virtual stages in model order, ``len(stage_ranks) * chunks``);
     ``stage_ranks[s]`` is a global rank of physical stage s (its peer in the next stage's group). ``pricer``:
-    the database's collective rows (a measured ``send_recv`` at the boundary's size), else the model."""
+    the database's collective rows (a measured ``send_recv`` at the boundary's size), else the model;
+    ``send_slowdown``: each send that many times its price (gloo's threads on a CPU host whose cores more
+    ranks share than a measurement had: ``cpu_core_sharing``'s base)."""
     p = len(stage_ranks)
     if p * chunks != len(stages):
         raise OptionError(f"{len(stages)} stage costs for {p} stages x {chunks} chunks")
@@ -92,7 +95,7 @@ def pipeline_step(schedule: str, stages: Sequence[StageCompute], microbatches: i
         here, there = stage_ranks[k % p], stage_ranks[(k + 1) % p]
         group = CollectiveGroup((here, there), topology)
         price = pricer.price(SEND_RECV, stage.boundary_bytes, group, dtype)
-        sends.append(price.time_ns)
+        sends.append(price.time_ns * send_slowdown)
         sources.append(price.source.value)
     costs = [StageCosts(s.forward_ns, s.backward_ns, send) for s, send in zip(stages, sends)]
     timeline = simulate_pipeline(schedule, costs, microbatches, chunks)

@@ -9,8 +9,8 @@ every pass as the schedule does (``boomfx/simulate/pipeline.py``), so each stage
 the bubble: the time it waits for the stage before it in forward and after it in backward.
 
 On a CPU host with fewer cores than the ranks' compute threads (4 one-thread gloo ranks on 2 cores) every
-stage's costs are ``cpu_core_sharing``'s ``base`` times its kernels' (processor sharing; taken for every
-pass, though a stage waiting in the bubble leaves its share of the cores to the others).
+stage's costs and every send are ``cpu_core_sharing``'s ``base`` times their price (processor sharing; taken
+for every pass, though a stage waiting in the bubble leaves its share of the cores to the others).
 
 Known limitations: ``pipeline_step``'s (one stream per stage, sends that never queue).
 """
@@ -102,14 +102,15 @@ def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps:
         return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule],
                              _shared(_interleaved_costs(dist, points, bindings, priced), base), m,
                              [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device,
-                             chunks=cfg.stages_per_rank, pricer=pricer)
+                             chunks=cfg.stages_per_rank, pricer=pricer, send_slowdown=base)
     weights = weights or [None] * len(points)
     costs = [
         stage_compute(point, m, boundary_bytes(rc.program, analysis.evaluator(bindings)), prices, weights=w)
         for rc, analysis, point, prices, w in zip(dist.classes, dist.analyses, points, priced, weights)
     ]
     return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule], _shared(costs, base), m,
-                         [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device, pricer=pricer)
+                         [rc.ranks[0] for rc in dist.classes], topology_of(cfg), dist.device, pricer=pricer,
+                         send_slowdown=base)
 
 
 def _shared(costs: Sequence[StageCompute], base: float) -> list[StageCompute]:
