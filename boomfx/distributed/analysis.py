@@ -178,15 +178,17 @@ class DistributedAnalysis:
         if not memory_only:
             # the step with collectives priced and overlapped on their own streams; step_time_ns of each
             # class becomes that step instead of the single-stream sum of its kernels
+            from boomfx.distributed.rank_schedule import default_pricer
             from boomfx.distributed.step_time import class_steps, time_report
-            steps = class_steps(self, bindings, points=points)   # the points just evaluated, not again
+            pricer = default_pricer(self.analyses[0])   # the --db's collective rows, read once for both below
+            steps = class_steps(self, bindings, points=points, pricer=pricer)   # the points just evaluated
             time_rows = time_report(steps)
             for report, step in zip(reports, steps):
                 report.step_time_ns = step.step.step_ns
             if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
                 from boomfx.distributed.pipeline_time import pipeline_run
 
-                run = pipeline_run(self, points, bindings, steps, weights if self.replayed else None)
+                run = pipeline_run(self, points, bindings, steps, weights if self.replayed else None, pricer)
                 for i, (report, row) in enumerate(zip(reports, time_rows)):
                     report.step_time_ns = run.stage_end_ns[i]
                     row.update(step_time_ns=run.stage_end_ns[i], pipeline_step_ns=run.total_ns,

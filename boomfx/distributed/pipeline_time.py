@@ -26,6 +26,7 @@ from boomfx.distributed.pipeline_stages import META_CHUNK
 from boomfx.distributed.pipeline_step import PipelineStep, StageCompute, pipeline_step
 from boomfx.distributed.rank_schedule import default_pricer, default_slowdown
 from boomfx.distributed.step_time import topology_of
+from boomfx.kernels_db.collectives import CollectivePricer
 
 SCHEDULE_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
 
@@ -89,15 +90,17 @@ def _interleaved_costs(dist: Any, points: Sequence[PointResult], bindings: Any,
 
 
 def pipeline_run(dist: Any, points: Sequence[PointResult], bindings: Any, steps: Sequence[Any] = (),
-                 weights: Optional[Sequence[Mapping[str, float]]] = None) -> PipelineStep:
+                 weights: Optional[Sequence[Mapping[str, float]]] = None,
+                 pricer: Optional[CollectivePricer] = None) -> PipelineStep:
     """The pipeline step of ``dist`` (a DistributedAnalysis of pp stage classes) from its classes' points;
     ``steps``: their ``class_steps`` (``ClassStep``), whose priced collectives the stages' costs use;
-    ``weights``: per class, how many times each node runs (replayed template stages)."""
+    ``weights``: per class, how many times each node runs (replayed template stages); ``pricer``: the one
+    that priced ``steps`` (the stage sends: measured send_recv rows, else the model), else the ``--db``'s."""
     cfg = dist.cfg
     m = cfg.num_microbatches
     priced = [{c.node: c.price.time_ns for c in step.step.collectives} for step in steps] or [{}] * len(points)
     base = default_slowdown(dist.analyses[0], cfg.gpus_per_node_or_product).base   # oversubscribed CPU host
-    pricer = default_pricer(dist.analyses[0])      # the stage sends: measured send_recv rows, else the model
+    pricer = pricer if pricer is not None else default_pricer(dist.analyses[0])
     if cfg.stages_per_rank > 1:
         return pipeline_step(SCHEDULE_NAMES[cfg.pp_schedule],
                              _shared(_interleaved_costs(dist, points, bindings, priced), base), m,

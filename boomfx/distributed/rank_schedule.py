@@ -88,7 +88,7 @@ class ScheduledCollective:
     group: str                # the process group's name in the graph (a mesh dimension)
     message_bytes: int
     price: CollectivePrice
-    group_size: int = 0       # ranks in that group (the world its measured row needs)
+    group_size: int           # ranks in that group (the world its measured row needs)
 
 
 @dataclass(frozen=True)
