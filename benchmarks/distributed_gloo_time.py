@@ -237,11 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--world", type=int, choices=(2, 4), default=2, help="ranks (4: two a core here)")
     parser.add_argument("--out", default="distributed_gloo_time", help="results file stem")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="gradient-accumulation micro-batches: only the DDP and FSDP2 configurations, each "
+                             "rank's batch as this many forward/backward passes (default 1: none)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="real runs of every configuration; the least-disturbed round's step is kept (default 3)")
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
     chosen = [c for c in configs(args.steps, models, args.batch, args.seq, args.world) if args.only in c.name]
+    if args.accumulation > 1:
+        chosen = [dataclasses.replace(c, accumulation=args.accumulation) for c in chosen if c.parallel in ("ddp", "fsdp")]
     start = time.perf_counter()
     load_before = os.getloadavg()
     rows = []

@@ -44,7 +44,8 @@ def parallel_config(cfg: truth.TruthConfig):
         reshard_after_forward=cfg.reshard_after_forward,
         pp_schedule=cfg.schedule,
         pp_stages_per_rank=cfg.stages_per_rank if cfg.schedule == "interleaved_1f1b" else None,
-        microbatches=cfg.microbatches,
+        microbatches=cfg.microbatches if cfg.parallel.startswith("pp") else (
+            cfg.accumulation if cfg.accumulation > 1 else None),
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         fsdp_param_dtype=cfg.param_dtype,
@@ -106,7 +107,7 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
             return None
     bindings = resolve_bindings(classes[0].program, {}, cfg.batch, cfg.seq)
     pp = parallel_config(cfg).pp > 1
-    if pp:  # the stage programs run one micro-batch at a time
+    if pp or cfg.accumulation > 1:  # the stage programs (and accumulation) run one micro-batch at a time
         from boomfx.distributed.pipeline_stages import micro_bindings
 
         bindings = micro_bindings(classes[0].program, parallel_config(cfg), bindings)
@@ -131,6 +132,10 @@ def predicted_rank_peaks(cfg: truth.TruthConfig, db: str | None = None, classes=
             torch.set_num_threads(threads)
         analysis = Analysis(rc.program, spec, AnalyzeOptions(spec.name, db=db))
         memory = analysis.evaluate(bindings, memory_only=True).report.memory
+        if cfg.accumulation > 1:   # the later micro-batches, every gradient alive from their start
+            from boomfx.distributed.accumulation import accumulated_memory
+
+            memory = accumulated_memory(analysis, bindings)
         # a pipeline stage starts its step with the last step's output chunks / input gradients alive
         # and frees them first: the measured peak above the start does not count them
         carried = carried_bytes(rc.program, analysis.evaluator(bindings)) if pp else 0

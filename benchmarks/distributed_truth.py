@@ -120,6 +120,9 @@ class TruthConfig:
     # cross_entropy): the head's logits stay Shard(-1) and the loss runs under loss_parallel()
     loss: str = "mean"
     loss_parallel: bool = False
+    # gradient accumulation without pipelining (ddp, fsdp): the batch as this many micro-batches, each
+    # forward and backward with its collectives (torchtitan's loop), one AdamW step
+    accumulation: int = 1
 
     @property
     def name(self) -> str:
@@ -138,6 +141,8 @@ class TruthConfig:
             extra += f"-wrap{self.fsdp_wrap}"
         if self.loss != "mean":
             extra += "-lossparallel" if self.loss_parallel else "-ce"
+        if self.accumulation > 1:
+            extra += f"-acc{self.accumulation}"
         return f"{self.model}-{self.parallel}{extra}-w{self.world}-b{self.batch}-s{self.seq}"
 
 
@@ -492,9 +497,14 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
     labels = _labels(cfg, int(idx.sum()))
     loss_fn = _loss_fn(cfg)
 
+    # accumulation: views of the step's batch, one forward and backward each (no copies: the batch is
+    # allocated before the step, as the prediction's inputs are resident)
+    micro = list(zip(idx.chunk(cfg.accumulation), labels.chunk(cfg.accumulation)))
+
     def step() -> None:
         with _loss_context(cfg):
-            loss_fn(model(idx), labels).backward()
+            for ids, target in micro:
+                loss_fn(model(ids), target).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -36,6 +36,15 @@ MEMORY_TWO_RANKS += MIXED_PRECISION
 MEMORY_TWO_RANKS += [
     truth.TruthConfig("llama", "fsdp", 2, timed_steps=0, fsdp_wrap="root"),
     truth.TruthConfig("gpt", "fsdp", 2, reshard_after_forward=False, timed_steps=0, fsdp_wrap="root")]
+# gradient accumulation without pipelining: the batch as 2 micro-batches (later ones hold every gradient
+# from their start); DDP's bucket view keeps no gradient storage, so nothing is added there
+ACCUMULATION = [
+    truth.TruthConfig(model, parallel, 2, accumulation=2, timed_steps=0)
+    for model in ("llama", "gpt")
+    for parallel in ("ddp", "fsdp")
+] + [truth.TruthConfig("gpt", "ddp", 2, batch=2, seq=8, gradient_as_bucket_view=True, accumulation=2, timed_steps=0),
+      truth.TruthConfig("llama", "fsdp", 2, batch=8, accumulation=4, reshard_after_forward=False, timed_steps=0)]
+MEMORY_TWO_RANKS += ACCUMULATION
 # HSDP (replicate 2 x shard 2) on 4 ranks, also with mixed precision
 MEMORY_FOUR_RANKS = [truth.TruthConfig(model, "hsdp", 4, timed_steps=0) for model in ("llama", "gpt")] + [
     truth.TruthConfig("llama", "hsdp", 4, timed_steps=0, param_dtype="bfloat16", reduce_dtype="float32")]

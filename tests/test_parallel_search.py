@@ -90,7 +90,9 @@ def truth(programs) -> dict:
 
 def _data_parallel_plans() -> list[Plan]:
     world = NODES * GPUS
-    return [Plan(world // shard, shard, 1, 1, 1, ckpt) for shard in (1, 2, 4) for ckpt in (False, True)]
+    # 4 sequences per rank: also as 2 or 4 accumulated micro-batches
+    return [Plan(world // shard, shard, 1, 1, m, ckpt) for shard in (1, 2, 4) for m in (1, 2, 4)
+            for ckpt in (False, True)]
 
 
 def _device_between(truth: dict) -> "get_device":

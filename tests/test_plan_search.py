@@ -31,8 +31,9 @@ def _valid(space: SearchSpace, plan: Plan) -> bool:
     if space.global_batch % plan.dp:
         return False
     local = space.global_batch // plan.dp
-    if plan.pp == 1:
-        return plan.microbatches == 1
+    if space.max_microbatches is not None and plan.microbatches > space.max_microbatches:
+        return False
+    # without pipelining the micro-batches are gradient accumulation: any split of the rank's batch
     return local % plan.microbatches == 0 and plan.microbatches >= plan.pp
 
 

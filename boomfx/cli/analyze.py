@@ -144,9 +144,10 @@ def _run_search(args: argparse.Namespace, analysis: Analysis, dims: dict, progre
         if others:
             raise OptionError("bind the other dimensions first: " + ", ".join(s.describe() for s in others))
         progress.stage(f"searching the largest {role} that fits")
-        scale = getattr(getattr(analysis, "cfg", None), "num_microbatches", 1) if role == "batch" and getattr(
-            getattr(analysis, "cfg", None), "pp", 1) > 1 else 1
-        if scale > 1:   # pipeline stages: search the micro-batch; the batch is micro-batch x M
+        cfg = getattr(analysis, "cfg", None)
+        split = cfg is not None and (cfg.pp > 1 or cfg.accumulation_steps > 1)
+        scale = cfg.num_microbatches if role == "batch" and split else 1
+        if scale > 1:   # pipeline stages, accumulation: search the micro-batch; the batch is micro-batch x M
             from dataclasses import replace
             from boomfx.distributed.analysis import MicroBatchSearch
             micro = replace(info, max_value=None if info.max_value is None else info.max_value // scale)

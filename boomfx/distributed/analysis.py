@@ -164,7 +164,16 @@ class DistributedAnalysis:
                            replay_allocator=replay_allocator, exact_total=exact_total)
                 for a in self.analyses
             ]
+        accumulate = self.cfg.accumulation_steps
+        if accumulate > 1:   # later micro-batches hold every gradient from their start (accumulation.py)
+            from boomfx.distributed.accumulation import accumulated_memory, collective_weights
+
+            for a, p in zip(self.analyses, points):
+                p.report.memory = accumulated_memory(a, bindings, replay_allocator,
+                                                     not memory_only if exact_total is None else exact_total)
         weights = [r.node_weights for r in self.replays()] if self.replayed else [None] * len(points)
+        if accumulate > 1:
+            weights = [collective_weights(a.program, accumulate) for a in self.analyses]
         reports = [
             self._class_report(rc, a, p, bindings, w)
             for rc, a, p, w in zip(self.classes, self.analyses, points, weights)
@@ -173,7 +182,8 @@ class DistributedAnalysis:
         shown = self.class_of(rank) if rank is not None else worst
         point = points[shown]
         batch = self._batch(per_rank)
-        micro = batch // self.cfg.num_microbatches if batch is not None and self.cfg.pp > 1 else None
+        split = self.cfg.pp > 1 or accumulate > 1
+        micro = batch // self.cfg.num_microbatches if batch is not None and split else None
         time_rows: list[dict[str, Any]] = []
         if not memory_only:
             # the step with collectives priced and overlapped on their own streams; step_time_ns of each
@@ -185,6 +195,13 @@ class DistributedAnalysis:
             time_rows = time_report(steps)
             for report, step in zip(reports, steps):
                 report.step_time_ns = step.step.step_ns
+            if accumulate > 1:   # M forward/backward passes, one optimizer step (accumulation.py)
+                from boomfx.distributed.accumulation import accumulated_time_row
+
+                time_rows = [accumulated_time_row(row, step.step, a.program, accumulate)
+                             for row, step, a in zip(time_rows, steps, self.analyses)]
+                for report, row in zip(reports, time_rows):
+                    report.step_time_ns = row["step_time_ns"]
             if self.cfg.pp > 1:  # stages wait for each other: the schedule's passes, bubble included
                 from boomfx.distributed.pipeline_time import pipeline_run
 
@@ -216,8 +233,9 @@ class DistributedAnalysis:
         return all(a.evaluate(bindings, memory_only=True).report.memory.fits for a in self.analyses)
 
     def program_bindings(self, bindings: Mapping[sympy.Symbol, int]) -> Mapping[sympy.Symbol, int]:
-        """Pipeline stage programs run one micro-batch at a time: the batch symbol at ``batch / M``."""
-        if self.cfg.pp == 1:
+        """Pipeline stage programs, and the rank program under gradient accumulation, run one micro-batch at
+        a time: the batch symbol at ``batch / M``."""
+        if self.cfg.pp == 1 and self.cfg.accumulation_steps == 1:
             return bindings
         from boomfx.distributed.pipeline_stages import micro_bindings
 

@@ -27,7 +27,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "nodes, with --parallel and --search (ib-ndr)")
     g.add_argument("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     g.add_argument(
-        "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default pp)"
+        "--microbatches", type=int, default=None,
+        help="micro-batches per step: the pipeline's (default pp); without pp, gradient accumulation (default 1)"
     )
     g.add_argument(
         "--pp-stages-per-rank", type=int, default=None,

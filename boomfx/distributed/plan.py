@@ -6,8 +6,9 @@ stages), ``sp`` (sequence parallelism with TP). The mesh is laid out as torchtit
 ``[pp, dp_replicate, dp_shard, tp]`` with tp innermost, so TP groups sit inside a node.
 
 Batch: ``--batch`` is the batch each data-parallel rank feeds its model per step (per rank; the ranks
-of one TP group share it); with pipeline parallelism it is cut into ``microbatches`` micro-batches.
-The global batch is ``batch x dp_replicate x dp_shard``.
+of one TP group share it); with pipeline parallelism it is cut into ``microbatches`` micro-batches, and
+without it ``--microbatches M`` is gradient accumulation: M forward and backward passes of ``batch / M``
+before one optimizer step (``accumulation.py``). The global batch is ``batch x dp_replicate x dp_shard``.
 
 Example::
 
@@ -224,6 +225,12 @@ class ParallelConfig:
         return self.microbatches if self.microbatches is not None else self.pp
 
     @property
+    def accumulation_steps(self) -> int:
+        """Gradient-accumulation micro-batches of a step without pipelining (1: none); with ``pp`` the
+        micro-batches are the pipeline's."""
+        return self.num_microbatches if self.pp == 1 else 1
+
+    @property
     def stages_per_rank(self) -> int:
         """Model chunks each pipeline rank holds: 1, or ``pp_stages_per_rank`` (2) for interleaved 1F1B."""
         if self.pp_schedule != "interleaved_1f1b":
@@ -258,7 +265,8 @@ class ParallelConfig:
         parts = [f"{n}={getattr(self, n)}" for n in DEGREES if getattr(self, n) > 1] + (
             ["sp"] if self.sp else []
         )
-        return ",".join(parts) or "single device"
+        text = ",".join(parts) or "single device"
+        return text + (f", {self.accumulation_steps} accumulated micro-batches" if self.accumulation_steps > 1 else "")
 
     def with_options(self, **changes: object) -> "ParallelConfig":
         cfg = replace(self, **changes)  # type: ignore[arg-type]

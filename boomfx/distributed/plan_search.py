@@ -56,6 +56,7 @@ from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
 from boomfx.core.networks import UnknownNetworkError, get_network
 from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
+from boomfx.distributed.accumulation import accumulated_step_ns
 from boomfx.distributed.analysis import DistributedAnalysis
 from boomfx.distributed.comm_floor import DataParallelComm, data_parallel_comm, overlapped_step_floor_ns
 from boomfx.distributed.depth_probe import (FIT_MARGIN, ProbeDepths, carried_peak, carry_class, phase_peaks,
@@ -338,10 +339,12 @@ class ParallelSearch:
         split = footprint._tp_split(plan)
         copies_ns = comm.copy_bytes / self.device.memory_bandwidth_bytes_per_s * 1e9
         optimizer_ns = footprint.optimizer_ns() / (plan.dp_shard * split * plan.pp)
-        if plan.pp == 1:
-            work = footprint.compute_ns(micro_batch) / split + optimizer_ns + copies_ns
-            floor = max(floor, overlapped_step_floor_ns(work, layers * layer_comm, max(comm.busiest_ns, tp_stream),
-                                                        self._slowdown.factor))
+        if plan.pp == 1:   # every accumulated micro-batch runs the kernels, copies and collectives again
+            m = plan.microbatches
+            work = (footprint.compute_ns(micro_batch) / split + copies_ns) * m + optimizer_ns
+            busiest = comm.busiest_ns * m
+            floor = max(floor, busiest, overlapped_step_floor_ns(work, layers * layer_comm * m, max(busiest, tp_stream),
+                                                                 self._slowdown.factor))
         else:   # pipeline_time runs a stage's collectives in line with its passes: the mean stage's serial work
             work = footprint.compute_ns(micro_batch) / split * plan.microbatches / plan.pp + optimizer_ns + copies_ns
             floor = max(floor, work + tp_stream + comm.busiest_ns)
@@ -589,12 +592,13 @@ class ParallelSearch:
             return max(row["step_time_ns"] for row in report.parallel["classes"])
         topology = topology_of(dist.cfg)
         degrees = {name: int(getattr(dist.cfg, name)) for name in MESH_ORDER}
+        bindings = dist.program_bindings(c.bindings)      # gradient accumulation: one micro-batch's sizes
         worst = 0.0
         for rc, analysis in zip(dist.classes, dist.analyses):
-            point = analysis.evaluate(c.bindings, replay_allocator=False)
-            step = schedule_rank(analysis, c.bindings, mesh_groups(degrees, rc.ranks[0], topology), self._collectives(),
+            point = analysis.evaluate(bindings, replay_allocator=False)
+            step = schedule_rank(analysis, bindings, mesh_groups(degrees, rc.ranks[0], topology), self._collectives(),
                                  point=point)
-            worst = max(worst, step.step_ns)
+            worst = max(worst, accumulated_step_ns(step, analysis.program, dist.cfg.accumulation_steps))
         return worst
 
     def _full(self, c: _Candidate) -> Optional[PlanRow]:

@@ -10,9 +10,9 @@ plans:
   GPUs of a node (tensor parallelism's collectives sit on the critical path: torchtitan and Megatron keep
   TP inside NVLink);
 - ``pp`` is at most the number of layers;
-- the global batch splits evenly over the ``dp_replicate x dp_shard`` data-parallel ranks, and with
-  ``pp > 1`` the rank's batch into ``microbatches`` (at least ``pp`` of them, as 1F1B needs; without
-  pipelining, one).
+- the global batch splits evenly over the ``dp_replicate x dp_shard`` data-parallel ranks, and the rank's
+  batch into ``microbatches``: with ``pp > 1`` the pipeline's (at least ``pp`` of them, as 1F1B needs);
+  without pipelining, gradient accumulation (any divisor, 1 included: ``accumulation.py``).
 
 Before evaluating, ``search`` drops plans whose resident training state cannot fit:
 ``state_bytes / (dp_shard x tp x pp)`` is a lower bound of any rank's parameters, gradients and
@@ -68,7 +68,7 @@ class Plan:
         parts = [f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp")
                  if getattr(self, name) > 1] or ["single device"]
         text = ",".join(parts)
-        if self.pp > 1:
+        if self.pp > 1 or self.microbatches > 1:
             text += f" microbatches={self.microbatches}"
         return text + (" checkpoint" if self.checkpoint else "")
 
@@ -121,11 +121,8 @@ def enumerate_plans(space: SearchSpace) -> list[Plan]:
             if space.global_batch % dp:
                 continue
             local_batch = space.global_batch // dp
-            if pp == 1:
-                micro = [1]
-            else:
-                micro = [m for m in _divisors(local_batch) if m >= pp
-                         and (space.max_microbatches is None or m <= space.max_microbatches)]
+            micro = [m for m in _divisors(local_batch) if m >= pp
+                     and (space.max_microbatches is None or m <= space.max_microbatches)]
             for shard in _divisors(dp):
                 for m in micro:
                     for ckpt in space.checkpoint:

@@ -24,7 +24,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step over all data-parallel ranks (with --search)")
     g.add_argument("--max-microbatches", type=int, default=None,
-                   help="with --search: the most pipeline micro-batches tried (default: any divisor)")
+                   help="with --search: the most micro-batches tried, pipeline or gradient accumulation "
+                        "(default: any divisor of the rank's batch)")
     g.add_argument("--no-depth-probes", action="store_true",
                    help="with --search: build every plan at the model's depth (default: a deep stack is built at "
                         "two shallow depths and carried on; docs/design.md, 'Parallel plan search')")
