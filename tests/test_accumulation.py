@@ -60,6 +60,7 @@ def test_step_is_m_passes_and_one_optimizer_step(parallel, device) -> None:
     single = one.evaluate(micro).report.parallel
     assert row["exposed_comm_ns"] == pytest.approx(2 * single["time_by_class"][0]["exposed_comm_ns"])
     assert len(cls["collectives"]) == 2 * len(single["classes"][0]["collectives"]) > 0
+    assert len(row["collectives"]) == 2 * len(single["time_by_class"][0]["collectives"])
 
 
 def test_later_micro_batches_hold_every_gradient_from_their_start() -> None:
@@ -109,6 +110,10 @@ def test_command_line(capsys) -> None:
     out = capsys.readouterr().out
     assert "dp_shard=2, 2 accumulated micro-batches" in out and "micro-batch 2" in out
     assert "does not divide the batch of 4" in _bad(capsys, *base, "--batch", "4", "--microbatches", "3")
+    one = ["analyze", tiny, "--train", "--seq", "16", "--batch", "4", "--microbatches", "2"]
+    assert "--microbatches needs --parallel" in _bad(capsys, *one)     # not silently ignored
+    assert main(one + ["--parallel", "dp_shard=1"]) == 0               # one device, accumulating
+    assert "single device, 2 accumulated micro-batches" in capsys.readouterr().out
 
 
 def test_max_batch_walks_the_micro_batch() -> None:

@@ -22,7 +22,8 @@ So the rank program of one micro-batch (the step at ``batch / M``) holds everyth
 - **memory**: micro-batches 2..M run with every gradient alive from their start, each new gradient a
   temporary that its add frees; their peak is at least the first's, so it is the step's
   (``accumulating_liveness``: each gradient storage alive from the step's first op to its end, plus a
-  one-op temporary where it was produced; the same memory report and allocator replay as any step).
+  temporary from its producer to the last backward op that writes or views it; the same memory report and
+  allocator replay as any step).
 
 Known limitations:
 - NB: the allocator replay allocates the accumulated gradients at the micro-batch's start, where the first
@@ -92,9 +93,11 @@ def accumulated_step_ns(step: Any, program: Any, microbatches: int) -> float:
 
 def accumulated_time_row(row: dict[str, Any], step: Any, program: Any, microbatches: int) -> dict[str, Any]:
     """A ``time_report`` row of one micro-batch's step, made the accumulated step's: its time, the
-    communication of every micro-batch, and the two parts it is built from."""
+    communication and collectives of every micro-batch, and the two parts it is built from."""
     fb = forward_backward_ns(step, program)
-    return {**row, "step_time_ns": accumulated_step_ns(step, program, microbatches),
+    runs = [c for c in row["collectives"]
+            for _ in range(1 if program.phases.get(c["node"]) == PHASE_OPTIMIZER else microbatches)]
+    return {**row, "step_time_ns": accumulated_step_ns(step, program, microbatches), "collectives": runs,
             "exposed_comm_ns": microbatches * row["exposed_comm_ns"],
             "hidden_comm_ns": microbatches * row["hidden_comm_ns"],
             "comm_cost_ns": microbatches * row["comm_cost_ns"],

@@ -82,6 +82,9 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
     if not args.parallel:
         if args.rank is not None:
             raise OptionError("--rank needs --parallel")
+        if args.microbatches is not None and not getattr(args, "search", False):
+            raise OptionError("--microbatches needs --parallel (gradient accumulation on one device: "
+                              "--parallel dp_shard=1 --microbatches M)")
         return None
     plan = []
     preset = args.tp_plan.strip() == TP_PRESET
