@@ -178,7 +178,10 @@ def render(payload: dict) -> str:
               "(docs/design.md, 'Gradient accumulation without pipelining'; before that `--microbatches` was ignored "
               "without pp): at global batch 512, where no plan ran its 8 sequences per rank in one pass, the search "
               "built pipeline plans until the 600 s limit and listed nothing (566 plans); it now lists "
-              "`dp_shard=64 microbatches=2` first and finishes (754 plans). At 128 it took 117 s before (358 plans).", "",
+              "`dp_shard=64 microbatches=2` first and finishes (754 plans). At 128 it took 117 s before (358 plans). "
+              "Built whole at 80 layers, that first plan's step is the listed one and its total 58.2 GiB (listed, "
+              "carried on from the probes: 59.3 GiB; 55.7 GiB in a first run whose probes read the first "
+              "micro-batch's liveness, without the accumulated gradients).", "",
               "Target (< " + f"{payload['target_s']:.0f}" + " s on 80 layers): " + (
                   "met" if all(r.get("seconds", 1e9) < payload["target_s"] and not r.get("stopped")
                                for r in payload["runs"] if r.get("layers") == 80) else

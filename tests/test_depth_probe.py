@@ -117,3 +117,22 @@ def test_a_probed_search_lists_what_a_full_depth_search_lists(deep) -> None:
         assert whole.probed_from is None
         assert probed.step_ns == pytest.approx(whole.step_ns, rel=1e-3)
         assert probed.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
+
+
+
+def test_the_search_reads_the_accumulated_step_liveness(deep) -> None:
+    """Under gradient accumulation the live peak the search carries on from its probes (and prunes by) is
+    the accumulated step's, the one ``evaluate`` reports: the later micro-batches hold every gradient, bytes
+    that grow with depth (the first micro-batch's liveness would carry a total short by the gradients the
+    probes lack)."""
+    program = capture(deep, options=replace(TRAIN, stack_depth=6))
+    for microbatches in (None, 2):
+        cfg = ParallelConfig(dp_replicate=4, nodes=1, gpus_per_node=4, microbatches=microbatches)
+        dist = DistributedAnalysis(program, cfg, H100, AnalyzeOptions(H100.name))
+        bindings = resolve_bindings(program, {}, 4, 64)
+        analysis, info = dist.analyses[0], dist.step_liveness()[0]
+        ev = analysis.evaluator(dist.program_bindings(bindings))
+        peak = max(phase_peaks(info.timeline(ev), info.order, analysis.program.phases).values())
+        assert peak == dist.evaluate(bindings, memory_only=True).report.parallel["classes"][0]["peak_live_bytes"]
+        first = max(analysis.liveness.timeline(ev))
+        assert (peak > first) if microbatches else (peak == first)

@@ -134,6 +134,18 @@ class DistributedAnalysis:
             self._replays[m] = [replay_stage(a.program, a.liveness, self.cfg.pp_schedule, m) for a in self.analyses]
         return self._replays[m]
 
+    def step_liveness(self) -> list[Any]:
+        """Each class's liveness of the whole step, the one ``evaluate`` reports memory from: a replayed
+        stage's (``pipeline_compose``); under gradient accumulation the later micro-batches'
+        (``accumulation.py``), every gradient alive from their start."""
+        if self.replayed:
+            return [r.liveness for r in self.replays()]
+        if self.cfg.accumulation_steps > 1:
+            from boomfx.distributed.accumulation import accumulating_liveness
+
+            return [accumulating_liveness(a.liveness, a.program) for a in self.analyses]
+        return [a.liveness for a in self.analyses]
+
     def class_of(self, rank: int) -> int:
         for i, rc in enumerate(self.classes):
             if rank in rc.ranks:

@@ -572,7 +572,7 @@ class ParallelSearch:
         bindings = dist.program_bindings(c.bindings)      # pipeline stages: one micro-batch's sizes
         key = (id(dist.analyses[0]), dist.cfg.num_microbatches, tuple(sorted(bindings.items(), key=str)))
         if key not in self._peaks:
-            liveness = [r.liveness for r in dist.replays()] if dist.replayed else [a.liveness for a in dist.analyses]
+            liveness = dist.step_liveness()     # accumulation: the later micro-batches' (gradients held)
             self._peaks[key] = [phase_peaks(info.timeline(a.evaluator(bindings)), info.order, a.program.phases)
                                 for a, info in zip(dist.analyses, liveness)]
         return self._peaks[key]
