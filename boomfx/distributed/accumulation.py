@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import sympy
 
@@ -70,11 +70,12 @@ def accumulating_liveness(liveness: LivenessInfo, program: Any) -> LivenessInfo:
 
 
 def accumulated_memory(analysis: Any, bindings: Mapping[sympy.Symbol, int], replay_allocator: bool = True,
-                       exact_total: bool = True) -> MemoryReport:
+                       exact_total: bool = True, liveness: Optional[LivenessInfo] = None) -> MemoryReport:
     """The step's memory report under accumulation: the memory of a later micro-batch (module docstring),
-    evaluated as ``analysis`` evaluates any step (kernel scratch, allocator replay on CUDA)."""
+    evaluated as ``analysis`` evaluates any step (kernel scratch, allocator replay on CUDA). ``liveness``:
+    ``accumulating_liveness`` of the analysis when the caller keeps it."""
     later = copy.copy(analysis)
-    later.liveness = accumulating_liveness(analysis.liveness, analysis.program)
+    later.liveness = liveness if liveness is not None else accumulating_liveness(analysis.liveness, analysis.program)
     return later.evaluate(bindings, memory_only=True, replay_allocator=replay_allocator,
                           exact_total=exact_total).report.memory
 

@@ -109,6 +109,8 @@ class DistributedAnalysis:
 
             options = replace(options, outside_memory=with_nccl_memory(options.outside_memory, cfg))
         self._replays: dict[int, list[Any]] = {}
+        # step_liveness under gradient accumulation (any M); a dict, so a search's shallow copies share it
+        self._accumulating: dict[str, list[Any]] = {}
         self.replayed = replay_microbatches and composable(cfg)
         if self.replayed:
             self._build(options, reuse_blocks, TEMPLATE_MICROBATCHES)
@@ -140,10 +142,12 @@ class DistributedAnalysis:
         (``accumulation.py``), every gradient alive from their start."""
         if self.replayed:
             return [r.liveness for r in self.replays()]
-        if self.cfg.accumulation_steps > 1:
-            from boomfx.distributed.accumulation import accumulating_liveness
+        if self.cfg.accumulation_steps > 1:   # the same for every M: kept
+            if "later" not in self._accumulating:
+                from boomfx.distributed.accumulation import accumulating_liveness
 
-            return [accumulating_liveness(a.liveness, a.program) for a in self.analyses]
+                self._accumulating["later"] = [accumulating_liveness(a.liveness, a.program) for a in self.analyses]
+            return self._accumulating["later"]
         return [a.liveness for a in self.analyses]
 
     def class_of(self, rank: int) -> int:
@@ -180,9 +184,9 @@ class DistributedAnalysis:
         if accumulate > 1:   # later micro-batches hold every gradient from their start (accumulation.py)
             from boomfx.distributed.accumulation import accumulated_memory, collective_weights
 
-            for a, p in zip(self.analyses, points):
+            for a, p, info in zip(self.analyses, points, self.step_liveness()):
                 p.report.memory = accumulated_memory(a, bindings, replay_allocator,
-                                                     not memory_only if exact_total is None else exact_total)
+                                                     not memory_only if exact_total is None else exact_total, info)
         weights = [r.node_weights for r in self.replays()] if self.replayed else [None] * len(points)
         if accumulate > 1:
             weights = [collective_weights(a.program, accumulate) for a in self.analyses]
