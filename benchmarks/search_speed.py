@@ -182,12 +182,19 @@ def render(payload: dict) -> str:
               "Built whole at 80 layers, that first plan's step is the listed one and its total 58.2 GiB (listed, "
               "carried on from the probes: 59.3 GiB; 55.7 GiB in a first run whose probes read the first "
               "micro-batch's liveness, without the accumulated gradients).", "",
+              "Since 2026-12-06 (later) the TP rank's footprint that tightens a TP plan's floors is built at the two "
+              "probe depths and carried on (docs/design.md, 'Parallel plan search'; 'tp_rank_analyses' counts two "
+              "per degree) instead of expanded and analysed at 80 layers: the same plans listed with the same "
+              "numbers, 'time bound' 43.5 -> 30.6 s at global batch 128 (98.5 -> 82.6 s in all) and 45.6 -> 28.4 s "
+              "at 512 (203 -> 186 s). A first version took the pipeline floors of TP plans from the "
+              "single-device footprint over tp (no per-layer lists carried): 20 more program keys, mostly TP pipelines, were built "
+              "and the search at 128 took 205 s; the per-layer lists are carried too since.", "",
               "Target (< " + f"{payload['target_s']:.0f}" + " s on 80 layers): " + (
                   "met" if all(r.get("seconds", 1e9) < payload["target_s"] and not r.get("stopped")
                                for r in payload["runs"] if r.get("layers") == 80) else
-                  "not met: what remains is listed by stage above (the TP ranks' re-traces and their full-depth "
-                  "footprints under 'time bound', plans' probe builds under 'per-rank programs': at global batch 512 "
-                  "the pipeline plans whose floors lie under the fifth plan's step)")]
+                  "not met: what remains is listed by stage above (the TP ranks' re-traces, ~5 s per degree and "
+                  "checkpointing setting, under 'time bound'; plans' probe builds under 'per-rank programs': at "
+                  "global batch 512 the pipeline plans whose floors lie under the fifth plan's step)")]
     return "\n".join(lines) + "\n"
 
 

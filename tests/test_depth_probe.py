@@ -16,6 +16,8 @@ from boomfx.distributed.depth_probe import ProbeDepths, carried_peak, phase_peak
 from boomfx.distributed.model_shape import model_shape
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.plan_search import ParallelSearch, SearchRequest
+from boomfx.distributed.search import Plan
+from boomfx.distributed.search_bounds import CarriedFootprint, ModelFootprint
 from boomfx.frontend.capture import capture, resolve_bindings
 
 from conftest import export_meta
@@ -136,3 +138,40 @@ def test_the_search_reads_the_accumulated_step_liveness(deep) -> None:
         assert peak == dist.evaluate(bindings, memory_only=True).report.parallel["classes"][0]["peak_live_bytes"]
         first = max(analysis.liveness.timeline(ev))
         assert (peak > first) if microbatches else (peak == first)
+
+
+@pytest.mark.slow     # the TP rank traced once, analysed at 4, 6 and 16 layers, per checkpointing setting (~15 s)
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_tp_ranks_footprint_carried_from_its_probes_matches_the_full_depth_one(deep, checkpoint: bool) -> None:
+    """``--search`` tightens a TP plan's floors with its TP rank's footprint, built at the two probe depths
+    and carried on (``search_bounds.CarriedFootprint``): state, kernels, the optimizer and the activation
+    peak equal the same rank's footprint built at the model's depth, and so do the floors."""
+    def program_for(ckpt: bool, depth=None):
+        return capture(deep, options=replace(TRAIN, checkpoint=ckpt, stack_depth=depth))
+
+    found = {}
+    for probes in (True, False):
+        search = ParallelSearch(program_for, H100, SearchRequest(1, 4, 8, 64, depth_probes=probes),
+                                AnalyzeOptions(H100.name))
+        found[probes] = search.memory_footprint(Plan(1, 2, 2, 1, checkpoint=checkpoint))
+        assert search.outcome.evaluations["tp_rank_analyses"] == (2 if probes else 1)
+    carried, whole = found[True], found[False]
+    assert isinstance(carried, CarriedFootprint) and type(whole) is ModelFootprint and whole.tp_local
+    assert carried.layer_count() == whole.layer_count() == LAYERS
+    assert carried.state_bytes() == whole.state_bytes()
+    assert carried.optimizer_ns() == pytest.approx(whole.optimizer_ns(), rel=1e-9)
+    for batch in (1, 2, 4):
+        assert carried.activation_peak_bytes(batch) == whole.activation_peak_bytes(batch)
+        assert carried.compute_ns(batch) == pytest.approx(whole.compute_ns(batch), rel=1e-9)
+    # per layer (the pipeline floors read them): the deeper probe's layers, its template copy repeated
+    assert carried.layer_state_bytes() == list(whole.layer_state_bytes())
+    assert carried.layer_param_elems() == list(whole.layer_param_elems())
+    assert carried.layer_saved_bytes(2) == whole.layer_saved_bytes(2)
+    assert carried.layer_compute(2) == pytest.approx(whole.layer_compute(2), rel=1e-9)
+    assert carried.end_compute(2) == pytest.approx(whole.end_compute(2), rel=1e-9)
+    for plan in (Plan(1, 2, 2, 1, checkpoint=checkpoint), Plan(1, 1, 2, 2, microbatches=4, checkpoint=checkpoint),
+                 Plan(2, 1, 2, 4, microbatches=4, checkpoint=checkpoint)):
+        micro = 8 // plan.dp // plan.microbatches
+        assert carried.lower_bound_bytes(plan, micro) == whole.lower_bound_bytes(plan, micro)
+        assert carried.step_lower_bound_ns(plan, micro) == pytest.approx(whole.step_lower_bound_ns(plan, micro),
+                                                                        rel=1e-9)

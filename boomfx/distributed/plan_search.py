@@ -69,7 +69,7 @@ from boomfx.distributed.mixed_precision import torch_dtype
 from boomfx.distributed.plan import DEGREES, ParallelConfig
 from boomfx.distributed.rank_schedule import default_pricer, default_slowdown, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
-from boomfx.distributed.search_bounds import ModelFootprint
+from boomfx.distributed.search_bounds import CarriedFootprint, FootprintBounds, ModelFootprint
 from boomfx.distributed.step_time import topology_of
 from boomfx.frontend.capture import capture, resolve_bindings, to_exported_program
 from boomfx.kernels_db.collective_model import ClusterTopology
@@ -194,7 +194,7 @@ class ParallelSearch:
         self._program_for = program_for
         self._programs: dict[tuple[bool, Optional[int]], Program] = {}
         self._footprints: dict[bool, ModelFootprint] = {}
-        self._tp_footprints: dict[tuple[bool, int], ModelFootprint] = {}
+        self._tp_footprints: dict[tuple[bool, int], FootprintBounds] = {}
         self.outcome = SearchOutcome([], 0)
         self._built: dict[tuple, Optional[DistributedAnalysis]] = {}
         self._refusals: dict[tuple, str] = {}
@@ -216,28 +216,38 @@ class ParallelSearch:
             self.outcome.evaluations["captures" if depth is None else "probe_captures"] += 1
         return self._programs[key]
 
-    def memory_footprint(self, plan: Plan) -> ModelFootprint:
+    def memory_footprint(self, plan: Plan) -> FootprintBounds:
         """The footprint the plan's memory floor reads: the TP rank's program for ``tp > 1`` (its sizes
-        split as the plan splits them), else the single-device one; the single-device one where the TP
-        rewrite is not built for this model (it divides by ``tp``)."""
+        split as the plan splits them; built at the two probe depths of a deep stack and carried on,
+        ``search_bounds.CarriedFootprint``), else the single-device one; the single-device one where the
+        TP rewrite is not built for this model (it divides by ``tp``)."""
         if plan.tp == 1:
             return self.footprint(plan.checkpoint)
         key = (plan.checkpoint, plan.tp)
         if key not in self._tp_footprints:
-            from boomfx.distributed.tensor_parallel import tp_rank_program
-
-            base = self.footprint(plan.checkpoint)
+            depths = self._stack_depths(plan.checkpoint, 1)
             try:
-                tp_only = ParallelConfig(1, 1, plan.tp, 1, nodes=1, gpus_per_node=plan.tp, **self.request.config_options)
-                program = tp_rank_program(self.program(plan.checkpoint), tp_only)
+                if depths is None:
+                    self._tp_footprints[key] = self._tp_rank_footprint(plan, None)
+                else:
+                    self._tp_footprints[key] = CarriedFootprint(self._tp_rank_footprint(plan, depths.shallow),
+                                                                self._tp_rank_footprint(plan, depths.deep), depths)
             except OptionError:
-                self._tp_footprints[key] = base
-            else:
-                analysis = Analysis(program, self.device, self.options, reuse_blocks=self.reuse_blocks)
-                self._tp_footprints[key] = ModelFootprint(analysis, base.batch_symbol, base.fixed, base.outside_bytes,
-                                                          base.pp_schedule, tp_local=True)
-                self.outcome.evaluations["tp_rank_analyses"] += 1
+                self._tp_footprints[key] = self.footprint(plan.checkpoint)
         return self._tp_footprints[key]
+
+    def _tp_rank_footprint(self, plan: Plan, depth: Optional[int]) -> ModelFootprint:
+        """The footprint of one TP rank's program (``tp_rank_program``, kept per program: the plan's
+        build at the same depth reuses its trace) at ``depth`` of the stack (None: the model's)."""
+        from boomfx.distributed.tensor_parallel import tp_rank_program
+
+        base = self.footprint(plan.checkpoint)
+        tp_only = ParallelConfig(1, 1, plan.tp, 1, nodes=1, gpus_per_node=plan.tp, **self.request.config_options)
+        program = tp_rank_program(self.program(plan.checkpoint, depth), tp_only)
+        analysis = Analysis(program, self.device, self.options, reuse_blocks=self.reuse_blocks)
+        self.outcome.evaluations["tp_rank_analyses"] += 1
+        return ModelFootprint(analysis, base.batch_symbol, base.fixed, base.outside_bytes, base.pp_schedule,
+                              tp_local=True)
 
     def footprint(self, checkpoint: bool) -> ModelFootprint:
         if checkpoint not in self._footprints:
@@ -277,7 +287,6 @@ class ParallelSearch:
                               + (f" with {_pins(req.pinned)}" if req.pinned else ""))
         out.plans = len(plans)
         self._flops_per_token = _model_flops_per_token(first, shape.layers)
-        self._layers = shape.layers
         self._lap("setup")
         kept = self._bound(plans)
         self._lap("memory bound")
@@ -315,7 +324,7 @@ class ParallelSearch:
             return self._step_floor(plan)
         return max(self._step_floor(plan), self._floor_from(plan, footprint))
 
-    def _floor_from(self, plan: Plan, footprint: ModelFootprint) -> float:
+    def _floor_from(self, plan: Plan, footprint: FootprintBounds) -> float:
         """The compute floor (``ModelFootprint.step_lower_bound_ns``), the busiest data-parallel stream
         (``comm_floor.data_parallel_comm``), the tp stream's all-reduces and, for a single stage, the
         compute stream's whole work (kernels, the rank's share of the optimizer, FSDP's copies at the
@@ -332,7 +341,7 @@ class ParallelSearch:
         self.outcome.evaluations["compute_bounds"] += len(footprint._compute) - before
         comm = self._dp_comm(plan)
         # the tp stream runs every layer's forward and backward all-reduces, each micro-batch (the mean stage's)
-        layers = len(footprint.shares().layers)
+        layers = footprint.layer_count()
         tp_stream = (layer_comm + backward_comm) * layers
         tp_stream *= plan.microbatches / plan.pp
         floor = max(floor, comm.busiest_ns, tp_stream)
@@ -405,7 +414,7 @@ class ParallelSearch:
         if plan.tp == 1:
             return 0.0
         footprint = self.footprint(plan.checkpoint)
-        layers = len(footprint.shares().layers)
+        layers = footprint.layer_count()
         if not layers:
             return 0.0
         program = footprint.analysis.program
@@ -463,7 +472,7 @@ class ParallelSearch:
         for it); ``_tp_bound_fits`` tightens it for the TP plans the visit reaches."""
         return [plan for plan in plans if self._bound_fits(plan, self.footprint(plan.checkpoint))]
 
-    def _bound_fits(self, plan: Plan, footprint: ModelFootprint) -> bool:
+    def _bound_fits(self, plan: Plan, footprint: FootprintBounds) -> bool:
         before = len(footprint._per_batch)
         bound = footprint.lower_bound_bytes(plan, self._micro_batch(plan))
         self.outcome.evaluations["activation_bounds"] += len(footprint._per_batch) - before
@@ -508,14 +517,18 @@ class ParallelSearch:
     def _probe_depths(self, plan: Plan, cfg: ParallelConfig) -> Optional[ProbeDepths]:
         """The depths the plan is built at instead of the model's, or None (probes off, a stack too shallow to
         gain, or a step the synthesis cannot shorten: its program keeps the export's depth)."""
+        return self._stack_depths(plan.checkpoint, plan.pp * (cfg.stages_per_rank if plan.pp > 1 else 1))
+
+    def _stack_depths(self, checkpoint: bool, stages: int) -> Optional[ProbeDepths]:
+        """``depth_probe.probe_depths`` for ``stages`` pipeline stages where the stack synthesises them."""
         if not self.request.depth_probes:
             return None
-        depths = probe_depths(self._layers, plan.pp * (cfg.stages_per_rank if plan.pp > 1 else 1))
+        depths = probe_depths(model_shape(self.program(checkpoint)).layers, stages)
         if depths is None:
             return None
-        key = (plan.checkpoint, depths.shallow)
+        key = (checkpoint, depths.shallow)
         if key not in self._synthesised:
-            self._synthesised[key] = model_shape(self.program(plan.checkpoint, depths.shallow)).layers == depths.shallow
+            self._synthesised[key] = model_shape(self.program(checkpoint, depths.shallow)).layers == depths.shallow
         return depths if self._synthesised[key] else None
 
     def _dist(self, plan: Plan, cfg: ParallelConfig, depth: Optional[int]) -> Optional[DistributedAnalysis]:

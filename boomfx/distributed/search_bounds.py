@@ -45,6 +45,7 @@ of every modelled plan (data, tensor and pipeline parallel) of a small model.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -55,6 +56,7 @@ import torch.fx as fx
 from boomfx.core.layers import module_path
 from boomfx.core.program import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_OPT_STATE,
                                  ROLE_PARAM, Program)
+from boomfx.distributed.depth_probe import ProbeDepths, carried_peak, phase_peaks
 from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.pipeline_stages import stage_layer_ranges
 from boomfx.distributed.search import Plan
@@ -68,8 +70,142 @@ _STATE_CATEGORIES = frozenset({Category.PARAM, Category.OPT})
 _COLLECTIVES = "_c10d_functional"
 
 
+class FootprintBounds(ABC):
+    """The plan-level floors (module docstring) over what a footprint gives: its state, activation peak,
+    kernels and pipeline floors, whether it is a single-device program's or a TP rank's."""
+
+    tp_local: bool
+    outside_bytes: int
+    pp_schedule: str
+
+    # what each footprint gives (ModelFootprint, CarriedFootprint): totals, then per layer of the layer list
+    @abstractmethod
+    def state_bytes(self) -> tuple[int, int]:
+        """(parameters + optimizer state, gradients) of the whole model."""
+
+    @abstractmethod
+    def activation_peak_bytes(self, batch: int) -> int:
+        """The largest live sum of the batch-sized storages at ``batch``."""
+
+    @abstractmethod
+    def compute_ns(self, batch: int) -> float:
+        """Device time of the forward, recompute and backward kernels at ``batch``."""
+
+    @abstractmethod
+    def optimizer_ns(self) -> float:
+        """Device time of the optimizer step's kernels."""
+
+    @abstractmethod
+    def layer_count(self) -> int:
+        """Layers of the layer list."""
+
+    @abstractmethod
+    def layer_compute(self, batch: int) -> Sequence[float]:
+        """Per layer, its kernels' device time at ``batch``."""
+
+    @abstractmethod
+    def end_compute(self, batch: int) -> tuple[float, float]:
+        """The kernels outside the layer list a pipeline's first and last stage run."""
+
+    @abstractmethod
+    def layer_saved_bytes(self, batch: int) -> Sequence[int]:
+        """Per layer, the bytes its forward leaves alive for the backward at ``batch``."""
+
+    @abstractmethod
+    def layer_state_bytes(self) -> Sequence[int]:
+        """Per layer, its parameters and optimizer state."""
+
+    @abstractmethod
+    def layer_param_elems(self) -> Sequence[int]:
+        """Per layer, its parameter elements."""
+
+    @abstractmethod
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' dtype (the smallest, if several)."""
+
+    @abstractmethod
+    def memory_bandwidth(self) -> float:
+        """The device memory's peak bandwidth, bytes/s."""
+
+    def _tp_split(self, plan: Plan) -> int:
+        """How many ways tensor parallelism still splits this footprint's sizes (1: a TP rank's program)."""
+        return 1 if self.tp_local else plan.tp
+
+    def step_lower_bound_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
+        """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
+        at least the rank's share of the model's kernels. Exact for data parallelism (the rank runs the
+        single-device kernels on its batch; collectives and the sharded optimizer only add); for tensor and
+        pipeline parallelism it assumes a kernel cut ``k`` ways takes at least ``1/k`` of its time (the cost
+        model's efficiency never rises as kernels shrink). ``layer_comm_ns``: the collectives each layer's
+        forward waits on at once per micro-batch (tensor parallelism's rowwise all-reduces), which the
+        compute stream sits idle for."""
+        layers = self.layer_count()
+        per_micro = self.compute_ns(micro_batch) / self._tp_split(plan) + layers * layer_comm_ns
+        share = per_micro * plan.microbatches / plan.pp
+        return max(share, self.pipeline_step_floor_ns(plan, micro_batch, layer_comm_ns))
+
+    def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
+        """Any rank's device memory under ``plan`` is at least this (module docstring)."""
+        resident, grads = self.state_bytes()
+        tp = self._tp_split(plan)
+        state_split = plan.dp_shard * tp * plan.pp
+        at_optimizer = (resident + grads) / state_split
+        at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (tp * plan.pp)
+        return int(max(at_optimizer, at_activation_peak, self.pipeline_bound_bytes(plan, micro_batch))) + self.outside_bytes
+
+    def _inflight(self, plan: Plan, stage: int) -> int:
+        """Micro-batches stage ``stage`` has run the forward of before its first backward."""
+        if self.pp_schedule == "gpipe":
+            return plan.microbatches
+        return min(plan.pp - stage, plan.microbatches)
+
+    def _stage_ranges(self, plan: Plan) -> Sequence[tuple[int, int]]:
+        layers = self.layer_count()
+        return stage_layer_ranges(layers, plan.pp) if layers >= plan.pp else ()
+
+    def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
+        """``max_s sum_{r<s} c_r + m c_s + (m - 1) a_s`` (module docstring); 0 without pp or layers. ``c_s``:
+        a micro-batch's kernels on stage ``s``, its layers' and, on the first and last stage, the model's
+        own ops before and after the layer list (``pipeline_stages.py`` puts them there); ``a_s``: adding a
+        micro-batch's gradients into the stage's ``.grad`` (every micro-batch after the first reads two and
+        writes one gradient per parameter) at the memory's peak bandwidth."""
+        ranges = self._stage_ranges(plan)
+        if plan.pp == 1 or not ranges:
+            return 0.0
+        per_layer = self.layer_compute(micro_batch)
+        split = self._tp_split(plan)
+        stage = [sum(per_layer[lo:hi]) / split + (hi - lo) * layer_comm_ns for lo, hi in ranges]
+        first, last = self.end_compute(micro_batch)
+        stage[0] += first / split
+        stage[-1] += last / split
+        elems, itemsize = self.layer_param_elems(), self.param_dtype().itemsize
+        bandwidth = self.memory_bandwidth()
+        best = before = 0.0
+        for c, (lo, hi) in zip(stage, ranges):
+            accumulate_ns = 0.0
+            if elems and bandwidth:
+                grad_bytes = sum(elems[lo:hi]) * itemsize / split
+                accumulate_ns = 3 * grad_bytes / bandwidth * 1e9
+            best = max(best, before + plan.microbatches * c + (plan.microbatches - 1) * accumulate_ns)
+            before += c
+        return best
+
+    def pipeline_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
+        """The heaviest stage's floor at its first backward (module docstring); 0 without pp or layers."""
+        ranges = self._stage_ranges(plan)
+        if plan.pp == 1 or not ranges:
+            return 0
+        layer_state, saved = self.layer_state_bytes(), self.layer_saved_bytes(micro_batch)
+        best = 0.0
+        tp = self._tp_split(plan)
+        for s, (lo, hi) in enumerate(ranges):
+            state = sum(layer_state[lo:hi]) / (plan.dp_shard * tp)
+            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / tp)
+        return int(best)
+
+
 @dataclass
-class ModelFootprint:
+class ModelFootprint(FootprintBounds):
     """The single-device program's state and activation timeline (module docstring), per batch cached."""
 
     analysis: Any                                   # boomfx.analysis.analysis.Analysis of the single-device step
@@ -78,7 +214,7 @@ class ModelFootprint:
     outside_bytes: int                              # memory outside the allocator (CUDA: context, cuBLAS)
     pp_schedule: str = "1f1b"
     tp_local: bool = False                          # the analysis is a TP rank's program: its sizes are split already
-    _per_batch: dict[int, int] = field(default_factory=dict)
+    _per_batch: dict[int, dict[str, int]] = field(default_factory=dict)
     _compute: dict[int, float] = field(default_factory=dict)
     _layer_compute: dict[int, list[float]] = field(default_factory=dict)
     _end_compute: dict[int, tuple[float, float]] = field(default_factory=dict)   # (first stage's, last stage's)
@@ -110,10 +246,16 @@ class ModelFootprint:
 
     def activation_peak_bytes(self, batch: int) -> int:
         """The largest live sum of the batch-sized storages (module docstring) at ``batch``."""
+        return max(self.activation_phase_peaks(batch).values())
+
+    def activation_phase_peaks(self, batch: int) -> dict[str, int]:
+        """The largest live sum of the batch-sized storages at ``batch`` in each training phase (what a
+        ``CarriedFootprint`` carries on phase by phase)."""
         hit = self._per_batch.get(batch)
         if hit is None:
             ev = self.analysis.evaluator(self._bindings(batch))
-            steps = len(self.analysis.liveness.order)
+            liveness = self.analysis.liveness
+            steps = len(liveness.order)
             diff = [0] * (steps + 1)
             base = 0
             for iv in self._intervals:
@@ -123,11 +265,12 @@ class ModelFootprint:
                 else:
                     diff[iv.start_step] += size
                     diff[iv.end_step + 1] -= size
-            live = peak = base
+            timeline, live = [], base
             for d in diff[:steps]:
                 live += d
-                peak = max(peak, live)
-            hit = self._per_batch[batch] = int(peak)
+                timeline.append(int(live))
+            hit = phase_peaks(timeline, liveness.order, self.analysis.program.phases) or {"": int(base)}
+            self._per_batch[batch] = hit
         return hit
 
     def compute_ns(self, batch: int) -> float:
@@ -182,6 +325,9 @@ class ModelFootprint:
             self._shares = layer_shares(self.analysis.program, self.analysis.liveness)
         return self._shares
 
+    def layer_count(self) -> int:
+        return len(self.shares().layers)
+
     def layer_saved_bytes(self, batch: int) -> list[int]:
         """Per layer, the bytes its forward leaves alive for the backward at ``batch``."""
         hit = self._layer_saved.get(batch)
@@ -194,83 +340,100 @@ class ModelFootprint:
             self._layer_saved[batch] = hit
         return hit
 
-    def _inflight(self, plan: Plan, stage: int) -> int:
-        """Micro-batches stage ``stage`` has run the forward of before its first backward."""
-        if self.pp_schedule == "gpipe":
-            return plan.microbatches
-        return min(plan.pp - stage, plan.microbatches)
+    def layer_compute(self, batch: int) -> Sequence[float]:
+        self.compute_ns(batch)
+        return self._layer_compute[batch]
 
-    def _stage_ranges(self, plan: Plan) -> Sequence[tuple[int, int]]:
-        layers = len(self.shares().layers)
-        return stage_layer_ranges(layers, plan.pp) if layers >= plan.pp else ()
+    def end_compute(self, batch: int) -> tuple[float, float]:
+        self.compute_ns(batch)
+        return self._end_compute[batch]
 
-    def pipeline_step_floor_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
-        """``max_s sum_{r<s} c_r + m c_s + (m - 1) a_s`` (module docstring); 0 without pp or layers. ``c_s``:
-        a micro-batch's kernels on stage ``s``, its layers' and, on the first and last stage, the model's
-        own ops before and after the layer list (``pipeline_stages.py`` puts them there); ``a_s``: adding a
-        micro-batch's gradients into the stage's ``.grad`` (every micro-batch after the first reads two and
-        writes one gradient per parameter) at the memory's peak bandwidth."""
-        ranges = self._stage_ranges(plan)
-        if plan.pp == 1 or not ranges:
-            return 0.0
-        self.compute_ns(micro_batch)
-        per_layer = self._layer_compute[micro_batch]
-        split = self._tp_split(plan)
-        stage = [sum(per_layer[lo:hi]) / split + (hi - lo) * layer_comm_ns for lo, hi in ranges]
-        first, last = self._end_compute[micro_batch]
-        stage[0] += first / split
-        stage[-1] += last / split
-        shares = self.shares()
-        bandwidth = self.analysis.device.memory_bandwidth_bytes_per_s
-        best = before = 0.0
-        for c, (lo, hi) in zip(stage, ranges):
-            accumulate_ns = 0.0
-            if shares.param_elems and bandwidth:
-                grad_bytes = sum(shares.param_elems[lo:hi]) * shares.param_dtype.itemsize / split
-                accumulate_ns = 3 * grad_bytes / bandwidth * 1e9
-            best = max(best, before + plan.microbatches * c + (plan.microbatches - 1) * accumulate_ns)
-            before += c
-        return best
+    def layer_state_bytes(self) -> Sequence[int]:
+        return self.shares().state_bytes
 
-    def pipeline_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
-        """The heaviest stage's floor at its first backward (module docstring); 0 without pp or layers."""
-        ranges = self._stage_ranges(plan)
-        if plan.pp == 1 or not ranges:
-            return 0
-        shares = self.shares()
-        saved = self.layer_saved_bytes(micro_batch)
-        best = 0.0
-        tp = self._tp_split(plan)
-        for s, (lo, hi) in enumerate(ranges):
-            state = sum(shares.state_bytes[lo:hi]) / (plan.dp_shard * tp)
-            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / tp)
-        return int(best)
+    def layer_param_elems(self) -> Sequence[int]:
+        return self.shares().param_elems
 
-    def _tp_split(self, plan: Plan) -> int:
-        """How many ways tensor parallelism still splits this footprint's sizes (1: a TP rank's program)."""
-        return 1 if self.tp_local else plan.tp
+    def param_dtype(self) -> torch.dtype:
+        return self.shares().param_dtype
 
-    def step_lower_bound_ns(self, plan: Plan, micro_batch: int, layer_comm_ns: float = 0.0) -> float:
-        """A floor of the plan's step time (docs/design.md, "Parallel plan search"): the compute stream runs
-        at least the rank's share of the model's kernels. Exact for data parallelism (the rank runs the
-        single-device kernels on its batch; collectives and the sharded optimizer only add); for tensor and
-        pipeline parallelism it assumes a kernel cut ``k`` ways takes at least ``1/k`` of its time (the cost
-        model's efficiency never rises as kernels shrink). ``layer_comm_ns``: the collectives each layer's
-        forward waits on at once per micro-batch (tensor parallelism's rowwise all-reduces), which the
-        compute stream sits idle for."""
-        layers = len(self.shares().layers)
-        per_micro = self.compute_ns(micro_batch) / self._tp_split(plan) + layers * layer_comm_ns
-        share = per_micro * plan.microbatches / plan.pp
-        return max(share, self.pipeline_step_floor_ns(plan, micro_batch, layer_comm_ns))
+    def memory_bandwidth(self) -> float:
+        return self.analysis.device.memory_bandwidth_bytes_per_s
 
-    def lower_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
-        """Any rank's device memory under ``plan`` is at least this (module docstring)."""
-        resident, grads = self.state_bytes()
-        tp = self._tp_split(plan)
-        state_split = plan.dp_shard * tp * plan.pp
-        at_optimizer = (resident + grads) / state_split
-        at_activation_peak = resident / state_split + self.activation_peak_bytes(micro_batch) / (tp * plan.pp)
-        return int(max(at_optimizer, at_activation_peak, self.pipeline_bound_bytes(plan, micro_batch))) + self.outside_bytes
+
+@dataclass
+class CarriedFootprint(FootprintBounds):
+    """A TP rank's footprint at the model's depth carried on from the same rank's program at two probe depths
+    (``depth_probe.py``), so ``--search`` does not build and analyse the TP rank at 80 layers to tighten a
+    TP plan's floors. Totals (state, kernels, the optimizer's kernels) on the line through the probes (a
+    stack of identical layers adds the same of each per layer), activation peaks phase by phase
+    (``depth_probe.carried_peak``); per layer, the deeper probe's layers with its last copy of the
+    template layer repeated up to the model's depth, as ``training/expand.py`` synthesises the stack
+    (layers ``0 .. deep-2``, copies of the template, then the last layer)."""
+
+    shallow: ModelFootprint
+    deep: ModelFootprint
+    depths: ProbeDepths
+    tp_local: bool = True
+    _per_batch: dict[int, float] = field(default_factory=dict)
+    _compute: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def outside_bytes(self) -> int:
+        return self.deep.outside_bytes
+
+    @property
+    def pp_schedule(self) -> str:
+        return self.deep.pp_schedule
+
+    def _carry(self, shallow: float, deep: float) -> float:
+        return self.depths.carry(shallow, deep)
+
+    def _per_layer(self, deep: Sequence[Any]) -> list[Any]:
+        """The deeper probe's per-layer list at the model's depth: its middle layer repeated."""
+        return [*deep[:-1], *[deep[-2]] * (self.depths.full - len(deep)), deep[-1]]
+
+    def state_bytes(self) -> tuple[int, int]:
+        low, high = self.shallow.state_bytes(), self.deep.state_bytes()
+        return int(self._carry(low[0], high[0])), int(self._carry(low[1], high[1]))
+
+    def activation_peak_bytes(self, batch: int) -> int:
+        if batch not in self._per_batch:
+            self._per_batch[batch] = carried_peak(self.shallow.activation_phase_peaks(batch),
+                                                  self.deep.activation_phase_peaks(batch), self.depths)
+        return int(self._per_batch[batch])
+
+    def compute_ns(self, batch: int) -> float:
+        if batch not in self._compute:
+            self._compute[batch] = self._carry(self.shallow.compute_ns(batch), self.deep.compute_ns(batch))
+        return self._compute[batch]
+
+    def optimizer_ns(self) -> float:
+        return self._carry(self.shallow.optimizer_ns(), self.deep.optimizer_ns())
+
+    def layer_count(self) -> int:
+        return self.depths.full
+
+    def layer_compute(self, batch: int) -> Sequence[float]:
+        return self._per_layer(self.deep.layer_compute(batch))
+
+    def end_compute(self, batch: int) -> tuple[float, float]:
+        return self.deep.end_compute(batch)
+
+    def layer_saved_bytes(self, batch: int) -> Sequence[int]:
+        return self._per_layer(self.deep.layer_saved_bytes(batch))
+
+    def layer_state_bytes(self) -> Sequence[int]:
+        return self._per_layer(self.deep.layer_state_bytes())
+
+    def layer_param_elems(self) -> Sequence[int]:
+        return self._per_layer(self.deep.layer_param_elems())
+
+    def param_dtype(self) -> torch.dtype:
+        return self.deep.param_dtype()
+
+    def memory_bandwidth(self) -> float:
+        return self.deep.memory_bandwidth()
 
 
 def _end_stages(program: Program, shares: "LayerShares") -> dict[str, int]:
