@@ -152,6 +152,14 @@ def test_bad_pipeline_input(capsys) -> None:
     assert "interleaved_1f1b" in _bad(
         capsys, *base, "--parallel", "pp=2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "2"
     )
+    # pipeline options where nothing would read them: refused, not ignored
+    assert "--pp-schedule: needs pipeline stages (pp > 1" in _bad(
+        capsys, *base, "--parallel", "dp_shard=2", "--pp-schedule", "gpipe")
+    assert "--pp-schedule, --pp-stages-per-rank: needs pipeline stages" in _bad(
+        capsys, *base, "--parallel", "dp_shard=2", "--pp-schedule", "interleaved_1f1b", "--pp-stages-per-rank", "2")
+    assert "--pp-schedule, --reshard-after-forward: needs --parallel (or --search)" in _bad(
+        capsys, *base, "--pp-schedule", "gpipe", "--reshard-after-forward", "true")
+    assert "--nodes: needs --parallel" in _bad(capsys, *base, "--nodes", "2")
 
 
 def test_pipeline_report_has_every_stage() -> None:

@@ -78,13 +78,37 @@ def on_off(value: Optional[str]) -> Optional[bool]:
     return None if value is None else value == "true"
 
 
+def _defaults() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_parallel_args(parser)
+    return vars(parser.parse_args([]))
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The options among ``names`` (dests) set to something other than their default, as flags."""
+    defaults = _defaults()
+    return ["--" + name.replace("_", "-") for name in names if getattr(args, name, None) != defaults[name]]
+
+
+# options that shape a parallel plan: without --parallel or --search they would be read by nothing
+_PLAN_OPTIONS = ("nodes", "gpus_per_node", "network", "pp_schedule", "pp_stages_per_rank", "reshard_after_forward",
+                 "fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_wrap", "bucket_cap_mb", "gradient_as_bucket_view",
+                 "tp_plan", "loss_parallel")
+
+
 def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
     if not args.parallel:
         if args.rank is not None:
             raise OptionError("--rank needs --parallel")
-        if args.microbatches is not None and not getattr(args, "search", False):
+        if getattr(args, "search", False):
+            return None
+        if args.microbatches is not None:
             raise OptionError("--microbatches needs --parallel (gradient accumulation on one device: "
                               "--parallel dp_shard=1 --microbatches M)")
+        unread = _given(args, _PLAN_OPTIONS)
+        if unread:
+            raise OptionError(f"{', '.join(unread)}: needs --parallel (or --search); without it the step is "
+                              "analysed on one device and these would be ignored")
         return None
     plan = []
     preset = args.tp_plan.strip() == TP_PRESET
@@ -93,7 +117,7 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         if not sep:
             raise OptionError(f"--tp-plan: {item!r} is not PATTERN=colwise|rowwise|colwise_packed")
         plan.append((pattern.strip(), style.strip()))
-    return ParallelConfig.parse(
+    cfg = ParallelConfig.parse(
         args.parallel,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -111,6 +135,12 @@ def parallel_config(args: argparse.Namespace) -> Optional[ParallelConfig]:
         vocab_parallel=preset,
         loss_parallel=on_off(args.loss_parallel),
     )
+    if cfg.pp == 1 and not getattr(args, "search", False):
+        unread = _given(args, ("pp_schedule", "pp_stages_per_rank"))
+        if unread:
+            raise OptionError(f"{', '.join(unread)}: needs pipeline stages (pp > 1 in --parallel {args.parallel}); "
+                              "without them it would be ignored")
+    return cfg
 
 
 def render_parallel(parallel: dict[str, Any]) -> str:
