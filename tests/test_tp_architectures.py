@@ -18,6 +18,7 @@ from boomfx.core.program import ProgramOptions
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.distributed.tensor_parallel import module_plan, shard_export
 from boomfx.frontend.capture import capture
+from layer_stack import export_stack
 from tp_lockstep import plain_layout, run_ranks
 
 V, D, H = 256, 64, 4
@@ -42,6 +43,9 @@ def _config(T: Any, name: str) -> tuple[Any, Any]:
                                                 rotary_dim=8, use_cache=False)
     if name == "starcoder2":
         return T.Starcoder2ForCausalLM, T.Starcoder2Config(**_DECODER, num_key_value_heads=2)
+    if name == "falcon":   # FalconLinear: x @ weight.T (no nn.Linear); q heads grouped with their k/v head
+        return T.FalconForCausalLM, T.FalconConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                                                  new_decoder_architecture=True, num_kv_heads=2, use_cache=False)
     if name == "bert":     # three projections named dense
         return T.BertForMaskedLM, T.BertConfig(vocab_size=V, hidden_size=D, intermediate_size=128,
                                                 num_hidden_layers=2, num_attention_heads=H)
@@ -63,7 +67,7 @@ def _export(name: str) -> tuple[torch.export.ExportedProgram, torch.Tensor]:
 @pytest.mark.slow  # exports of transformers models
 # projections split per layer: q, k, v, o and the MLP's (gate, up, down, or in, out)
 @pytest.mark.parametrize("name,per_layer", [("qwen2", 7), ("gemma2", 7), ("opt", 6), ("gptj", 6), ("starcoder2", 6),
-                                            ("bert", 6)])
+                                            ("bert", 6), ("falcon", 4)])
 def test_every_rank_reproduces_the_model(name: str, per_layer: int) -> None:
     ep, ids = _export(name)
     program = capture(ep, options=ProgramOptions(True, target_kind="cpu"))
@@ -85,3 +89,41 @@ def test_a_norm_over_all_heads_is_refused_in_one_line() -> None:
                                           r"a reduction over the split dimension") as err:
         shard_export(ep, module_plan(program, ParallelConfig(tp=2)), 2)
     assert "\n" not in str(err.value)
+
+
+class _TransposedLinear(torch.nn.Module):
+    """A linear written as Falcon's ``FalconLinear`` is: ``x @ self.weight.T + self.bias``."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _TransposedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = _TransposedLinear(D, 2 * D), _TransposedLinear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_a_linear_written_as_a_matmul_by_the_transposed_weight_splits_like_a_linear() -> None:
+    """``x @ w.T`` of a planned weight is rewritten as ``linear(x, w)``: up colwise (its bias split with it), down
+    rowwise with its bias added once after the all-reduce; the ranks reproduce the model."""
+    ep = export_stack(_TransposedMLP, D)
+    program = capture(ep, options=ProgramOptions(True, target_kind="cpu"))
+    plan = module_plan(program, ParallelConfig(tp=2))
+    assert {k: v for k, v in plan.items() if k.startswith("layers.0.")} == {
+        "layers.0.up.weight": "colwise", "layers.0.up.bias": "colwise", "layers.0.down.weight": "rowwise",
+        "layers.0.down.bias": "rowwise"}
+    sharded = shard_export(ep, plan, 2)
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ep.module()(x)
+    for out in run_ranks(sharded, ep, 2, plain_layout(plan), [x]):
+        torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)

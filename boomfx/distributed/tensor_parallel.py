@@ -104,6 +104,7 @@ _POINTWISE = {
     aten.clamp_max.default, aten.log.default,
 }
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_FULL_TRANSPOSES = {aten.numpy_T.default, aten.t.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.var.correction}
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}
@@ -280,6 +281,10 @@ class _Sharder:
             if any(self.of(a) is not None for a in node.args[2:4]):
                 raise _fail(node, "split normalisation weights")
             return d
+        if target in _FULL_TRANSPOSES:   # ``w.T`` / ``w.t()``: every dimension reversed
+            return _ndim(node) - 1 - self.of(node.args[0])
+        if target is aten.matmul.default and self.transposed_weight(node.args[1]) is not None:
+            return self.weight_matmul(node)
         if target in (aten.matmul.default, aten.bmm.default):
             return self.batched_matmul(node)
         raise _fail(node, "no tensor-parallel rule for this op (give a --tp-plan that keeps it replicated)")
@@ -612,6 +617,24 @@ class _Sharder:
             raise _fail(node, "a reduction over the split dimension")
         keep = len(node.args) > 2 and bool(node.args[2]) or bool(node.kwargs.get("keepdim", False))
         return d if keep else d - sum(1 for x in dims if x < d)
+
+    def transposed_weight(self, arg: Any) -> Optional[fx.Node]:
+        """The planned 2-D weight ``arg`` transposes (``w.T``, ``w.t()``), else None."""
+        if not (isinstance(arg, fx.Node) and arg.target in _FULL_TRANSPOSES):
+            return None
+        w = arg.args[0]
+        planned = isinstance(w, fx.Node) and w.op == "placeholder" and w.name in self.style
+        return w if planned and _ndim(w) == 2 else None
+
+    def weight_matmul(self, node: fx.Node) -> Split:
+        """``x @ w.T`` of a planned weight (Falcon's ``FalconLinear``) is ``linear(x, w)``: rewritten as one, it
+        splits and reduces as ``nn.Linear`` does (the re-trace lowers both to the same matmul)."""
+        x, transposed = node.args[0], node.args[1]
+        node.target = aten.linear.default
+        node.args = (x, self.transposed_weight(transposed))
+        if not transposed.users:
+            self.graph.erase_node(transposed)
+        return self.linear(node)
 
     def batched_matmul(self, node: fx.Node) -> Split:
         a, b = node.args[:2]
