@@ -120,7 +120,10 @@ def gemm_time_ns(b: np.ndarray, m: np.ndarray, n: np.ndarray, k: np.ndarray, *, 
         base_tiles = b * _ceil_div(m, tm) * _ceil_div(n, tn)
         for split in family.split_k:
             depth = np.ceil(k / split)
-            e = p.e_max * e_tile * depth / (depth + p.k_half)
+            # an empty contraction (k = 0: a weight gradient over zero tokens) has no tile work, only its
+            # zeroed output to write; without the guard its efficiency 0 made the time 0/0 = NaN
+            fill = np.divide(depth, depth + p.k_half, out=np.zeros_like(depth), where=depth > 0)
+            e = np.maximum(p.e_max * e_tile * fill, 1e-12)
             tiles_per_sm = np.ceil(base_tiles * split / sm_count)   # the busiest SM's share of the grid
             tile_ns = 2.0 * tm * tn * depth / (sm_flops_per_ns * e)
             t = tiles_per_sm * tile_ns

@@ -72,6 +72,13 @@ def test_dram_bound_counts_two_byte_operands_and_output():
     assert core.gemm_time_ns(1, 1, 8192, 8192, **kw) == pytest.approx(268_500.992)
 
 
+def test_an_empty_contraction_costs_its_output_write():
+    # k = 0 (a weight gradient over zero tokens): no tile work, the [m, n] bf16 output written: 2 * 256 * 512
+    # bytes at 1e12 B/s = 262.144 ns; an efficiency of 0 once made it NaN
+    kw = dict(peak_flops_per_s=108e12, bandwidth_bytes_per_s=1e12, sm_count=108, family=ONE_TILE, params=IDEAL)
+    assert core.gemm_time_ns(1, 256, 512, 0, **kw) == pytest.approx(262.144)
+
+
 def test_shape_table_interpolates_in_log2_sizes_and_clamps():
     # 2x1x1 grid: log ratio 0 at m=1, log(2) at m=4; m=2 is halfway in log2: exp(log(2)/2) = sqrt(2)
     table = ShapeTable((0.0, 2.0), (5.0,), (5.0,), (((0.0,),), ((math.log(2.0),),)))
