@@ -264,6 +264,8 @@ def test_cli_bad_input(capsys, examples_dir: Path) -> None:
     assert "--block-size 24" in _bad(capsys, f, "--block-size", "24", "--db", "none")
     # 0.0001 x 16 GiB = 1.7 MiB cannot hold the weights (0.6 MiB) and the profiling peak
     assert "does not fit" in _bad(capsys, f, "--device", "t4", "--gpu-memory-utilization", "0.0001", "--db", "none")
+    # no attention to page: refused, saying how to export one that has it
+    assert "attn_implementation='sdpa'" in _bad(capsys, str(examples_dir / "mlp.pt2"), "--db", "none")
 
 
 def test_cli_serve_prints_plan_steps_and_workload(capsys, examples_dir: Path) -> None:

@@ -258,7 +258,9 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
     sdpa = [n for n in graph.nodes if n.op == "call_function" and _packet(n) in SDPA_OPS]
     if not sdpa:
         raise ServingModelError("no scaled_dot_product_attention in the graph: boomfx serve needs a decoder whose "
-                                "attention is exported as SDPA")
+                                "attention is exported as SDPA (transformers: from_pretrained/from_config with "
+                                "attn_implementation='sdpa'; attention written out as matmul and softmax, as "
+                                "ALiBi models' is, is not served)")
     try:
         batch, seq = program.symbol("batch"), program.symbol("seq")
     except KeyError:
