@@ -72,6 +72,9 @@ MODEL_DIMS = {
     # 4 layers: interleaved 1F1B's 2 ranks x 2 chunks of one layer each
     "llama4": dict(vocab=VOCAB, d=64, layers=4, heads=4, kv_heads=2, hidden=128),
     "gpt4": dict(vocab=VOCAB, d=64, layers=4, heads=4, max_seq=64),
+    # GPT-2's tied head (lm_head.weight is wte.weight): under pp both end stages hold it, and the step
+    # all-reduces its gradient over them before AdamW (Megatron's embedding group)
+    "gpt_tied": dict(vocab=VOCAB, d=64, layers=2, heads=4, max_seq=64, tied=True),
     # 8 layers: interleaved 1F1B with 4 chunks per rank (the runtime then reshards and re-gathers chunks)
     "llama8": dict(vocab=VOCAB, d=64, layers=8, heads=4, kv_heads=2, hidden=128),
     # wider (d=256, 4 layers): step time where kernels, not Python's per-op work, decide it
@@ -455,9 +458,22 @@ def _prepare(cfg: TruthConfig, rank: int) -> tuple[Any, list[torch.nn.Parameter]
         schedule = cls(stage, cfg.microbatches, loss_fn=_loss_fn(cfg))
         idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(data_seed))
         target = _labels(cfg, data_seed)
+        sync = None
+        if MODEL_DIMS[cfg.model].get("tied"):
+            # the tied weight's copies on the end stages sum their gradients over a group of their own
+            # (Megatron's embedding group; on the pp group itself gloo pairs the group's first collective,
+            # tag 0, with the stages' sends); the stage's own parameter: TP and FSDP replace it with a
+            # DTensor of their own, whose local part is reduced
+            tied_group = _end_stage_group(cfg.world, stages, rank)
+            stage_module = module.module if hasattr(module, "no_sync") else module
+            if tied_group is not None:
+                tied = stage_module.embed.weight if stage_id == 0 else stage_module.lm_head.weight
+
+                def sync() -> None:
+                    dist.all_reduce(_local(tied.grad), group=tied_group)
 
         return (_schedule_step(schedule, opt, idx, target, stage_id == 0, stage_id == stages - 1,
-                               lambda: _loss_context(cfg)),
+                               lambda: _loss_context(cfg), sync),
                 opt, named)
 
     idx = torch.randint(0, VOCAB, (cfg.batch, cfg.seq), generator=gen)
@@ -549,11 +565,23 @@ def _interleaved_step(cfg: TruthConfig, model: torch.nn.Module, rank: int) -> tu
     return _schedule_step(schedule, opt, idx, target, 0 in chunks, total - 1 in chunks), opt, named
 
 
+def _end_stage_group(world: int, stages: int, rank: int) -> Any:
+    """The process group of ``rank``'s first and last pipeline stages (None for a rank of neither), made on
+    every rank: pp alone has one stage per rank; the combined meshes put pp=2 outermost."""
+    import torch.distributed as dist
+
+    half = world // 2
+    pairs = [(0, world - 1)] if stages == world else [(j, half + j) for j in range(half)]
+    groups = [dist.new_group(list(pair)) for pair in pairs]
+    return next((g for pair, g in zip(pairs, groups) if rank in pair), None)
+
+
 def _schedule_step(schedule: Any, opt: Any, idx: torch.Tensor, target: torch.Tensor, first: bool,
-                   last: bool, context: Any = None) -> Any:
+                   last: bool, context: Any = None, sync: Any = None) -> Any:
     """One pipeline training step: the rank holding the first stage feeds the batch, the one holding the
     last the loss target, then AdamW. ``context``: makes the context entered around the schedule (loss
-    parallel's, as torchtitan's ``train_context`` wraps ``pp_schedule.step``)."""
+    parallel's, as torchtitan's ``train_context`` wraps ``pp_schedule.step``); ``sync``: runs between the
+    schedule and AdamW (a tied weight's gradient all-reduce)."""
 
     def step() -> None:
         with context() if context is not None else contextlib.nullcontext():
@@ -563,6 +591,8 @@ def _schedule_step(schedule: Any, opt: Any, idx: torch.Tensor, target: torch.Ten
                 schedule.step(target=target, losses=[])
             else:
                 schedule.step()
+        if sync is not None:
+            sync()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

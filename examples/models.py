@@ -55,15 +55,19 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2-style decoder: learned positions, pre-LN blocks, causal SDPA, tied-free LM head."""
+    """GPT-2-style decoder: learned positions, pre-LN blocks, causal SDPA, an LM head of its own or, with
+    ``tied``, GPT-2's (``lm_head.weight`` is ``wte.weight``)."""
 
-    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 2, heads: int = 4, max_seq: int = 256) -> None:
+    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 2, heads: int = 4, max_seq: int = 256,
+                 tied: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_seq, d)
         self.h = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -178,12 +178,14 @@ def two_rank_gloo_runs():
 def four_rank_gloo_runs():
     """The 4-rank gloo truth runs of HSDP (test_distributed_memory.py), TP x FSDP
     (test_distributed_tp.py), PP x TP, PP x DDP (also with gradient_as_bucket_view), PP x FSDP, also
-    with FSDP mixed precision and resharding after forward, and PP x torchtitan's TP plan (test_distributed_pp.py), by name, in one
+    with FSDP mixed precision and resharding after forward, PP x torchtitan's TP plan and a tied GPT under PP x FSDP
+    and PP x TP (test_distributed_pp.py), by name, in one
     start of 4 processes (forked from distributed_truth's forkserver)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import distributed_truth as truth
     from gloo_checks import (MEMORY_FOUR_RANKS, PP_FSDP_INTERLEAVED, PP_FSDP_INTERLEAVED_RESHARDING,
-                             PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_FSDP_WRAP_ROOT, PP_TP_VOCAB)
+                             PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_FSDP_WRAP_ROOT, PP_TIED_FOUR_RANKS,
+                             PP_TP_VOCAB)
 
     configs = [truth.TruthConfig(model, parallel, 4, timed_steps=0)
                for parallel in ("tp_fsdp", "pp_tp", "pp_ddp") for model in ("llama", "gpt")]
@@ -192,5 +194,5 @@ def four_rank_gloo_runs():
     configs += [truth.TruthConfig(model, "pp_ddp", 4, seq=8, gradient_as_bucket_view=True, timed_steps=0)
                 for model in ("llama", "gpt")]
     configs += PP_FSDP_MIXED_PRECISION + PP_FSDP_RESHARD + PP_FSDP_INTERLEAVED + PP_FSDP_INTERLEAVED_RESHARDING
-    configs += PP_FSDP_WRAP_ROOT + PP_TP_VOCAB + MEMORY_FOUR_RANKS
+    configs += PP_FSDP_WRAP_ROOT + PP_TP_VOCAB + PP_TIED_FOUR_RANKS + MEMORY_FOUR_RANKS
     return {r.config.name: r for r in truth.run_configs(configs)}

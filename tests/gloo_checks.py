@@ -61,6 +61,12 @@ PP_TWO_RANKS = [
     truth.TruthConfig("llama4", "pp", 2, schedule="interleaved_1f1b", microbatches=2, timed_steps=0),
     truth.TruthConfig("gpt4", "pp", 2, schedule="interleaved_1f1b", microbatches=4, timed_steps=0),
 ] + [truth.TruthConfig(model, "pp", 2, timed_steps=0, loss="cross_entropy") for model in ("llama", "gpt")]
+# GPT-2's tied embedding and head on the two end stages, the gradient all-reduced between them
+PP_TIED = [truth.TruthConfig("gpt_tied", "pp", 2, schedule=schedule, timed_steps=0) for schedule in ("1f1b", "gpipe")]
+PP_TWO_RANKS += PP_TIED
+# ... with each stage's shards (the local part all-reduced) or TP ranks (the replicated copy)
+PP_TIED_FOUR_RANKS = [truth.TruthConfig("gpt_tied", "pp_fsdp", 4, reshard_after_forward=False, timed_steps=0),
+                      truth.TruthConfig("gpt_tied", "pp_tp", 4, timed_steps=0)]
 
 # tensor parallelism on 2 ranks (tests/test_distributed_tp.py): both models, then Llama with torchtitan's
 # vocabulary-parallel ends and with sequence parallelism, also with a language model's cross-entropy on

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import distributed_predict as predict  # noqa: E402
 import distributed_truth as truth  # noqa: E402
-from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_INTERLEAVED_RESHARDING, PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_FSDP_WRAP_ROOT, PP_TP_VOCAB, PP_TWO_RANKS, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
+from gloo_checks import PP_FSDP_INTERLEAVED, PP_FSDP_INTERLEAVED_RESHARDING, PP_FSDP_MIXED_PRECISION, PP_FSDP_RESHARD, PP_FSDP_WRAP_ROOT, PP_TIED, PP_TIED_FOUR_RANKS, PP_TP_VOCAB, PP_TWO_RANKS, assert_peaks_match, rank_classes, resident_bytes  # noqa: E402
 
 from boomfx.cli.main import main  # noqa: E402
 from boomfx.distributed.pipeline_stages import END, send_releases, stage_layer_ranges  # noqa: E402
@@ -77,12 +77,16 @@ def test_stage_parameters_and_adamw_state(cfg, pp_runs) -> None:
             == real[rank].start_optimizer_bytes
             == 2 * real[rank].start_param_bytes + 4 * n_params
         )
-    assert sum(resident_bytes(rc.program, "param") for rc in classes) == resident_bytes(program, "param")
+    # a tied weight (GPT-2's wte = lm_head) is held by both end stages: counted twice, once per stage
+    tied = {"wte.weight"} if truth.MODEL_DIMS[cfg.model].get("tied") else set()
+    tied_bytes = sum(int(n.meta["val"].nbytes) for n in program.graph.nodes
+                     if program.param_names.get(n.name) in tied and program.input_roles.get(n.name) == "param")
+    assert sum(resident_bytes(rc.program, "param") for rc in classes) == resident_bytes(program, "param") + tied_bytes
     # the real stages' parameter names are the model's, split as stage_layer_ranges says
     (lo0, hi0), (lo1, hi1) = stage_layer_ranges(2, 2)
     assert (lo0, hi0, lo1, hi1) == (0, 1, 1, 2)
     names = [set(rc.program.param_names.values()) for rc in classes]
-    assert not names[0] & names[1] and names[0] | names[1] == set(program.param_names.values()) - {None}
+    assert names[0] & names[1] == tied and names[0] | names[1] == set(program.param_names.values()) - {None}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -105,11 +109,58 @@ def test_send_recv_sizes_match_the_real_run(cfg, pp_runs) -> None:
             for n in rc.program.graph.nodes
             if is_p2p(n)
         ]
-        real = [(c["op"], c["numel"][0]) for c in pp_runs[cfg.name].ranks[rc.ranks[0]].collectives]
+        real = [(c["op"], c["numel"][0]) for c in pp_runs[cfg.name].ranks[rc.ranks[0]].collectives
+                if c["op"] in ("send", "recv")]   # a tied weight's all-reduce: test_tied_weight_...
         micro = cfg.batch // cfg.microbatches
         assert sorted(calls) == sorted(real) and all(n == micro * 32 * 64 for _, n in calls)
         if cfg.schedule == "gpipe":  # 1F1B fuses a send with the next receive into one batch
             assert [op for op, _ in calls] == [op for op, _ in real]
+
+
+@pytest.mark.parametrize("cfg", PP_TIED, ids=[c.name for c in PP_TIED])
+def test_tied_weight_gradient_is_all_reduced_between_the_end_stages(cfg, pp_runs) -> None:
+    """GPT-2's tied ``wte``/``lm_head`` weight cut into two stages: each stage's program ends its pipeline with
+    one all-reduce of the weight's whole gradient ([vocab, d] fp32) over the end stages' group, after its
+    sends and receives and before AdamW reads the gradient, as the real step runs it; each stage's
+    share is its own reader's (the embedding's backward on the first, the head's on the last)."""
+    from boomfx.distributed.mesh_groups import PP_TIED_GROUP
+
+    program, classes = rank_classes(cfg)
+    vocab, d = truth.MODEL_DIMS[cfg.model]["vocab"], truth.MODEL_DIMS[cfg.model]["d"]
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME[c.op], c.input_bytes // 4) for c in calls]
+        (rank,) = rc.ranks
+        assert predicted == [(c["op"], c["numel"][0]) for c in pp_runs[cfg.name].ranks[rank].collectives]
+        assert predicted[-1] == ("all_reduce", vocab * d) and [op for op, _ in predicted].count("all_reduce") == 1
+        nodes = list(rc.program.graph.nodes)
+        (reduce,) = [n for n in nodes if n.op == "call_function" and n.args[2:3] == (PP_TIED_GROUP,)]
+        share = next(name for name, fqn in rc.program.grad_nodes.items() if fqn == "wte.weight")
+        assert next(n for n in nodes if n.name == share).target is (
+            torch.ops.aten.embedding_dense_backward.default if rank == 0 else torch.ops.aten.t.default)
+        # after every pass, and AdamW's foreach ops read the reduced gradient
+        assert nodes.index(reduce) > max(nodes.index(n) for n in nodes if n.op == "call_function"
+                                          and rc.program.phase_of(n) in ("forward", "backward"))
+        (waited,) = reduce.users
+        assert waited.target is torch.ops._c10d_functional.wait_tensor.default
+        assert any(n.target is torch.ops.aten._foreach_lerp_.Scalar for n in waited.users)
+
+
+@pytest.mark.parametrize("cfg", PP_TIED_FOUR_RANKS, ids=[c.name for c in PP_TIED_FOUR_RANKS])
+def test_tied_weight_under_pp_fsdp_and_pp_tp_matches_gloo(cfg, four_rank_gloo_runs, pp_tp_classes,
+                                                           tmp_path_factory) -> None:
+    """The tied GPT's (stage, shard) and (stage, TP rank) peaks and collectives against the real run: under
+    FSDP each end stage all-reduces its shard of the gradient ([vocab / 2, d]) after the reduce-scatters;
+    under TP the weight is replicated on the TP ranks and the whole gradient is all-reduced."""
+    real = four_rank_gloo_runs[cfg.name]
+    db = tmp_path_factory.getbasetemp() / "pp_tp_cpu.db"
+    program, classes = pp_tp_classes(cfg)
+    assert_peaks_match(cfg, predict.predicted_rank_peaks(cfg, db=str(db), classes=classes), real)
+    vocab, d = truth.MODEL_DIMS[cfg.model]["vocab"], truth.MODEL_DIMS[cfg.model]["d"]
+    for rc, calls in class_collectives(cfg, program, classes):
+        predicted = [(GLOO_NAME.get(c.op, c.op), c.input_bytes // 4) for c in calls]
+        assert predicted[-1] == ("all_reduce", vocab * d // (2 if cfg.parallel == "pp_fsdp" else 1))
+        for rank in rc.ranks:
+            assert predicted == [(c["op"], c["numel"][0]) for c in real.ranks[rank].collectives]
 
 
 def test_1f1b_send_references_by_hand() -> None:

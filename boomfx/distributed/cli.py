@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
+from boomfx.distributed.mesh_groups import PP_TIED_GROUP
 from boomfx.distributed.plan import DEFAULT_BUCKET_CAP_MB, SCHEDULES, TP_PRESET, ParallelConfig
 from boomfx.core.errors import OptionError
 from boomfx.core.units import fmt_bytes, fmt_time
@@ -189,6 +190,13 @@ def render_parallel(parallel: dict[str, Any]) -> str:
     lines.append(
         f"  worst rank: {parallel['worst_rank']}; the report above is rank {parallel['shown_rank']}'s"
     )
+    tied = [(c["ranks"], col) for c in parallel["classes"] for col in c.get("collectives", ())
+            if col["group"] == PP_TIED_GROUP]
+    if tied:
+        holders = sorted(r for ranks, _ in tied for r in ranks)
+        lines.append(f"  a weight tied across the end stages (embedding and head): ranks {_ranks(holders)} hold a copy "
+                     f"each and all-reduce its gradient ({fmt_bytes(tied[0][1]['input_bytes'])} per rank) among "
+                     "the first and last stage after the pipeline, before the optimizer step (Megatron's embedding group)")
     times = parallel.get("time_by_class") or []
     if times:
         worst = max(times, key=lambda r: r["step_time_ns"])

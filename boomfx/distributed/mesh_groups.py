@@ -21,6 +21,9 @@ from boomfx.core.errors import OptionError
 from boomfx.kernels_db.collective_model import ClusterTopology, CollectiveGroup
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")     # outermost first
+# the first and last pipeline ranks of a rank's pp group (Megatron's embedding group): a weight tied
+# across those stages has its gradient all-reduced over it (pipeline_stages.py, pp_tied_weights.py)
+PP_TIED_GROUP = "pp_tied"
 
 
 def mesh_coords(degrees: Mapping[str, int], rank: int) -> dict[str, int]:
@@ -42,7 +45,8 @@ def mesh_rank(degrees: Mapping[str, int], coords: Mapping[str, int]) -> int:
 
 
 def mesh_groups(degrees: Mapping[str, int], rank: int, topology: ClusterTopology) -> dict[str, CollectiveGroup]:
-    """Mesh dimension name -> the ``CollectiveGroup`` of ``rank`` along it (every dimension, size 1 included)."""
+    """Mesh dimension name -> the ``CollectiveGroup`` of ``rank`` along it (every dimension, size 1 included),
+    and ``PP_TIED_GROUP`` -> the first and last ranks of its pp group."""
     unknown = set(degrees) - set(MESH_ORDER)
     if unknown:
         raise OptionError(f"unknown mesh dimensions {sorted(unknown)} (known: {', '.join(MESH_ORDER)})")
@@ -57,4 +61,6 @@ def mesh_groups(degrees: Mapping[str, int], rank: int, topology: ClusterTopology
     for name in MESH_ORDER:
         ranks = tuple(mesh_rank(degrees, {**here, name: i}) for i in range(int(degrees.get(name, 1))))
         groups[name] = CollectiveGroup(ranks, topology)
+    ends = (0, int(degrees.get("pp", 1)) - 1)
+    groups[PP_TIED_GROUP] = CollectiveGroup(tuple(dict.fromkeys(groups["pp"].ranks[i] for i in ends)), topology)
     return groups

@@ -45,9 +45,11 @@ Known limitations:
 - Interleaved 1F1B with dp_replicate is refused (OptionError): torch 2.13's DDP fails under
   ``ScheduleInterleaved1F1B`` (its reducer's bucket rebuild asserts, seen on gloo); with dp_shard it is
   built for any number of chunks per rank (``pp_fsdp.py``: the runtime keeps 3 gathered at a time).
-- One activation crosses each stage boundary (the residual stream); a model that hands more, or
-  ties a parameter across stages (tied embeddings), is refused. A length the graph reads off an
-  earlier stage's tensor is not a second activation: it is read off the received one.
+- One activation crosses each stage boundary (the residual stream); a model that hands more is
+  refused. A length the graph reads off an earlier stage's tensor is not a second activation: it is
+  read off the received one. A parameter tied across stages (an embedding and head) is held by each
+  stage that reads it, its gradient all-reduced over them before the step (``pp_tied_weights.py``);
+  with a vocabulary-parallel TP plan it is refused.
 
 Combinations (``ranks._pipeline_classes``): with ``tp`` the stages are cut from the TP rank's program
 (``tensor_parallel.tp_rank_program``), so each micro-batch copy carries its TP all-reduces (with
@@ -86,7 +88,9 @@ from boomfx.core.program import (
     Program,
 )
 from boomfx.distributed.graph_edit import owning_layer
+from boomfx.distributed.mesh_groups import PP_TIED_GROUP
 from boomfx.distributed.p2p import p2p_ops
+from boomfx.distributed.pp_tied_weights import shared_weights, tied_gradients
 from boomfx.distributed.plan import ParallelConfig
 from boomfx.passes.specs import to_sympy
 from boomfx.simulate.pipeline import BACKWARD, FORWARD, stage_orders
@@ -94,6 +98,7 @@ from boomfx.training.expand import STORAGE_KEY
 from boomfx.training.checkpointing import find_layer_list, layer_names
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 _getitem = operator.getitem
 ROLE_COMM_BUFFER = "comm_buffer"
 META_CARRIED = "boomfx.pp_carried"  # node names held from one step into the next
@@ -189,6 +194,9 @@ class _Split:
     # ``sym_size`` per symbol, on whichever tensor it met first: Phi's layer 1 reads the sequence length
     # off layer 0's attention output) -> (the stage's received activation, its dim)
     fwd_sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]]
+    # weights tied across stages: their gradient node -> stage -> the node of its backward that sums the
+    # stage's own contributions (``pp_tied_weights.tied_gradients``)
+    tied: dict[torch.fx.Node, dict[int, torch.fx.Node]] = dataclasses.field(default_factory=dict)
 
 
 def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
@@ -260,7 +268,7 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         (act_in[s],) = crossing
         if act_in[s] not in set(fwd[s - 1]):
             raise OptionError(f"pipeline stage {s}: its input {act_in[s].name} is not stage {s - 1}'s output")
-    _refuse_weights_shared_across_stages(program, graph, fwd)
+    shared = shared_weights(program, graph, fwd)
     # backward: a layer's ops to its stage; the head's and norm's before any layer's to the last stage,
     # the embedding's after them to the first; ops of no module to the stage of the op before them
     bwd: list[list[torch.fx.Node]] = [[] for _ in range(pp)]
@@ -273,6 +281,7 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         elif module_path(n):
             current = 0 if seen_layer else last
         bwd[current].append(n)
+    tied = tied_gradients(program, shared, bwd)
     grad_in: list[Optional[torch.fx.Node]] = [None] * pp
     sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = [{} for _ in range(pp)]
     for s in range(pp):
@@ -310,14 +319,14 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
         used = [p for p in graph.nodes if p.op == "placeholder" and program.input_roles.get(p.name) == ROLE_PARAM
                 and any(u in set(fwd[s]) | set(bwd[s]) for u in p.users)]
         for p in used:
-            if p in owner_of_param:
+            if p in owner_of_param and p not in shared:
                 raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
-                                  f"used by stages {owner_of_param[p]} and {s} (tied weights across stages are not modelled: "
-                                  f"export untied, e.g. tie_word_embeddings=False, or parallelise without pp instead)")
+                                  f"used by the backwards of stages {owner_of_param[p]} and {s} (a weight shared "
+                                  "across stages is modelled where the forwards of the stages read it)")
             owner_of_param[p] = s
         params.append(used)
     names = [tuple(layers[lo:hi]) for lo, hi in ranges]
-    return _Split(fwd, bwd, act_in, grad_in, output, params, sizes_in, fwd_sizes_in), names
+    return _Split(fwd, bwd, act_in, grad_in, output, params, sizes_in, fwd_sizes_in, tied), names
 
 
 def _resource_sizes(crossing: set[torch.fx.Node], stage: list[torch.fx.Node],
@@ -530,6 +539,12 @@ def stage_programs(program: Program, cfg: ParallelConfig, copies: Optional[int] 
         raise OptionError(reason)
     v = cfg.stages_per_rank
     split, names = _split(program, cfg.pp * v)
+    if split.tied and cfg.tp > 1 and cfg.vocab_parallel:
+        fqns = sorted(program.grad_nodes[g.name] for g in split.tied)
+        raise OptionError(f"pipeline parallelism: {', '.join(fqns)} is tied across stages and the TP plan splits the "
+                          "vocabulary (torch's DTensor leaves the embedding's gradient replicated and the head's "
+                          "sharded, so their sum needs a redistribution this does not model): give --tp-plan "
+                          "default, or export the model untied")
     m = copies or cfg.num_microbatches
     interleaved = cfg.pp_schedule == "interleaved_1f1b"
     orders = stage_orders("interleaved" if interleaved else cfg.pp_schedule, cfg.pp, m, v)
@@ -639,6 +654,16 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
 
     by_name = {n.name: n for n in src.nodes}
     grad_node_of = {by_name[name]: fqn for name, fqn in program.grad_nodes.items() if name in by_name}
+    # a tied weight's gradient on this rank: its own chunk's share of the sum (all-reduced after the pipeline)
+    tied_share: dict[torch.fx.Node, torch.fx.Node] = {}   # the weight's gradient node -> this rank's share
+    for grad, shares in split.tied.items():
+        fqn = grad_node_of.pop(grad)
+        here = [shares[k] for k in chunks if k in shares]
+        if len(here) > 1:
+            raise OptionError(f"pipeline parallelism: two chunks of rank {s} read the tied weight {fqn} (not modelled)")
+        if here:
+            grad_node_of[here[0]] = fqn
+            tied_share[grad] = here[0]
     stage_bwd = {n for k in chunks for n in split.bwd[k]}
     accumulated: dict[torch.fx.Node, torch.fx.Node] = {}  # original grad node -> this stage's .grad
     ready: dict[torch.fx.Node, torch.fx.Node] = {}  # ... -> its last accumulation so far
@@ -722,6 +747,12 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
         extra_uses.setdefault(anchor.name, []).append(sent_tensor[key].name)
     # AdamW on the stage's parameters, its gradients the accumulated .grad
     opt_env: dict[torch.fx.Node, torch.fx.Node] = {orig: g for orig, g in accumulated.items()}
+    # a tied weight's .grad summed over the stages that hold it, before the step (pp_tied_weights.py): it
+    # reads the .grad as the optimizer does (FSDP's rewrite hands both the sharded gradient)
+    for grad, share in tied_share.items():
+        g = accumulated[share]
+        reduced = call(c10d.all_reduce_.default, (g, "sum", PP_TIED_GROUP), g.meta["val"], PHASE_OPTIMIZER, share)
+        opt_env[grad] = call(c10d.wait_tensor.default, (reduced,), g.meta["val"], PHASE_OPTIMIZER, share)
     for n in opt_nodes:
         a, k = opt_args[n]
         a, k = torch.fx.node.map_arg((a, k), lambda x: opt_env[x] if x in opt_env else static[x])
@@ -758,18 +789,3 @@ def carried_bytes(program: Program, ev: object) -> int:
 
     names = set(program.gm.meta.get(META_CARRIED, ()))
     return sum(int(ev(_compute_nbytes(n.meta["val"]))) for n in program.graph.nodes if n.name in names)
-
-
-def _refuse_weights_shared_across_stages(program: Program, graph: torch.fx.Graph,
-                                         fwd: list[list[torch.fx.Node]]) -> None:
-    """A weight read by the forwards of two stages (a tied embedding and head) is refused by name
-    before the backward is cut (there its gradient would cross stages as a second tensor)."""
-    stage_of = {n: s for s, nodes in enumerate(fwd) for n in nodes}
-    for p in graph.nodes:
-        if p.op != "placeholder" or program.input_roles.get(p.name) != ROLE_PARAM:
-            continue
-        stages = sorted({stage_of[u] for u in p.users if u in stage_of})
-        if len(stages) > 1:
-            raise OptionError(f"pipeline parallelism: parameter {program.param_names.get(p.name, p.name)} is "
-                              f"used by stages {stages[0]} and {stages[-1]} (tied weights across stages are not modelled: "
-                              f"export untied, e.g. tie_word_embeddings=False, or parallelise without pp instead)")

@@ -86,6 +86,7 @@ from boomfx.distributed.pipeline_stages import (
     META_LAYOUT,
     StageProgram,
 )
+from boomfx.distributed.pp_tied_weights import resize_tied_reductions
 from boomfx.simulate.pipeline import PipelinePass, unshard_reshard
 
 aten = torch.ops.aten
@@ -416,6 +417,7 @@ def _finish(program: Program, graph: torch.fx.Graph, phases: dict[str, str], edi
             moved: dict[str, str], erased: set, last_backward: torch.fx.Node,
             sharded_grads: dict[torch.fx.Node, str]) -> Program:
     """The rewritten stage program: gradients named by their sharded views, the runtime uses merged."""
+    resize_tied_reductions(graph)
     graph.lint()
     new_grad_nodes = {s.name: program.param_names.get(p, p) for s, p in sharded_grads.items()}
     uses: dict[str, tuple[str, ...]] = {}
