@@ -8,7 +8,8 @@ One command::
     python benchmarks/serving_cpu.py --models llama --iters 5
 
 For each model (built from a config, random weights, no download: Llama-style GQA, GPT-BigCode MQA,
-Falcon MQA, Qwen2-MoE):
+Falcon MQA, Qwen2-MoE; held out, ``--models gemma2,gptoss --out serving_cpu_eager``: Gemma-2 and GPT-OSS,
+whose attention transformers runs written out):
 
 1. export ``model(input_ids)`` (``strict=False``, dynamic batch and sequence, ``use_cache=False``);
 2. real steps, as ``generate`` runs them (default threads, wall clock, median of ``--iters`` after
@@ -73,6 +74,15 @@ def build(name: str, layers: int = 4) -> torch.nn.Module:
         cfg = tf.FalconConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, multi_query=True,
                               new_decoder_architecture=False, **common)
         model = tf.FalconForCausalLM(cfg)
+    elif name == "gemma2":   # held out: attention written out (transformers has no SDPA path for it)
+        cfg = tf.Gemma2Config(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, **common)
+        model = tf.Gemma2ForCausalLM(cfg)
+    elif name == "gptoss":   # held out: written out with attention sinks; windows past every context here
+        cfg = tf.GptOssConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_local_experts=4,
+                              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              max_position_embeddings=2048, sliding_window=4096, **common)
+        model = tf.GptOssForCausalLM(cfg)
     elif name == "qwen2moe":
         cfg = tf.Qwen2MoeConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, moe_intermediate_size=256,
                                 shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
@@ -397,6 +407,8 @@ def main() -> int:
                     help="also price decode steps from these models' decode-step exports (e.g. llama,qwen2moe)")
     ap.add_argument("--no-plain", action="store_true",
                     help="skip the plain exports (with --cache-export; writes serving_cpu_decode_export.*)")
+    ap.add_argument("--out", default="", help="results file stem (default serving_cpu, or serving_cpu_decode_export "
+                                              "with --no-plain)")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (default: torch's); 1 on a shared host: timed by this thread's CPU time")
     args = ap.parse_args()
@@ -436,7 +448,7 @@ def main() -> int:
     meta["host_overhead"] = {"per_module_call_ns": overhead.per_module_call_ns,
                              "calibration": calibration}
     write({"meta": meta, "summary": summary, "models": per_model, "rows": rows, "kv": kv, "simulation": simulation,
-           "cache_export_rows": cache_rows}, stem="serving_cpu_decode_export" if args.no_plain else "serving_cpu")
+           "cache_export_rows": cache_rows}, stem=args.out or ("serving_cpu_decode_export" if args.no_plain else "serving_cpu"))
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -2,7 +2,7 @@
 decode-step export that carries a ``DynamicCache``, and a real CPU decode loop (the truth)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.export import Dim
@@ -31,6 +31,19 @@ def sliding(kind: str, window: int) -> Any:
         return transformers.MistralForCausalLM(transformers.MistralConfig(num_hidden_layers=2, **common)).eval()
     return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(num_hidden_layers=6, head_dim=16,
                                                                         **common)).eval()
+
+
+def gemma2(layers: int = 2, window: Optional[int] = 8) -> Any:
+    """A Gemma-2 text model: transformers runs its attention written out (``_supports_sdpa = False``: logit
+    soft-capping), every other layer sliding over ``window`` tokens (None: every layer full), the final
+    logits soft-capped."""
+    import transformers
+    torch.manual_seed(0)
+    types = {} if window is not None else {"layer_types": ["full_attention"] * layers}
+    cfg = transformers.Gemma2Config(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                    max_position_embeddings=512, sliding_window=window or 4096, **types)
+    return transformers.Gemma2ForCausalLM(cfg).eval()
 
 
 def export_plain(model: Any) -> torch.export.ExportedProgram:

@@ -6,10 +6,12 @@ scheduled tokens of all sequences are flattened into one batch for the token-wis
 reads each sequence's cached K/V instead, and logits are computed only for the tokens it samples.
 This module splits the graph's nodes into those three roles:
 
-1. **attention sites**: every ``scaled_dot_product_attention`` (one per attention layer), with its
-   query heads, KV heads, head sizes and dtype. KV heads are read *before* any GQA expansion
+1. **attention sites**: every ``scaled_dot_product_attention`` (one per attention layer), or every
+   attention written out as ``matmul -> softmax -> matmul`` (``eager_attention.py``: Gemma-2, GPT-OSS,
+   hand-written models), with its query heads, KV heads, head sizes and dtype. KV heads are read *before* any GQA expansion
    (``repeat_kv``'s ``unsqueeze -> expand -> reshape``), which the engine's kernels never run;
-2. **attention-side nodes** (replaced by the engine's attention): the SDPA nodes, the GQA expansion
+2. **attention-side nodes** (replaced by the engine's attention): the SDPA nodes (or the written-out
+   attention's matmuls and the score ops between them), the GQA expansion
    chains feeding their key/value, and the nodes that only build the attention mask (ancestors of
    the mask that no query/key/value depends on: a ``[B, 1, S, S]`` causal mask is quadratic in the
    export's sequence, and a paged kernel builds none);
@@ -18,8 +20,9 @@ This module splits the graph's nodes into those three roles:
 4. everything else is **token-wise**: priced at ``batch=1 x seq=N`` for ``N`` scheduled tokens.
 
 Known limitations:
-- NB: models whose attention is not an SDPA op (eager ``matmul -> softmax -> matmul``) are refused:
-  their score matrix cannot be told apart from token-wise work.
+- NB: an attention bias added to the scores from its own computation (ALiBi's slopes, relative
+  positions) is not recognised as a mask: such models are refused, and a graph that mixes SDPA
+  calls with written-out attention is refused.
 
 Exports that already carry a KV cache (past keys/values as inputs, ``boomfx/serving/cache_inputs.py``):
 the KV-cache shape of each layer is read from its cache input, the past length becomes the
@@ -40,6 +43,7 @@ import torch.fx
 
 from boomfx.core.errors import BoomfxError
 from boomfx.core.program import ROLE_BUFFER, ROLE_CONSTANT, ROLE_PARAM, Program, SymbolInfo
+from boomfx.serving.eager_attention import eager_attentions
 
 aten = torch.ops.aten
 
@@ -52,7 +56,8 @@ _INSERT_DIM_OPS = frozenset({aten.unsqueeze, aten.slice, aten.index, aten.alias}
 _LOGITS_MATMULS = frozenset({aten.linear, aten.mm, aten.addmm, aten.matmul, aten.bmm})
 _LOGITS_TAIL_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous,
                               aten.clone, aten.slice, aten.alias, aten.squeeze, aten.unsqueeze,
-                              aten._assert_tensor_metadata})
+                              aten._assert_tensor_metadata,
+                              aten.div, aten.tanh, aten.mul})   # final logit soft-capping (Gemma-2)
 # a tensor-parallel head's logits gathered to every rank (boomfx/serving/tensor_parallel.py): all-gather,
 # wait, then its shards cut apart and concatenated on the vocabulary
 _c10d = torch.ops._c10d_functional
@@ -82,6 +87,10 @@ class AttentionSite:
     # (Falcon's multi-query attention): broadcasting, which eager PyTorch's fused kernels refuse, so it
     # runs the math path (K/V expanded by copies, then bmm + softmax + bmm)
     broadcast_kv: bool = False
+    # the attention is written out as ops (``eager_attention.py``: ``node`` is its value matmul); under
+    # transformers' rules it runs them: SDPA's math path and ``score_passes`` more kernels over the scores
+    eager: bool = False
+    score_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,20 +206,20 @@ def _broadcasts_kv(node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node, k_ch
     return str(k.meta["val"].shape[1]) != str(q.meta["val"].shape[1])
 
 
-def _ancestors(roots: list[torch.fx.Node], skip_masks: bool = False) -> set[torch.fx.Node]:
-    """Every node ``roots`` depend on; with ``skip_masks`` not through an SDPA's mask (a later layer's
-    query depends on the earlier layer's attention output, not on how its mask was built)."""
+def _ancestors(roots: list[torch.fx.Node], attention_inputs: Optional[dict[torch.fx.Node, list[torch.fx.Node]]] = None
+               ) -> set[torch.fx.Node]:
+    """Every node ``roots`` depend on; through an attention site's node (``attention_inputs``: its query,
+    key and value) not through its mask (a later layer's query depends on the earlier layer's attention
+    output, not on how its mask was built)."""
     seen: set[torch.fx.Node] = set()
     stack = list(roots)
+    through = attention_inputs or {}
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        if skip_masks and n.op == "call_function" and _packet(n) in SDPA_OPS:
-            stack.extend(a for a in n.args[:3] if isinstance(a, torch.fx.Node))
-        else:
-            stack.extend(n.all_input_nodes)
+        stack.extend(through.get(n, n.all_input_nodes))
     return seen
 
 
@@ -256,11 +265,14 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
         raise ServingModelError("serving needs an inference program, not a training step")
     graph = program.graph
     sdpa = [n for n in graph.nodes if n.op == "call_function" and _packet(n) in SDPA_OPS]
-    if not sdpa:
-        raise ServingModelError("no scaled_dot_product_attention in the graph: boomfx serve needs a decoder whose "
-                                "attention is exported as SDPA (transformers: from_pretrained/from_config with "
-                                "attn_implementation='sdpa'; attention written out as matmul and softmax, as "
-                                "ALiBi models' is, is not served)")
+    eager = {e.output: e for e in eager_attentions(program)}
+    if not sdpa and not eager:
+        raise ServingModelError("no attention in the graph: boomfx serve needs a decoder whose attention is exported "
+                                "as scaled_dot_product_attention (transformers: attn_implementation='sdpa') or "
+                                "written out as matmul -> softmax -> matmul (attn_implementation='eager')")
+    if sdpa and eager:
+        raise ServingModelError(f"the graph mixes SDPA calls ({sdpa[0].name}) with attention written out as ops "
+                                f"({next(iter(eager)).name}); one kind per model is modelled")
     try:
         batch, seq = program.symbol("batch"), program.symbol("seq")
     except KeyError:
@@ -279,15 +291,22 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
     rewraps: set[str] = set()
     pasts: set[str] = set()
     names = {n.name: n for n in graph.nodes}
-    for node in sdpa:
-        q, k, v = (_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    attention_inputs: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in sdpa or list(eager):
+        if node in eager:      # written out: its matmuls' operands, the scores between them attention-side
+            e = eager[node]
+            q, k, v, mask = e.query, e.key, e.value, e.mask
+            replaced.update(e.between | {e.scores})
+        else:
+            q, k, v = (_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+            mask = _arg(node, 3, "attn_mask")
         if not all(isinstance(t, torch.fx.Node) for t in (q, k, v)):
             raise ServingModelError(f"{node.name}: query, key and value must be graph values")
+        attention_inputs[node] = [q, k, v]   # type: ignore[list-item]
         k_chain, k_base = _expansion_chain(k)   # type: ignore[arg-type]
         v_chain, v_base = _expansion_chain(v)   # type: ignore[arg-type]
         replaced.update(k_chain, v_chain)
         replaced.add(node)
-        mask = _arg(node, 3, "attn_mask")
         if isinstance(mask, torch.fx.Node):
             masks[node.name] = mask
         qv, kv, vv = q.meta["val"], k_base.meta["val"], v_base.meta["val"]   # type: ignore[union-attr]
@@ -316,10 +335,11 @@ def serving_model(program: Program, probe_windows: bool = True) -> ServingModel:
             node=node.name, module=_module_of(node), q_heads=_int(qv.shape[1], "query head count", node),
             kv_heads=_int(kv.shape[1], "KV head count", node), head_dim=_int(kv.shape[3], "head size", node),
             v_head_dim=_int(vv.shape[3], "value head size", node), dtype=kv.dtype,
-            causal=bool(_arg(node, 5, "is_causal")) or isinstance(mask, torch.fx.Node), cache_inputs=cache_inputs,
-            broadcast_kv=_broadcasts_kv(node, q, k, k_chain)))
+            causal=(node not in eager and bool(_arg(node, 5, "is_causal"))) or isinstance(mask, torch.fx.Node),
+            cache_inputs=cache_inputs, broadcast_kv=node not in eager and _broadcasts_kv(node, q, k, k_chain),
+            eager=node in eager, score_passes=eager[node].extra_score_passes if node in eager else 0))
     past = _past_symbol(program, pasts, sites)
-    mask_only = _ancestors(list(masks.values())) - _ancestors(qkv_bases, skip_masks=True)
+    mask_only = _ancestors(list(masks.values())) - _ancestors(qkv_bases, attention_inputs)
     replaced.update(n for n in mask_only if n.op == "call_function")
     replaced.update(names[n] for n in cache_writes)
     if probe_windows and masks:

@@ -49,6 +49,7 @@ class ServingSetup:
     whole: Optional[ServingModel] = None
     collectives: Optional[CollectiveTimes] = None
     tp_not_split: str = ""
+    windows: tuple[Optional[int], ...] = ()   # each layer's sliding window (None: full), what the steps read
 
     def request_blocks(self, context: int) -> int:
         """Blocks one request of ``context`` tokens holds over all groups."""
@@ -60,7 +61,7 @@ class ServingSetup:
         return StepPricer(self.analysis, self.model, self.engine, self.config, self.kv_dtype,
                           self.kv.kv_heads_per_rank, kv_write=kv_write, bucket_tokens=bucket_tokens,
                           interpolate=interpolate, host_overhead=host_overhead or HostOverhead(),
-                          collectives=self.collectives)
+                          collectives=self.collectives, windows=self.windows)
 
 
 _KV_TORCH_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
@@ -139,7 +140,7 @@ def setup(program: Program, device: DeviceSpec, engine: Optional[EngineRules] = 
                        graph_pool, max_model_len, windows=windows,
                        max_num_batched_tokens=config.max_num_batched_tokens, hybrid_kv_cache_manager=hybrid)
     return ServingSetup(rules, analysis, model, config, kv, kv_dtype, plan, kv_groups(windows, hybrid), whole,
-                        collectives, not_split)
+                        collectives, not_split, windows)
 
 
 def layer_windows(sites: Any, sliding_window: Optional[int]) -> tuple[Optional[int], ...]:

@@ -13,7 +13,8 @@ Its time is the sum of five parts (``docs/design.md`` "Where a kernel gets its p
    queries against their cached K/V (``B x ceil(mean context)`` tokens: the bytes of a paged kernel's
    read are linear in the total context). K/V are passed unexpanded (``enable_gqa``): a memory-bound
    read of the cache; under ``concat`` a model that broadcasts K/V heads (``AttentionSite.broadcast_kv``)
-   is called as it calls SDPA, on the math path eager PyTorch runs for it;
+   is called as it calls SDPA, on the math path eager PyTorch runs for it, and an attention written out
+   (``AttentionSite.eager``) as transformers runs it: K and V copied to the query heads, then the math path;
 3. **KV-cache writes**, per layer: ``paged`` (vLLM ``reshape_and_cache``): ``index_copy_`` of the
    ``N`` new K and V rows into the cache; ``concat`` (``transformers``' ``DynamicCache.update``):
    ``torch.cat`` of each decoding sequence's whole cache with its new token, a copy that grows with
@@ -43,7 +44,9 @@ Known limitations:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -137,7 +140,8 @@ class StepPricer:
     def __init__(self, analysis: Analysis, model: ServingModel, engine: EngineRules, config: EngineConfig,
                  kv_dtype: torch.dtype, kv_heads_per_rank: int, kv_write: Optional[str] = None,
                  bucket_tokens: int = 1, interpolate: bool = False, host_overhead: HostOverhead = HostOverhead(),
-                 collectives: Optional[Any] = None) -> None:
+                 collectives: Optional[Any] = None, windows: Sequence[Optional[int]] = ()) -> None:
+        """``windows``: each layer's sliding window (None: full attention; default: as the masks show)."""
         self.analysis = analysis
         self.model = model
         self.engine = engine
@@ -151,6 +155,7 @@ class StepPricer:
         self.collectives = collectives
         self._comm_cache: dict[tuple[int, int], PartTime] = {}
         self.site = model.uniform_site()
+        self.windows = tuple(windows) if windows else tuple(site.sliding_window for site in model.sites)
         self.cpu = analysis.device.kind == "cpu"
         self.graphs = (not self.cpu) and not config.enforce_eager
         self.capture_sizes = engine.cudagraph_sizes(config.max_num_seqs, config.max_num_batched_tokens) \
@@ -306,32 +311,52 @@ class StepPricer:
             hit = self._call_cache[key] = PartTime(device, p.host_ns, (source,))
         return hit
 
-    def _sdpa(self, batch: int, q_len: int, kv_len: int, causal: bool, mask: bool) -> OpCall:
+    def _sdpa(self, batch: int, q_len: int, kv_len: int, causal: bool, mask: bool, kv_heads: Optional[int] = None,
+              backend: Optional[str] = None) -> OpCall:
         s = self.site
+        kv_heads = kv_heads or self.kv_heads
         q = _spec((batch, s.q_heads, q_len, s.head_dim), s.dtype)
-        k = _spec((batch, self.kv_heads, kv_len, s.head_dim), self.kv_dtype)
-        v = _spec((batch, self.kv_heads, kv_len, s.v_head_dim), self.kv_dtype)
+        k = _spec((batch, kv_heads, kv_len, s.head_dim), self.kv_dtype)
+        v = _spec((batch, kv_heads, kv_len, s.v_head_dim), self.kv_dtype)
         attn_mask = _spec((1, 1, q_len, kv_len), torch.bool) if mask else None
         out = _spec((batch, s.q_heads, q_len, s.v_head_dim), s.dtype)
-        backend = "flash" if self.cpu else ("flash" if s.dtype in (torch.float16, torch.bfloat16) else "efficient")
+        fused = "flash" if self.cpu else ("flash" if s.dtype in (torch.float16, torch.bfloat16) else "efficient")
         # the engine reads the cache unexpanded (enable_gqa); transformers (``concat``) calls SDPA as the
         # model's graph does: a model that broadcasts K/V (site.broadcast_kv) runs eager's math path
         as_model = self.kv_write == KV_WRITE_CONCAT and s.broadcast_kv
         return OpCall.build(aten.scaled_dot_product_attention.default, (q, k, v),
                             {"attn_mask": attn_mask, "is_causal": causal,
-                             "enable_gqa": self.kv_heads != s.q_heads and not as_model},
-                            (out,), {"sdpa_backend": "math" if as_model else backend})
+                             "enable_gqa": kv_heads != s.q_heads and not as_model},
+                            (out,), {"sdpa_backend": backend or ("math" if as_model else fused)})
+
+    def _written_out(self, batch: int, q_len: int, kv_len: int, causal: bool, mask: bool) -> list[OpCall]:
+        """An attention written out (``site.eager``) as transformers' ``eager_attention_forward`` runs it:
+        ``repeat_kv``'s copies of K and V to the query heads (a contiguous copy each), then matmul,
+        softmax and matmul, which are SDPA's math path over the copies, and the site's other passes over
+        the scores (``score_passes``: soft-capping, sinks, the scale; one elementwise pass each)."""
+        s = self.site
+        heads = s.q_heads
+        calls = []
+        if self.kv_heads != heads:
+            for dim in (s.head_dim, s.v_head_dim):
+                copied = _spec((batch, heads, kv_len, dim), self.kv_dtype)
+                calls.append(OpCall.build(aten.clone.default, (copied,), {}, (copied,)))
+        scores = _spec((batch, heads, q_len, kv_len), s.dtype)
+        calls += [OpCall.build(aten.mul.Tensor, (scores, 1.0), {}, (scores,))] * s.score_passes
+        return calls + [self._sdpa(batch, q_len, kv_len, causal, mask, kv_heads=heads, backend="math")]
 
     def attention_calls(self, step: Step) -> list[OpCall]:
         """The attention calls of one layer of ``step``."""
+        attend = self._written_out if self.kv_write == KV_WRITE_CONCAT and self.site.eager else (
+            lambda *a: [self._sdpa(*a)])
         calls = []
         for chunk, context in step.prefills:
             whole = chunk == context
-            calls.append(self._sdpa(1, chunk, context, causal=whole, mask=not whole))
+            calls += attend(1, chunk, context, whole, not whole)
         if step.decode_contexts:
             b = len(step.decode_contexts)
             mean_ctx = math.ceil(sum(step.decode_contexts) / b)
-            calls.append(self._sdpa(b, 1, mean_ctx, causal=False, mask=False))
+            calls += attend(b, 1, mean_ctx, False, False)
         return calls
 
     def kv_write_calls(self, step: Step) -> list[OpCall]:
@@ -379,9 +404,12 @@ class StepPricer:
         return 0
 
     def calls(self, step: Step) -> list[OpCall]:
-        """Every call priced outside the graph for ``step`` (one layer's attention and writes; what a
-        kernel database for serving must measure)."""
-        out = self.attention_calls(step) + self.kv_write_calls(step)
+        """Every call priced outside the graph for ``step`` (one layer's attention and writes, and a sliding
+        layer's; what a kernel database for serving must measure)."""
+        out: list[OpCall] = []
+        for window in dict.fromkeys(self.windows):   # a sliding layer's calls on the step its window leaves
+            clipped = windowed(step, window)
+            out += self.attention_calls(clipped) + self.kv_write_calls(clipped)
         sampler = self.sampler_call(step.num_sampled)
         return out + ([sampler] if sampler is not None else [])
 
@@ -444,6 +472,14 @@ class StepPricer:
             total = total + self._cached((kind, "prefill", c, t), Step((), ((c, t),)), kind)
         return total
 
+    def _layers_part(self, kind: str, step: Step) -> PartTime:
+        """Every layer's attention or KV writes: a sliding layer's on the step as its window leaves it
+        (``windowed``), the full layers' on the whole contexts."""
+        total = PartTime()
+        for window, count in sorted(Counter(self.windows).items(), key=lambda wc: wc[0] or 0):
+            total = total + self._layer_part(kind, windowed(step, window)).scale(count)
+        return total
+
     def step_time(self, step: Step) -> StepTime:
         """The time of ``step`` (see the module docstring for the parts and the host model)."""
         if self.bucket > 1:   # the simulation: one price per bucketed step shape
@@ -463,8 +499,8 @@ class StepPricer:
         layers = self.model.num_layers
         parts = {
             "token_wise": self.token_part(n),
-            "attention": self._layer_part("attention", step).scale(layers),
-            "kv_cache_write": self._layer_part("write", step).scale(layers),
+            "attention": self._layers_part("attention", step),
+            "kv_cache_write": self._layers_part("write", step),
             "logits": self.logits_part(step.num_sampled if padded is None else padded),
         }
         parts["sampler"] = self.sampler_part(step.num_sampled)
@@ -506,18 +542,31 @@ class StepPricer:
         return hit
 
 
+def windowed(step: Step, window: Optional[int]) -> Step:
+    """``step`` as a layer sliding over ``window`` tokens runs it: a decode query reads at most the window's
+    keys (vLLM's kernels skip the blocks before it; transformers' ``DynamicSlidingWindowLayer`` keeps
+    ``window - 1`` past tokens, so its concatenation copies the window too), and a prefill chunk after
+    the first reads at most the ``chunk + window - 1`` keys its band spans. A chunk longer than the
+    window is still priced as full causal attention over itself (the band's skipped blocks are not)."""
+    if window is None:
+        return step
+    return dataclasses.replace(
+        step, decode_contexts=tuple(min(c, window) for c in step.decode_contexts),
+        prefills=tuple((c, t if t == c else min(t, c + window - 1)) for c, t in step.prefills),
+        sampled=step.num_sampled)
+
+
 # -- the engine's profiling run ------------------------------------------------------------------------
 
 def profile_activation_bytes(analysis: Analysis, model: ServingModel, num_tokens: int, num_sampled: int) -> int:
     """Peak bytes above the weights of the engine's profiling forward of ``num_tokens`` tokens.
 
     The liveness intervals of the graph at ``batch=1, seq=num_tokens``, less the storages only the
-    export makes (its attention mask and GQA-expanded K/V: attention-side nodes other than SDPA), with
+    export makes (its attention mask, GQA-expanded K/V and a written-out attention's scores: attention-side
+    nodes other than the attention's output), with
     the logits nodes' storages sized for the ``num_sampled`` tokens the engine computes logits for."""
-    from boomfx.serving.model import SDPA_OPS
-    graph_nodes = {n.name: n for n in model.program.graph.nodes}
-    dropped = {name for name in model.attention_side
-               if getattr(graph_nodes[name].target, "overloadpacket", None) not in SDPA_OPS}
+    outputs = {s.node for s in model.sites}   # the attention outputs (SDPA's, a written-out one's value matmul)
+    dropped = {name for name in model.attention_side if name not in outputs}
     dropped |= model.cache_input_names     # a cache export's past K/V: the KV cache itself, not the profile run's
     body = analysis.evaluator(model.bindings(1, max(1, num_tokens)))
     head = analysis.evaluator(model.bindings(1, max(1, num_sampled)))
