@@ -211,3 +211,22 @@ def test_transformers_rule_prices_the_written_out_attention_as_it_runs(plain: An
     assert concat[-1].context["sdpa_backend"] == "math" and int(concat[-1].args["key"].shape[1]) == 4
     assert len(paged) == 1 and int(paged[0].args["key"].shape[1]) == 2 and paged[0].args["enable_gqa"]
     assert price_call(concat[-1]).cost.flops == price_call(paged[0]).cost.flops == 4 * 2 * 4 * 64 * 16
+
+
+def test_the_engine_prices_a_long_prefill_of_a_sliding_layer_as_its_band(plain: Any) -> None:
+    """vLLM's kernels skip the key blocks outside a sliding layer's band: a fresh 33-token prompt over a
+    window of 8 is a causal block of 8 then blocks of at most 8 queries over the 15 keys their band spans.
+    transformers computes every score and masks them: the chunk stays whole under its rule. The engine's
+    sliding layer then costs less than its full layer on a 512-token prefill; under transformers' rule
+    both layers cost the same."""
+    from boomfx.serving.steps import KV_WRITE_PAGED, windowed
+    prompt = Step((), ((33, 33),))
+    assert windowed(prompt, WINDOW, banded=True).prefills == ((8, 8), (8, 15), (8, 15), (8, 15), (1, 8))
+    assert windowed(prompt, WINDOW).prefills == ((33, 33),)
+    assert windowed(Step((), ((16, 40),)), WINDOW, banded=True).prefills == ((8, 15), (8, 15))
+    long = Step((), ((512, 512),))
+    for rule, cheaper in ((KV_WRITE_PAGED, True), (KV_WRITE_CONCAT, False)):
+        pricer = plain.pricer(kv_write=rule)
+        sliding = pricer._layer_part("attention", windowed(long, WINDOW, banded=rule == KV_WRITE_PAGED))
+        full = pricer._layer_part("attention", long)
+        assert (sliding.device_ns < full.device_ns / 4) if cheaper else sliding.device_ns == full.device_ns

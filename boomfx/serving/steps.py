@@ -7,9 +7,10 @@ Its time is the sum of five parts (``docs/design.md`` "Where a kernel gets its p
 1. **token-wise**: every node of the export that is neither attention-side nor logits
    (``boomfx/serving/model.py``), priced by ``Analysis.evaluate`` at ``batch=1, seq=N`` (the engine
    flattens batch x sequence into ``N`` tokens);
-2. **attention**, per layer: one ``scaled_dot_product_attention`` call per prefill chunk, its ``c``
-   new queries against the ``t`` tokens of context so far (causal when the chunk is the whole
-   context; an explicit ``[c, t]`` mask otherwise), and one call for the decode batch: ``B`` single
+2. **attention**, per layer: one ``scaled_dot_product_attention`` call per shape of prefill chunk (the
+   chunks of one shape batched), its ``c`` new queries against the ``t`` tokens of context so far
+   (causal when the chunk is the whole context; an explicit ``[c, t]`` mask otherwise; a sliding
+   layer's as its window leaves the step, ``windowed``), and one call for the decode batch: ``B`` single
    queries against their cached K/V (``B x ceil(mean context)`` tokens: the bytes of a paged kernel's
    read are linear in the total context). K/V are passed unexpanded (``enable_gqa``): a memory-bound
    read of the cache; under ``concat`` a model that broadcasts K/V heads (``AttentionSite.broadcast_kv``)
@@ -350,9 +351,11 @@ class StepPricer:
         attend = self._written_out if self.kv_write == KV_WRITE_CONCAT and self.site.eager else (
             lambda *a: [self._sdpa(*a)])
         calls = []
-        for chunk, context in step.prefills:
+        # chunks of one shape in one call (vLLM's variable-length kernel takes them together; a sliding
+        # layer's band blocks, ``windowed``, are such chunks)
+        for (chunk, context), count in Counter(step.prefills).items():
             whole = chunk == context
-            calls += attend(1, chunk, context, whole, not whole)
+            calls += attend(count, chunk, context, whole, not whole)
         if step.decode_contexts:
             b = len(step.decode_contexts)
             mean_ctx = math.ceil(sum(step.decode_contexts) / b)
@@ -407,9 +410,9 @@ class StepPricer:
         """Every call priced outside the graph for ``step`` (one layer's attention and writes, and a sliding
         layer's; what a kernel database for serving must measure)."""
         out: list[OpCall] = []
+        banded = self.kv_write == KV_WRITE_PAGED
         for window in dict.fromkeys(self.windows):   # a sliding layer's calls on the step its window leaves
-            clipped = windowed(step, window)
-            out += self.attention_calls(clipped) + self.kv_write_calls(clipped)
+            out += self.attention_calls(windowed(step, window, banded)) + self.kv_write_calls(windowed(step, window))
         sampler = self.sampler_call(step.num_sampled)
         return out + ([sampler] if sampler is not None else [])
 
@@ -465,19 +468,21 @@ class StepPricer:
         if b:
             mean_ctx = self._rounded(math.ceil(sum(step.decode_contexts) / b))
             total = total + self._cached((kind, "decode", b, mean_ctx), Step((mean_ctx,) * b), kind)
+        shapes: Counter = Counter()
         for chunk, context in step.prefills:
-            whole = chunk == context
             c = self._rounded(chunk)
-            t = c if whole else max(c, self._rounded(context))
-            total = total + self._cached((kind, "prefill", c, t), Step((), ((c, t),)), kind)
+            shapes[(c, c if chunk == context else max(c, self._rounded(context)))] += 1
+        for (c, t), count in shapes.items():
+            total = total + self._cached((kind, "prefill", c, t, count), Step((), ((c, t),) * count), kind)
         return total
 
     def _layers_part(self, kind: str, step: Step) -> PartTime:
         """Every layer's attention or KV writes: a sliding layer's on the step as its window leaves it
         (``windowed``), the full layers' on the whole contexts."""
         total = PartTime()
+        banded = kind == "attention" and self.kv_write == KV_WRITE_PAGED
         for window, count in sorted(Counter(self.windows).items(), key=lambda wc: wc[0] or 0):
-            total = total + self._layer_part(kind, windowed(step, window)).scale(count)
+            total = total + self._layer_part(kind, windowed(step, window, banded)).scale(count)
         return total
 
     def step_time(self, step: Step) -> StepTime:
@@ -542,18 +547,33 @@ class StepPricer:
         return hit
 
 
-def windowed(step: Step, window: Optional[int]) -> Step:
+def windowed(step: Step, window: Optional[int], banded: bool = False) -> Step:
     """``step`` as a layer sliding over ``window`` tokens runs it: a decode query reads at most the window's
     keys (vLLM's kernels skip the blocks before it; transformers' ``DynamicSlidingWindowLayer`` keeps
     ``window - 1`` past tokens, so its concatenation copies the window too), and a prefill chunk after
-    the first reads at most the ``chunk + window - 1`` keys its band spans. A chunk longer than the
-    window is still priced as full causal attention over itself (the band's skipped blocks are not)."""
+    the first reads at most the ``chunk + window - 1`` keys its band spans.
+
+    ``banded`` (the engine's kernels, which skip the key blocks outside the band): a chunk longer than
+    the window is cut into query blocks of ``window`` tokens, each over the ``2 window - 1`` keys its band
+    spans (the first block of a fresh prompt over its own ``window``, causal). Without it (transformers:
+    its eager and SDPA attention compute every score of the chunk and mask them) the chunk stays whole."""
     if window is None:
         return step
-    return dataclasses.replace(
-        step, decode_contexts=tuple(min(c, window) for c in step.decode_contexts),
-        prefills=tuple((c, t if t == c else min(t, c + window - 1)) for c, t in step.prefills),
-        sampled=step.num_sampled)
+    prefills: list[tuple[int, int]] = []
+    for c, t in step.prefills:
+        if not banded or c <= window:
+            prefills.append((c, t if t == c else min(t, c + window - 1)))
+            continue
+        done = 0
+        if c == t:                   # a fresh prompt: its first block sees only itself
+            prefills.append((window, window))
+            done = window
+        while done < c:
+            size = min(window, c - done)
+            prefills.append((size, size + window - 1))
+            done += size
+    return dataclasses.replace(step, decode_contexts=tuple(min(c, window) for c in step.decode_contexts),
+                               prefills=tuple(prefills), sampled=step.num_sampled)
 
 
 # -- the engine's profiling run ------------------------------------------------------------------------
