@@ -130,3 +130,31 @@ def test_the_report_names_the_tied_weights_reduction(tmp_path, capsys) -> None:
     assert main(["analyze", str(path), "--train", "--parallel", "pp=2", "--microbatches", "2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "ranks 0,1 hold a copy each and all-reduce its gradient (4.00 KiB per rank)" in out
+
+
+class _FrozenReuse(torch.nn.Module):
+    """The embedding's weight read again by the head under ``no_grad``-like detach: stage 1 reads it, but its
+    gradient comes from the embedding alone."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(_Block(d) for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.embed.weight.detach().t()
+
+
+def test_a_weight_read_by_two_stages_with_one_gradient_is_refused_by_name() -> None:
+    """Only the first stage's read has a gradient: the last stage's copy would step without one (AdamW
+    would read a gradient that stage never makes), so the plan is refused naming the weight."""
+    torch.manual_seed(0)
+    dims = {"input_ids": {0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=64)}}
+    ep = torch.export.export(_FrozenReuse(), (), {"input_ids": torch.randint(0, 64, (4, 8))}, dynamic_shapes=dims,
+                             strict=False)
+    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))
+    with pytest.raises(OptionError, match=r"parameter embed\.weight is read by stages 0, 1 but its gradient"):
+        rank_programs(program, ParallelConfig(pp=2, microbatches=2))

@@ -282,6 +282,13 @@ def _split(program: Program, pp: int) -> tuple[_Split, list[tuple[str, ...]]]:
             current = 0 if seen_layer else last
         bwd[current].append(n)
     tied = tied_gradients(program, shared, bwd)
+    summed = {program.grad_nodes[g.name] for g in tied}
+    for p, stages in shared.items():
+        fqn = program.param_names.get(p.name, p.name)
+        if fqn not in summed:   # one reader has a gradient, or none: the others' copies would step without one
+            raise OptionError(f"pipeline parallelism: parameter {fqn} is read by stages "
+                              f"{', '.join(map(str, stages))} but its gradient does not come from each of them "
+                              "(a tie whose gradient one stage makes is not modelled)")
     grad_in: list[Optional[torch.fx.Node]] = [None] * pp
     sizes_in: list[dict[torch.fx.Node, tuple[torch.fx.Node, int]]] = [{} for _ in range(pp)]
     for s in range(pp):
