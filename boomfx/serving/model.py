@@ -20,9 +20,10 @@ This module splits the graph's nodes into those three roles:
 4. everything else is **token-wise**: priced at ``batch=1 x seq=N`` for ``N`` scheduled tokens.
 
 Known limitations:
-- NB: an attention bias added to the scores from its own computation (ALiBi's slopes, relative
-  positions) is not recognised as a mask: such models are refused, and a graph that mixes SDPA
-  calls with written-out attention is refused.
+- NB: in a written-out attention, a bias added to the scores (ALiBi's) is taken as its mask (vLLM's
+  kernels take ALiBi slopes as an argument: priced as a masked attention); Bloom's ``baddbmm`` form and
+  relative-position attention (a second matmul into the scores) are not recognised, and such models
+  are refused, as is a graph that mixes SDPA calls with written-out attention.
 
 Exports that already carry a KV cache (past keys/values as inputs, ``boomfx/serving/cache_inputs.py``):
 the KV-cache shape of each layer is read from its cache input, the past length becomes the
