@@ -66,9 +66,10 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
                         "CUDA) or --no-foreach (its per-parameter loop, eager's default on CPU tensors: exact memory, "
                         "but its small ops are priced hot, so its optimizer time comes out low) (needs --train)")
     p.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
-                   help="inference memory as the nn.Module runs eagerly: tensors bound to its Python locals live "
-                        "until rebound or returned (default); --no-python-locals: freed at their last use, as the "
-                        "exported graph (ep.module()) runs")
+                   help="inference as the nn.Module runs eagerly: tensors bound to its Python locals live "
+                        "until rebound or returned, and transformers' experts call torch's grouped matmul on a CPU "
+                        "(default); --no-python-locals: freed at their last use, with the ops the export recorded, "
+                        "as the exported graph (ep.module()) runs")
     # compiled execution (passes/compiled.py)
     p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
     p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")

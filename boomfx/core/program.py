@@ -98,9 +98,10 @@ class ProgramOptions:
     # from hot microbenchmarks, so for the same real optimizer time (T5: 21.9 vs 22.2 ms) its step was
     # predicted 14-27% lower than foreach's for the language models of broad_cpu_accuracy
     foreach: Optional[bool] = None
-    # inference: tensors bound to Python locals of the model's forward live until rebound or returned, as the
-    # nn.Module runs eagerly (passes/python_locals.py); False: freed at last use, as the export's graph
-    # (``ep.module()``) runs, which is what ``boomfx validate`` measures
+    # inference: as the nn.Module runs eagerly: tensors bound to Python locals of the model's forward live until
+    # rebound or returned (passes/python_locals.py), and on a CPU transformers' experts call torch's grouped
+    # matmul rather than the fallback the export traced (passes/eager_grouped_mm.py); False: freed at last use,
+    # the export's own ops, as the export's graph (``ep.module()``) runs, which is what ``boomfx validate`` measures
     python_locals: bool = True
     # with train: the main layer stack synthesised at this many layers (>= 4) instead of the export's: a
     # search's depth probes (boomfx/distributed/depth_probe.py). Only where the step is synthesised from a
@@ -111,6 +112,12 @@ class ProgramOptions:
     @property
     def holds_python_locals(self) -> bool:
         """Whether the liveness holds the model's Python locals (eager inference; passes/python_locals.py)."""
+        return self.runs_eager_module
+
+    @property
+    def runs_eager_module(self) -> bool:
+        """Whether the program is priced as the nn.Module runs eagerly rather than as the export's graph runs
+        (eager inference with ``python_locals``): its Python locals held, the library ops it calls eagerly."""
         return self.python_locals and not self.train and not self.compile
 
     @property
