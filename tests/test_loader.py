@@ -277,6 +277,37 @@ def test_enum_and_unknown_types_in_treespec_are_not_imported() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+class _NonFinite(nn.Module):
+    """Fills with the floats JSON has no number for, as routers do (DeepSeek-V3, PhiMoE: masked_fill -inf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x > 0, float("-inf")).clamp(max=float("inf")) + x.masked_fill(x > 1, float("nan"))
+
+
+def test_non_finite_float_arguments_load_as_torch_loads_them(tmp_path: Path) -> None:
+    """torch's serializer writes -inf, inf and nan as the strings "-Infinity", "Infinity" and "NaN"; the
+    file is valid (torch.export.load reads it) and loads to the same graph, not as a corrupt one."""
+    import math
+
+    path = export_to(tmp_path / "nonfinite.pt2", _NonFinite(), (torch.zeros(4, 8),), {"x": {0: Dim("batch")}})
+    text = read_record(path, "models/model.json").decode()
+    assert all(f'"{word}"' in text for word in ("-Infinity", "Infinity", "NaN"))
+    ours, theirs = load_program(path), torch.export.load(path)
+    assert_same_program(ours, theirs)
+
+    def non_finite(ep) -> list[str]:
+        return [repr(a) for n in ep.graph.nodes for a in n.args if isinstance(a, float) and not math.isfinite(a)]
+    assert non_finite(ours) == non_finite(theirs) == ["-inf", "inf", "nan"]
+
+
+def test_a_float_field_holding_another_string_is_refused(tmp_path: Path) -> None:
+    path = export_to(tmp_path / "nonfinite.pt2", _NonFinite(), (torch.zeros(4, 8),), {"x": {0: Dim("batch")}})
+    data = read_record(path, "models/model.json").decode().replace('"-Infinity"', '"-Infinite"', 1)
+    bad = rewrite_zip(path, tmp_path / "bad.pt2", {"models/model.json": data.encode()})
+    with pytest.raises(LoadError, match="is '-Infinite', not a number"):
+        load_program(bad)
+
+
 def _model_json(path: Path) -> dict:
     return json.loads(read_record(path, "models/model.json"))
 

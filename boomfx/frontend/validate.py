@@ -88,6 +88,16 @@ def _expect(kinds: tuple[type, ...], name: str) -> _Checker:
     return check
 
 
+# how torch's serializer writes floats JSON has no number for (``serde._dataclass_to_dict``): -inf in a
+# ``masked_fill(mask, -inf)`` (DeepSeek-V3's and PhiMoE's routers) is ``"-Infinity"``
+NON_FINITE_FLOATS = frozenset({"Infinity", "-Infinity", "NaN"})
+
+
+def _check_float(data: Any, path: _Path) -> None:
+    if isinstance(data, bool) or not (isinstance(data, (int, float)) or data in NON_FINITE_FLOATS):
+        raise _Invalid(path, f"is {_short(data)}, not a number")
+
+
 def _build_checker(tp: Any) -> _Checker:
     cls = serde._resolve_schema_cls(tp)
     origin, args = typing.get_origin(cls), typing.get_args(cls)
@@ -140,7 +150,7 @@ def _build_checker(tp: Any) -> _Checker:
     if cls is int:
         return _expect((int,), "an integer")
     if cls is float:
-        return _expect((int, float), "a number")
+        return _check_float
     if cls is str:
         return _expect((str,), "a string")
     if cls is typing.Any:
