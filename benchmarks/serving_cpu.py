@@ -88,6 +88,18 @@ def build(name: str, layers: int = 4) -> torch.nn.Module:
                                 shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, **common)
         model = tf.Qwen2MoeForCausalLM(cfg)
+    # held out (not in MODELS; added 2026-12-06 to check passes/eager_grouped_mm.py on MoE families it was not
+    # written against): transformers' grouped-mm experts, 8 experts top-2, shapes like qwen2moe's
+    elif name == "olmoe":
+        cfg = tf.OlmoeConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_experts=8,
+                             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4,
+                             max_position_embeddings=2048, **common)
+        model = tf.OlmoeForCausalLM(cfg)
+    elif name == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, moe_intermediate_size=256,
+                                num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=64, max_position_embeddings=2048, **common)
+        model = tf.Qwen3MoeForCausalLM(cfg)
     else:
         raise KeyError(name)
     for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
@@ -195,11 +207,12 @@ def export_decode_step(model: torch.nn.Module) -> Any:
                                                "past_key_values": [per_layer, per_layer]}, strict=False)
 
 
-def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_step: bool = False
-                    ) -> tuple[Any, dict[str, Any]]:
+def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_step: bool = False,
+                    as_exported: bool = False) -> tuple[Any, dict[str, Any]]:
     """Export ``model`` (its decode step with the cache as inputs when ``decode_step``), collect every
     call ``steps`` price into ``db`` (as ``kernels collect`` does) and return the serving setup priced
-    from it."""
+    from it. ``as_exported``: the export's own ops (``python_locals=False``: transformers' grouped-mm fallback
+    kept, as before passes/eager_grouped_mm.py), for a before/after comparison."""
     from boomfx.frontend.capture import capture
     from boomfx.core.devices import cpu_spec
     from boomfx.kernels_db.collect import collect_calls
@@ -212,7 +225,7 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_st
     from boomfx.serving.steps import KV_WRITE_CONCAT
     spec = cpu_spec()
     program = capture(export_decode_step(model) if decode_step else export(model),
-                      options=ProgramOptions(target_kind="cpu"))
+                      options=ProgramOptions(target_kind="cpu", python_locals=not as_exported))
     opts = dict(max_model_len=2047 if decode_step else 2048, max_num_seqs=64, max_num_batched_tokens=2048)
     plain = setup(program, spec, db="none", **opts)
     calls = [c for st in steps for c in plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st)]
@@ -253,13 +266,13 @@ def calibrate_host_overhead(iters: int, tmp: str) -> tuple[Any, list[dict[str, A
     return HostOverhead(0.0, per_call, "transformers Python per module call, measured here (calibration Llamas)"), rows
 
 
-def run_model(name: str, iters: int, db: str, overhead: Any) -> dict[str, Any]:
+def run_model(name: str, iters: int, db: str, overhead: Any, as_exported: bool = False) -> dict[str, Any]:
     from boomfx.serving.steps import KV_WRITE_CONCAT, Step
     model = build(name)
     one = keeps_one_logit(model)
     points = [("prefill", 1, p, Step((), ((p, p),), sampled=1 if one else p)) for p in PREFILL_LENS]
     points += [("decode", b, c, Step((c,) * b)) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
-    s, collected = collected_setup(model, [st for *_, st in points], db)
+    s, collected = collected_setup(model, [st for *_, st in points], db, as_exported=as_exported)
     clock = collected["clock"]
     pricer = s.pricer(kv_write=KV_WRITE_CONCAT, host_overhead=overhead)
     rows = []
@@ -409,6 +422,9 @@ def main() -> int:
                     help="skip the plain exports (with --cache-export; writes serving_cpu_decode_export.*)")
     ap.add_argument("--out", default="", help="results file stem (default serving_cpu, or serving_cpu_decode_export "
                                               "with --no-plain)")
+    ap.add_argument("--as-exported", action="store_true",
+                    help="price the export's own ops (transformers' grouped-mm fallback kept): the pricing before "
+                         "passes/eager_grouped_mm.py, for comparison")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads (default: torch's); 1 on a shared host: timed by this thread's CPU time")
     args = ap.parse_args()
@@ -429,7 +445,7 @@ def main() -> int:
                 print(f"{name:9} decode-step export b={r['batch']:<3} {r['context']:>5}  pred {1e3 * r['pred_s']:8.2f} ms"
                       f"  real {1e3 * r['real_s']:8.2f} ms  {100 * r['err']:+6.1f}%", flush=True)
         for name in ([] if args.no_plain else args.models.split(",")):
-            res = run_model(name, args.iters, str(Path(tmp) / f"{name}.sqlite"), overhead)
+            res = run_model(name, args.iters, str(Path(tmp) / f"{name}.sqlite"), overhead, args.as_exported)
             rows += res["rows"]
             kv += res["kv"]
             per_model[name] = {"collect": res["collect"], "facts": res["facts"]}
