@@ -300,11 +300,13 @@ def test_non_finite_float_arguments_load_as_torch_loads_them(tmp_path: Path) -> 
     assert non_finite(ours) == non_finite(theirs) == ["-inf", "inf", "nan"]
 
 
-def test_a_float_field_holding_another_string_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replacement, shown", [('"-Infinite"', "'-Infinite'"), ('{"a": 1}', "{'a': 1}"),
+                                                 ("[1.5]", r"\[1.5\]")])
+def test_a_float_field_holding_anything_else_is_refused(tmp_path: Path, replacement: str, shown: str) -> None:
     path = export_to(tmp_path / "nonfinite.pt2", _NonFinite(), (torch.zeros(4, 8),), {"x": {0: Dim("batch")}})
-    data = read_record(path, "models/model.json").decode().replace('"-Infinity"', '"-Infinite"', 1)
+    data = read_record(path, "models/model.json").decode().replace('"-Infinity"', replacement, 1)
     bad = rewrite_zip(path, tmp_path / "bad.pt2", {"models/model.json": data.encode()})
-    with pytest.raises(LoadError, match="is '-Infinite', not a number"):
+    with pytest.raises(LoadError, match=f"is {shown}, not a number"):
         load_program(bad)
 
 

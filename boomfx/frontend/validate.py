@@ -94,7 +94,8 @@ NON_FINITE_FLOATS = frozenset({"Infinity", "-Infinity", "NaN"})
 
 
 def _check_float(data: Any, path: _Path) -> None:
-    if isinstance(data, bool) or not (isinstance(data, (int, float)) or data in NON_FINITE_FLOATS):
+    if isinstance(data, bool) or not (isinstance(data, (int, float))
+                                      or isinstance(data, str) and data in NON_FINITE_FLOATS):
         raise _Invalid(path, f"is {_short(data)}, not a number")
 
 
