@@ -39,9 +39,9 @@ import torch
 import torch.fx
 
 from boomfx.core.program import Program
-from boomfx.passes.op_names import op_name
+from boomfx.passes.costs.grouped_mm import TRANSFORMERS_GROUPED_MM
+from boomfx.passes.foreign_ops import library_op_name
 
-FALLBACK = "transformers.grouped_mm_fallback.default"
 NATIVE = torch.ops.aten._grouped_mm.default
 # the first torch whose ``_grouped_mm`` has a CPU kernel (transformers: torch <= 2.8 falls back on CPU)
 CPU_KERNEL_SINCE = "2.9"
@@ -67,10 +67,8 @@ def eager_grouped_products(program: Program) -> Program:
 
 
 def _is_fallback(target: Any) -> bool:
-    try:
-        return op_name(target) == FALLBACK
-    except AttributeError:       # a Python function, not an operator
-        return False
+    """The registered op or its stand-in (``passes/foreign_ops.py``), by the name the cost rule uses."""
+    return isinstance(target, torch._ops.OpOverload) and library_op_name(target) == TRANSFORMERS_GROUPED_MM
 
 
 def _operands(node: torch.fx.Node) -> tuple[Any, Any, Any]:

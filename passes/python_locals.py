@@ -70,7 +70,7 @@ def _frame_key(frames: list[Frame], modules: list[str], level: int) -> tuple:
 
 def python_locals_held(info, program: Program):
     """``info`` (a ``passes.liveness.LivenessInfo``) with the storages the two rules hold extended."""
-    if not program.options.holds_python_locals or not info.node_storages:
+    if not program.options.runs_eager_module or not info.node_storages:
         return info
     step_of = {name: i for i, name in enumerate(info.order)}
     rows: list[tuple[torch.fx.Node, list[Frame], list[str]]] = []

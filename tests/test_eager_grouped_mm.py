@@ -11,12 +11,13 @@ import torch
 
 from boomfx.core.program import ProgramOptions
 from boomfx.frontend.capture import capture
-from boomfx.passes.eager_grouped_mm import FALLBACK, eager_grouped_products, has_cpu_grouped_mm
+from boomfx.passes.eager_grouped_mm import eager_grouped_products, has_cpu_grouped_mm
 from boomfx.passes.op_names import op_name
 
 pytestmark = pytest.mark.skipif(not has_cpu_grouped_mm(), reason="this torch has no CPU _grouped_mm")
 
 CPU_EAGER = ProgramOptions(target_kind="cpu")
+FALLBACK = "transformers.grouped_mm_fallback.default"
 
 
 def _grouped_ops(program) -> list[str]:

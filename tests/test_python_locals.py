@@ -145,5 +145,5 @@ def test_serving_plans_with_the_graphs_frees(examples_dir) -> None:
     path = str(examples_dir / "llama_tiny.pt2")
     setups = [setup(capture(path, options=ProgramOptions(target_kind="cuda", python_locals=flag)),
                     get_device("h100-80gb"), db="none", max_model_len=4096) for flag in (True, False)]
-    assert not setups[0].analysis.program.options.holds_python_locals
+    assert not setups[0].analysis.program.options.runs_eager_module
     assert setups[0].plan.activation_peak_bytes == setups[1].plan.activation_peak_bytes > 0

@@ -36,7 +36,7 @@ def build_report(program: Program, device: DeviceSpec, options: Any, bindings: M
                  "checkpoint_layers": list(opts.checkpoint_layers), "alloc_conf": options.alloc_conf,
                  "resident_grads": opts.resident_grads,
                  "foreach": opts.uses_foreach if opts.train and opts.optimizer != "none" else None,
-                 "python_locals": opts.holds_python_locals,
+                 "python_locals": opts.runs_eager_module,
                  "compile": opts.compile, "cudagraphs": opts.cudagraphs,
                  "db": options.db, "from_db": options.from_db},
         symbols=symbols, time=time_report, memory=memory,

@@ -110,14 +110,10 @@ class ProgramOptions:
     stack_depth: Optional[int] = None
 
     @property
-    def holds_python_locals(self) -> bool:
-        """Whether the liveness holds the model's Python locals (eager inference; passes/python_locals.py)."""
-        return self.runs_eager_module
-
-    @property
     def runs_eager_module(self) -> bool:
         """Whether the program is priced as the nn.Module runs eagerly rather than as the export's graph runs
-        (eager inference with ``python_locals``): its Python locals held, the library ops it calls eagerly."""
+        (eager inference with ``python_locals``): its Python locals held (passes/python_locals.py), the library
+        ops it calls eagerly (passes/eager_grouped_mm.py)."""
         return self.python_locals and not self.train and not self.compile
 
     @property

@@ -406,13 +406,19 @@ class StepPricer:
                         return 0
         return 0
 
+    @property
+    def banded_windows(self) -> bool:
+        """Whether a sliding layer's long prefill chunk is priced as its band (``windowed``): the engine's
+        paged kernels skip the key blocks outside it; transformers' rule keeps the chunk whole."""
+        return self.kv_write == KV_WRITE_PAGED
+
     def calls(self, step: Step) -> list[OpCall]:
         """Every call priced outside the graph for ``step`` (one layer's attention and writes, and a sliding
         layer's; what a kernel database for serving must measure)."""
         out: list[OpCall] = []
-        banded = self.kv_write == KV_WRITE_PAGED
         for window in dict.fromkeys(self.windows):   # a sliding layer's calls on the step its window leaves
-            out += self.attention_calls(windowed(step, window, banded)) + self.kv_write_calls(windowed(step, window))
+            out += (self.attention_calls(windowed(step, window, self.banded_windows))
+                    + self.kv_write_calls(windowed(step, window)))
         sampler = self.sampler_call(step.num_sampled)
         return out + ([sampler] if sampler is not None else [])
 
@@ -480,7 +486,7 @@ class StepPricer:
         """Every layer's attention or KV writes: a sliding layer's on the step as its window leaves it
         (``windowed``), the full layers' on the whole contexts."""
         total = PartTime()
-        banded = kind == "attention" and self.kv_write == KV_WRITE_PAGED
+        banded = kind == "attention" and self.banded_windows
         for window, count in sorted(Counter(self.windows).items(), key=lambda wc: wc[0] or 0):
             total = total + self._layer_part(kind, windowed(step, window, banded)).scale(count)
         return total
