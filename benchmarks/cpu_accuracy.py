@@ -110,7 +110,23 @@ def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[str
         model = tf.ResNetModel(cfg)
         b = 8
         return model, {"pixel_values": torch.randn(b, 3, 64, 64)}, {"pixel_values": {0: batch}}, {"batch": b}
-    raise KeyError(name)
+    return _broad_case(name, batch, seq)
+
+
+def _broad_case(name: str, batch: Dim, seq: Dim) -> tuple[torch.nn.Module, dict, dict, dict]:
+    """An architecture of ``benchmarks/broad_cpu_accuracy.py`` (its held-out decoders included), with this
+    benchmark's dynamic batch (and seq for token inputs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import broad_cpu_accuracy as broad
+    model, kwargs = broad.build(name)
+    dyn = {k: ({0: batch, 1: seq} if k in ("input_ids", "decoder_input_ids") else {0: batch}) for k in kwargs}
+    first = next(iter(kwargs.values()))
+    dims = {"batch": int(first.shape[0])}
+    if "input_ids" in kwargs and "decoder_input_ids" not in kwargs:
+        dims["seq"] = int(first.shape[1])
+    else:
+        dyn = {k: {0: batch} for k in kwargs}
+    return model, kwargs, dyn, dims
 
 
 MODELS = ("gpt2", "bert", "llama", "vit", "resnet")
@@ -125,7 +141,7 @@ def first_output(out: Any) -> torch.Tensor:
 
 
 def make_step(module: torch.nn.Module, kwargs: dict[str, torch.Tensor], train: bool,
-              loss: str = "mean") -> Callable[[], Any]:
+              loss: str = "mean", foreach: bool | None = True) -> Callable[[], Any]:
     """One eager step of ``module``; training builds its foreach AdamW and warms it up (state exists).
     ``loss``: what boomfx's ``--train`` resolves for the export (``training.trace.resolved_loss``):
     cross-entropy against random next-token labels (drawn once) for a language model's logits."""
@@ -134,7 +150,8 @@ def make_step(module: torch.nn.Module, kwargs: dict[str, torch.Tensor], train: b
             with torch.no_grad():
                 module(**kwargs)
         return infer
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], foreach=True)
+    # foreach None: torch's default (its per-parameter loop for CPU tensors), as the CLI protocol's users run it
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], foreach=foreach)
     labels: list[torch.Tensor] = []
 
     def reduce(out: torch.Tensor) -> torch.Tensor:
@@ -235,6 +252,34 @@ def predict(ep: Any, train: bool, dims: dict[str, int], db: str, clock: str = "w
     }
 
 
+def predict_cli(ep: Any, train: bool, dims: dict[str, int], db: str) -> dict[str, Any]:
+    """The prediction a user gets from the two commands with their defaults (torch's threads, the CPU
+    target's defaults: AdamW's per-parameter loop, the eager module's Python locals)::
+
+        boomfx kernels collect --device cpu --for FILE.pt2 [--train] --batch B [--seq S] --db DB
+        boomfx analyze FILE.pt2 --device cpu [--train] --batch B [--seq S] --db DB --json OUT
+    """
+    from boomfx.cli.main import main as boomfx_main
+    path = db[: -len(".db")] + ".pt2"
+    torch.export.save(ep, path)
+    sizes = [f"--{k}={v}" for k, v in dims.items()]
+    mode = ["--train"] if train else []
+    t0 = time.perf_counter()
+    if boomfx_main(["kernels", "collect", "--device", "cpu", "--for", path, *mode, *sizes, "--db", db, "--quiet"]):
+        raise RuntimeError(f"kernels collect failed for {path}")
+    t1 = time.perf_counter()
+    out = db[: -len(".db")] + ".json"
+    if boomfx_main(["analyze", path, "--device", "cpu", *mode, *sizes, "--db", db, "--json", out]):
+        raise RuntimeError(f"analyze failed for {path}")
+    report = json.loads(Path(out).read_text())
+    mem, tm = report["memory"], report["time"]
+    return {"time_s": tm["total_ns"] / 1e9, "peak_live_bytes": mem["peak_live_bytes"],
+            "resident_bytes": mem["resident_bytes"],
+            "peak_above_start_bytes": mem["peak_live_bytes"] - mem["resident_bytes"],
+            "kernels": len(report["kernels"]), "unmodelled_ops": report["unmodelled_ops"],
+            "collect": {"seconds": round(t1 - t0, 1)}}
+
+
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
@@ -245,23 +290,27 @@ def export_for(model: torch.nn.Module, kwargs: dict, dyn: dict, train: bool) -> 
 
 
 def run_case(name: str, train: bool, db: str, iters: int, clock: str, flush_bytes: int,
-             in_step: bool = True) -> dict[str, Any]:
+             in_step: bool = True, protocol: str = "python") -> dict[str, Any]:
     from boomfx.memory.live_bytes import profiler_peak_bytes
     model, kwargs, dyn, dims = build(name)
     ep = export_for(model, kwargs, dyn, train)
     model.train(train)
     from boomfx.training.trace import resolved_loss
     loss = resolved_loss(ep, "auto") if train else "mean"
-    step = make_step(model, kwargs, train, loss)
+    foreach = True if protocol == "python" else None
+    step = make_step(model, kwargs, train, loss, foreach)
     first = time_samples(step, (iters + 1) // 2)
-    pred = predict(ep, train, dims, db, clock, flush_bytes, in_step=in_step)
+    if protocol == "cli":
+        pred = predict_cli(ep, train, dims, db)
+    else:
+        pred = predict(ep, train, dims, db, clock, flush_bytes, in_step=in_step)
     second = time_samples(step, iters // 2, warmup=1)
     wall = statistics.median(w for w, _ in first + second)
     cpu = statistics.median(c for _, c in first + second)
     mem_model = profiler_peak_bytes(step)
     del step
     gm = ep.module()   # (cannot be switched with .train(): the export of the model in the right mode is used)
-    gstep = make_step(gm, kwargs, train, loss)
+    gstep = make_step(gm, kwargs, train, loss, foreach)
     time_samples(gstep, 2, warmup=1)          # warm-up: optimizer state exists
     mem_graph = profiler_peak_bytes(gstep)
     p_time, p_mem = pred["time_s"], pred["peak_above_start_bytes"]
@@ -297,7 +346,7 @@ def _cpu_pressure() -> str:
         return "n/a"
 
 
-def write_results(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], stem: str = "cpu_accuracy") -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     terr = [abs(r["time_err"]) for r in rows]
     merr = [abs(r["mem_err_graph"]) for r in rows if r["mem_err_graph"] is not None]
@@ -311,21 +360,25 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         "time_worst_abs_err": max(terr) if terr else None,
         "mem_graph_worst_abs_err": max(merr) if merr else None,
         "mem_model_worst_abs_err": max(merr_model) if merr_model else None,
+        "time_mean_signed_err": statistics.mean(r["time_err"] for r in rows) if rows else None,
     }
-    (RESULTS / "cpu_accuracy.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows},
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows},
                                                           indent=1, default=str))
     lines = [
         "# boomfx --device cpu vs real eager PyTorch on this CPU",
         "",
         f"{meta['cpu']}, torch {meta['torch']}, transformers {meta['transformers']}, "
         f"{meta['threads']} intra-op thread(s); {meta['date']}. Command: `{meta['command']}`.",
-        f"Database clock: {meta['clock']}; cache flush before each timed kernel sample: "
-        f"{meta['flush_bytes'] / 2**20:.0f} MiB. Host CPU pressure at start: `{meta['pressure_start']}`; "
-        f"at end: `{meta['pressure_end']}`.",
+        (f"Database clock: {meta['clock']}; cache flush before each timed kernel sample: "
+         f"{meta['flush_bytes'] / 2**20:.0f} MiB. " if meta.get("protocol", "python") == "python" else
+         "Protocol `cli`: each prediction is what `boomfx kernels collect --device cpu --for FILE` and `boomfx "
+         "analyze FILE --device cpu --db` give with their defaults; the real step is the nn.Module at torch's "
+         "default thread count, wall clock, AdamW with torch's defaults (its per-parameter loop on a CPU). ")
+        + f"Host CPU pressure at start: `{meta['pressure_start']}`; at end: `{meta['pressure_end']}`.",
         "",
         "Time: predicted step time vs the median of real eager steps after warm-up, in this thread's CPU time "
-        "(time.thread_time, the clock the database used; 'time err') and in wall time (perf_counter; 'wall err', "
-        "inflated by the other jobs on this host). "
+        "(time.thread_time, the clock the database used; 'time err'; wall time with the CLI protocol) and in wall "
+        "time (perf_counter; 'wall err', inflated by the other jobs on this host). "
         "Memory: profiler peak of one step above its starting point (params, buffers, inputs, AdamW "
         "state pre-exist) vs predicted `peak_live_bytes - resident_bytes`; *graph* = `ep.module()` run "
         "eagerly (the analysed program), *model* = the original nn.Module.",
@@ -349,14 +402,15 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             f"{_abs_pct(summary['time_worst_abs_err_per_round'][k])}" for k in rounds) + ".",
         "",
         f"All rows: median |time error| {_abs_pct(summary['time_median_abs_err'])}, worst "
-        f"{_abs_pct(summary['time_worst_abs_err'])}; worst |memory error| vs graph "
+        f"{_abs_pct(summary['time_worst_abs_err'])}, mean signed {_pct(summary['time_mean_signed_err'])}; worst "
+        f"|memory error| vs graph "
         f"{_abs_pct(summary['mem_graph_worst_abs_err'])}, vs model {_abs_pct(summary['mem_model_worst_abs_err'])}.",
         "",
     ]
     notes = meta.get("notes") or []
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    (RESULTS / "cpu_accuracy.md").write_text("\n".join(lines))
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
 
 
 NOTES = [
@@ -437,14 +491,21 @@ NOTES = [
 ]
 
 
+CLI_NOTES: list[str] = []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--modes", default="inference,train")
     ap.add_argument("--iters", type=int, default=10, help="timed real steps per case (>= 5)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for the database and the real runs (default 1: see the notes "
-                         "on OpenMP on a shared host)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for the database and the real runs (default 1 with the python "
+                         "protocol: see the notes on OpenMP on a shared host; torch's own with the cli protocol)")
+    ap.add_argument("--protocol", choices=("python", "cli"), default="python",
+                    help="python: this file's collect (clock, flush) and foreach AdamW; cli: the user's commands "
+                         "with their defaults against the nn.Module as people run it (predict_cli); writes "
+                         "cpu_accuracy_cli.{json,md}")
     ap.add_argument("--clock", choices=("auto", "thread", "wall"), default="auto",
                     help="clock of the database samples and of the real time compared: thread CPU time "
                          "(needs --threads 1; immune to other processes on a shared host) or wall; "
@@ -459,10 +520,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat everything (fresh database, real runs) to show the run-to-run spread")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads is None and args.protocol == "python":
+        args.threads = 1
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    if args.protocol == "cli":
+        args.clock = "wall"
     clock = args.clock if args.clock != "auto" else ("thread" if args.threads == 1 else "wall")
     from boomfx.kernels_db.measure import effective_cache_bytes
-    flush_bytes = effective_cache_bytes() if args.flush_mib == "auto" else int(float(args.flush_mib) * 2**20)
+    if args.protocol == "cli":    # the commands' own measuring protocol
+        flush_bytes = 0
+    else:
+        flush_bytes = effective_cache_bytes() if args.flush_mib == "auto" else int(float(args.flush_mib) * 2**20)
     pressure_start = _cpu_pressure()
     print(f"threads {args.threads}, clock {clock}, cache flush {flush_bytes / 2**20:.0f} MiB; "
           f"cpu pressure {pressure_start}", flush=True)
@@ -474,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             db = os.path.join(db_dir, f"cpu-{name}-{mode}.db")   # flush sized per case (see predict)
             t0 = time.perf_counter()
-            row = run_case(name, mode == "train", db, max(args.iters, 5), clock, flush_bytes, not args.no_in_step)
+            row = run_case(name, mode == "train", db, max(args.iters, 5), clock, flush_bytes, not args.no_in_step,
+                           args.protocol)
             row["round"] = rnd
             rows.append(row)
             print(f"[{rnd}] {name:7s} {mode:9s} time pred {1e3 * row['time_pred_s']:8.1f} ms real "
@@ -484,12 +555,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"({_pct(row['mem_err_model'])})  [{time.perf_counter() - t0:.0f} s]", flush=True)
     from boomfx.kernels_db.measure import _cpu_model
     meta = {"cpu": _cpu_model(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "threads": args.threads, "clock": clock, "flush_bytes": flush_bytes,
+            "threads": args.threads, "clock": clock, "flush_bytes": flush_bytes, "protocol": args.protocol,
             "pressure_start": pressure_start, "pressure_end": _cpu_pressure(), "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python benchmarks/cpu_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "notes": NOTES}
-    write_results(rows, meta)
-    print(f"wrote {RESULTS / 'cpu_accuracy.md'}")
+            "notes": NOTES if args.protocol == "python" else CLI_NOTES}
+    stem = "cpu_accuracy" if args.protocol == "python" else "cpu_accuracy_cli"
+    write_results(rows, meta, stem)
+    print(f"wrote {RESULTS / (stem + '.md')}")
     return 0
 
 

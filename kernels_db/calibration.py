@@ -71,14 +71,31 @@ def write_calibration(path: Path, factors: Mapping[str, float], measured_on: str
                          [(op, float(f), measured_on, int(threads), created) for op, f in factors.items()])
 
 
-def op_class_of(op: Any) -> str:
-    """``aten.addmm.default`` / ``aten::addmm`` -> ``addmm``; other ops keep their full name."""
-    text = str(op)
+# profiler event namespaces that are not operator libraries, and boomfx's own (Inductor's fused kernels)
+_NOT_OP_LIBRARIES = frozenset({"autograd", "profiler", "boomfx", "torch", "prims", "c10d", "record_param_comms"})
+
+
+def op_class(text: str) -> Optional[str]:
+    """The op class of a profiler event or a priced kernel: ``aten::addmm`` / ``aten.addmm.default`` -> ``addmm``;
+    another library's op, ``transformers::grouped_mm_fallback`` / ``transformers.grouped_mm_fallback.default`` ->
+    ``transformers::grouped_mm_fallback``; anything else (profiler ranges, boomfx's fused kernels) -> None."""
     if text.startswith("aten::"):
         return text[len("aten::"):]
     if text.startswith("aten."):
         return text.split(".")[1]
-    return text
+    namespace, sep, op = text.partition("::")
+    if not sep:
+        parts = text.split(".")
+        namespace, op = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
+    if namespace.isidentifier() and op.isidentifier() and namespace not in _NOT_OP_LIBRARIES:
+        return f"{namespace}::{op}"
+    return None
+
+
+def op_class_of(op: Any) -> str:
+    """``op_class`` of a priced kernel's op; ops without one keep their full name."""
+    text = str(op)
+    return op_class(text) or text
 
 
 class CalibratedPricer:

@@ -16,8 +16,10 @@ went from +4% to -7% of the real steps, mean signed over seven alternating runs
 For eager inference on a CPU target (``ProgramOptions.runs_eager_module``) each such node is rewritten to
 ``aten._grouped_mm(input, weight, offs=offs)``: the same operands, output and cost rule
 (``passes/costs/grouped_mm.py``), so work, bytes and memory are unchanged and only the measured kernel
-differs. Left as recorded: ``--no-python-locals`` (the export's graph as ``ep.module()`` runs it,
-which ``boomfx validate`` measures), ``--compile`` (dynamo traces the fallback, as the export did), GPU
+differs. ``boomfx validate`` (whose programs keep the graph's frees) applies the same rewrite to the
+program it prices and to the export graph its real step runs (``call_native_grouped_mm``), so it measures
+what the eager model calls. Left as recorded: ``--no-python-locals`` (the export's graph as
+``ep.module()`` runs it), ``--compile`` (dynamo traces the fallback, as the export did), GPU
 targets (the GPU model prices both by the same formula) and a torch without the CPU kernel.
 
 Known limitations:
@@ -58,12 +60,21 @@ def eager_grouped_products(program: Program) -> Program:
     if not any(n.op == "call_function" and _is_fallback(n.target) for n in program.graph.nodes):
         return program
     graph, _ = program.copied_graph()
+    call_native_grouped_mm(graph)
+    return program.rewritten(graph, export=program.export)
+
+
+def call_native_grouped_mm(graph: torch.fx.Graph) -> int:
+    """Rewrite, in place, each fallback call of ``graph`` to ``aten._grouped_mm``; return how many. Shared by the
+    priced program (above) and ``boomfx validate``'s real step, which runs the rewritten export graph."""
+    count = 0
     for node in graph.nodes:
         if node.op == "call_function" and _is_fallback(node.target):
             inp, weight, offs = _operands(node)
             node.target = NATIVE
             node.args, node.kwargs = (inp, weight), {"offs": offs}
-    return program.rewritten(graph, export=program.export)
+            count += 1
+    return count
 
 
 def _is_fallback(target: Any) -> bool:

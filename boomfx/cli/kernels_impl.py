@@ -94,12 +94,13 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.frontend.capture import capture, resolve_bindings
         from boomfx.cli.args import parse_dim
         from boomfx.core.program import ProgramOptions
-        program = capture(args.for_file, options=ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint,
-                                                                target_kind=spec.kind,
-                                                                checkpoint_layers=args.checkpoint_layers,
-                                                                resident_grads=args.resident_grads,
-                                                                compile=args.compile, loss=args.loss,
-                                                                foreach=args.foreach))
+        from boomfx.frontend.foreign import import_libraries, stand_ins_called
+        options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=spec.kind,
+                                 checkpoint_layers=args.checkpoint_layers, resident_grads=args.resident_grads,
+                                 compile=args.compile, loss=args.loss, foreach=args.foreach)
+        program = capture(args.for_file, options=options)
+        if import_libraries(stand_ins_called(program.graph)):   # measure the library's own op, not a stand-in
+            program = capture(args.for_file, options=options)
         bindings = resolve_bindings(program, dict(parse_dim(d) for d in args.dim), args.batch, args.seq)
         # the single-device program's analysis (--parallel builds each rank class's instead)
         analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db="none")) if parallel is None else None

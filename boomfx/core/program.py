@@ -102,6 +102,7 @@ class ProgramOptions:
     # rebound or returned (passes/python_locals.py), and on a CPU transformers' experts call torch's grouped
     # matmul rather than the fallback the export traced (passes/eager_grouped_mm.py); False: freed at last use,
     # the export's own ops, as the export's graph (``ep.module()``) runs, which is what ``boomfx validate`` measures
+    # (with the grouped-product rewrite on a CPU applied to both its sides: boomfx/validate/run.py)
     python_locals: bool = True
     # with train: the main layer stack synthesised at this many layers (>= 4) instead of the export's: a
     # search's depth probes (boomfx/distributed/depth_probe.py). Only where the step is synthesised from a

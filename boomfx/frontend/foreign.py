@@ -16,7 +16,8 @@ objects), stay refused with ``LoadError``.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import importlib
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -41,6 +42,13 @@ _ARGUMENT_TYPES = {
 _RETURN_TYPES = {"as_tensor": "Tensor", "as_tensors": "Tensor[]", "as_sym_int": "SymInt",
                  "as_sym_float": "SymFloat", "as_sym_bool": "SymBool"}
 _KEYWORD = 2   # schema.ArgumentKind.KEYWORD
+# custom op ("ns::op") -> the module of its library that registers it. Imported only for runs that call the op
+# for real (``boomfx validate``'s step, ``kernels collect``'s measurements), never to analyse a file, and only
+# from this table (a file cannot name a module to import)
+REGISTERING_MODULES = {
+    "transformers::grouped_mm_fallback": "transformers.integrations.moe",
+    "transformers::grouped_mm_fallback_backward": "transformers.integrations.moe",
+}
 
 
 def op_is_registered(target: str) -> bool:
@@ -145,3 +153,56 @@ def refuse_retrace_of_stand_ins(ep: torch.export.ExportedProgram, what: str) -> 
             f"{what} re-runs every op, but custom op(s) {', '.join(names)} have no meta kernel or backward here: "
             f"import their library before analysing in Python, or export with plain ATen instead (transformers MoE: "
             f"experts_implementation='batched_mm'), or analyse without {what}.")
+
+
+def stand_ins_called(graph: torch.fx.Graph) -> list[str]:
+    """The library names (``"transformers::grouped_mm_fallback"``) of the stand-ins ``graph`` calls."""
+    from boomfx.passes.foreign_ops import is_foreign, library_op_name
+
+    return sorted({library_op_name(n.target) for n in graph.nodes
+                   if n.op == "call_function" and is_foreign(n.target)})
+
+
+def import_libraries(names: list[str]) -> bool:
+    """Import the registering module (``REGISTERING_MODULES``) of each op of ``names`` that this Python has;
+    whether any now defines its op (a file loaded again resolves it instead of standing it in)."""
+    imported = False
+    for module in sorted({REGISTERING_MODULES[name] for name in names if name in REGISTERING_MODULES}):
+        try:
+            importlib.import_module(module)
+            imported = True
+        except ImportError:
+            pass
+    return imported and any(_registered(name) for name in names)
+
+
+def _registered(name: str) -> bool:
+    namespace, op = name.split("::", 1)
+    try:
+        return hasattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def with_library_ops(ep: torch.export.ExportedProgram, reload: Optional[Callable[[], torch.export.ExportedProgram]],
+                     called: Callable[[str], bool] = lambda name: True) -> torch.export.ExportedProgram:
+    """``ep`` whose stand-ins a real run calls (those of ``stand_ins_called`` that ``called`` keeps) replaced by
+    the library's own ops: each op's registering module (``REGISTERING_MODULES``) imported where this Python
+    has it, then the file loaded again by ``reload`` (None: an ExportedProgram given, not reloadable).
+
+    Raises UnsupportedError (one line) naming the ops still without an implementation."""
+    from boomfx.core.errors import UnsupportedError
+
+    missing = [name for name in stand_ins_called(ep.graph) if called(name)]
+    if not missing:
+        return ep
+    if import_libraries(missing) and reload is not None:
+        ep = reload()
+        missing = [name for name in stand_ins_called(ep.graph) if called(name)]
+    if missing:
+        libraries = sorted({REGISTERING_MODULES.get(name, name.split("::")[0]).split(".")[0] for name in missing})
+        raise UnsupportedError(
+            f"this runs the step for real, but custom op(s) {', '.join(missing)} have no implementation in this "
+            f"process: install their library ({', '.join(libraries)}), or call boomfx from Python after importing "
+            f"it{'' if reload is not None else ' and exporting again'}")
+    return ep

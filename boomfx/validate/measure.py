@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from boomfx.kernels_db.calibration import op_class
+
 
 @dataclass(frozen=True)
 class MeasuredTime:
@@ -97,6 +99,21 @@ def peak_memory(step: Callable[[], None], device: torch.device) -> MeasuredMemor
     return MeasuredMemory(profiler_peak_bytes(step))
 
 
+# what eager autograd calls directly for an op a traced graph holds (IndexBackward0 -> _index_put_impl_)
+_EAGER_FORMS = {"_index_put_impl_": "index_put"}
+
+
+def _as_predicted(name: str | None, known_ops: set[str]) -> str | None:
+    """A profiled op class under the name the prediction holds: eager runs the in-place form (``index_put_``)
+    or the implementation (``_index_put_impl_``) of a functional op a traced graph records."""
+    if name is None or name in known_ops:
+        return name
+    for form in (_EAGER_FORMS.get(name), name[:-1] if name.endswith("_") else None):
+        if form in known_ops:
+            return form
+    return name
+
+
 def profile_ops(step: Callable[[], None], known_ops: set[str], device: torch.device) -> Profile:
     """Time of each op in one real step, at the level of the predicted kernels.
 
@@ -128,7 +145,7 @@ def profile_ops(step: Callable[[], None], known_ops: set[str], device: torch.dev
         slot[1] += 1
 
     def walk(e: torch.autograd.profiler_util.FunctionEvent) -> None:
-        name = op_name(e.name)
+        name = _as_predicted(op_name(e.name), known_ops)
         use_device = device.type == "cuda"
         total = (e.device_time_total if use_device else e.cpu_time_total) * 1e3
         if name is not None and name in known_ops:
@@ -151,9 +168,6 @@ def profile_ops(step: Callable[[], None], known_ops: set[str], device: torch.dev
 
 
 def op_name(text: str) -> str | None:
-    """``aten::addmm`` / ``aten.addmm.default`` -> ``addmm``; anything not an aten op -> None."""
-    if text.startswith("aten::"):
-        return text[len("aten::"):]
-    if text.startswith("aten."):
-        return text.split(".")[1]
-    return None
+    """The op class of a profiler event or a predicted kernel (``kernels_db.calibration.op_class``: ``addmm``,
+    ``transformers::grouped_mm_fallback``; None for profiler ranges and boomfx's fused kernels)."""
+    return op_class(text)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from boomfx.core.units import fmt_bytes, fmt_time
 from boomfx.validate.result import ValidationResult
 
+# the op column widens for a library op's whole name (transformers::grouped_mm_fallback_backward), up to this
+OP_COLUMN_MAX = 44
+
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
@@ -29,13 +32,15 @@ def render_validation(r: ValidationResult, top: int = 8) -> str:
     ]
     if r.measured_reserved_above_start_bytes is not None:
         lines.append(f"  {'reserved above start':28s}{'':>14s}{fmt_bytes(r.measured_reserved_above_start_bytes):>14s}")
+    shown = r.largest_differences(top)
+    width = min(OP_COLUMN_MAX, max([28] + [len(o.op) + 1 for o in shown]))   # library ops keep their whole name
     lines += ["", f"  largest differences by op class (in situ: one profiled real step, {fmt_time(r.profiled_step_ns)}):",
-              f"  {'op':28s}{'predicted':>12s}{'in situ':>12s}{'difference':>12s}{'calls':>12s}"]
-    for o in r.largest_differences(top):
-        lines.append(f"  {o.op[:28]:28s}{fmt_time(o.predicted_ns):>12s}{fmt_time(o.measured_ns):>12s}"
+              f"  {'op':{width}s}{'predicted':>12s}{'in situ':>12s}{'difference':>12s}{'calls':>12s}"]
+    for o in shown:
+        lines.append(f"  {o.op[:width - 1]:{width}s}{fmt_time(o.predicted_ns):>12s}{fmt_time(o.measured_ns):>12s}"
                      f"{('+' if o.difference_ns >= 0 else '-') + fmt_time(abs(o.difference_ns)):>12s}"
                      f"{f'{o.predicted_calls}/{o.measured_calls}':>12s}")
-    lines.append(f"  {'(outside aten ops)':28s}{fmt_time(r.predicted_outside_ns):>12s}"
+    lines.append(f"  {'(outside aten ops)':{width}s}{fmt_time(r.predicted_outside_ns):>12s}"
                  f"{fmt_time(r.measured_outside_ns):>12s}")
     if r.calibration:
         lines += ["", f"  calibration stored in {r.calibration['db']}: "

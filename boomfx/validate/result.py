@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class OpComparison:
-    """One op class (an aten op name, or ``fused`` for Inductor's kernels): predicted vs in situ."""
+    """One op class (an aten op name, another library's ``ns::op``, or ``fused`` for Inductor's kernels):
+    predicted vs in situ."""
 
     op: str
     predicted_ns: float

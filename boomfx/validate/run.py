@@ -72,13 +72,23 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
     from boomfx.analysis.analysis import Analysis, AnalyzeOptions
     from boomfx.frontend.capture import capture, to_exported_program
     from boomfx.core.program import ProgramOptions
+    from boomfx.frontend.foreign import with_library_ops
+    from boomfx.passes.costs.grouped_mm import TRANSFORMERS_GROUPED_MM
+    from boomfx.passes.eager_grouped_mm import call_native_grouped_mm, eager_grouped_products, has_cpu_grouped_mm
     local = _local_device(device)
     spec = _local_spec(local)
-    ep = to_exported_program(source)
+    # eager CPU inference: transformers' experts call torch's grouped matmul, not the fallback the export traced
+    # (passes/eager_grouped_mm.py); the real step runs the export's graph with the same rewrite
+    native_experts = local.type == "cpu" and not train and not compile and has_cpu_grouped_mm()
+    reload = (lambda: to_exported_program(source)) if isinstance(source, (str, os.PathLike)) else None
+    ep = with_library_ops(to_exported_program(source), reload,
+                          called=lambda name: not (native_experts and name == TRANSFORMERS_GROUPED_MM))
     options = ProgramOptions(train, optimizer, amp, target_kind=spec.kind, compile=compile,
                              resident_grads=resident_grads, loss=loss, foreach=foreach,
                              python_locals=False)   # the real step runs the export's graph: its frees
     program = capture(ep, options=options)
+    if native_experts:
+        program = eager_grouped_products(program)
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, db=db))
     bindings, reduced = fitting_bindings(analysis, dims or {}, batch, seq, free_memory_bytes(local))
     point = analysis.evaluate(bindings)
@@ -90,6 +100,9 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
     from boomfx.training.trace import resolved_loss
     by_name = {str(s): v for s, v in bindings.items()}
     real = materialise(ep, by_name, local, seed)
+    for gm in real.module.modules() if native_experts else ():
+        if isinstance(gm, torch.fx.GraphModule) and call_native_grouped_mm(gm.graph):
+            gm.recompile()
     step = build_step(real.module, real.args, real.kwargs, train=train, optimizer=optimizer, amp=amp,
                       compile=compile, resident_grads=resident_grads, device=local,
                       loss=resolved_loss(ep, loss), foreach=options.uses_foreach if train else None)
