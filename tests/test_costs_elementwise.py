@@ -99,6 +99,20 @@ def test_sum_and_mean():
     assert price(aten.var_mean.correction, x, [1], outputs=(spec(4), spec(4))) == Cost(3 * 32 + 4, 128, 32)
 
 
+def test_router_counting_ops_are_modelled():
+    """What MoE routers call (GraniteMoE: ``histc`` of expert ids, ``diff`` of offsets, ``&`` of masks): a
+    histogram reads its input once (one increment each) and writes its bins; ``diff`` subtracts once per
+    output; ``&`` is elementwise. They were priced by bytes and listed as unmodelled."""
+    ids = spec(512, dtype=torch.int64)
+    assert price(aten.histc.default, spec(512), 4, 0, 3, outputs=(spec(4),)) == Cost(512, 512 * F32, 4 * F32)
+    assert price(aten.bincount.default, ids, None, 4, outputs=(spec(4, dtype=torch.int64),)) == \
+        Cost(512, 512 * I64, 4 * I64)
+    assert price(aten.diff.default, ids, 1, -1, outputs=(spec(511, dtype=torch.int64),)) == \
+        Cost(511, 512 * I64, 511 * I64)
+    mask = spec(4, 128, dtype=torch.bool)
+    assert price(aten.__and__.Tensor, mask, mask, outputs=(mask,)) == Cost(512, 2 * 512, 512)
+
+
 def test_argmax_writes_int64():
     assert price(aten.argmax.default, spec(4, 8), 1, outputs=(spec(4, dtype=torch.int64),)) == \
         Cost(32, 128, 4 * I64)

@@ -157,6 +157,7 @@ FLOPS_PER_ELEMENT: dict[Any, int] = {
     aten.eq: 1, aten.ne: 1, aten.lt: 1, aten.le: 1, aten.gt: 1, aten.ge: 1, aten.logical_not: 1,
     aten.logical_and: 1, aten.logical_or: 1, aten.logical_xor: 1, aten.bitwise_not: 1,
     aten.bitwise_and: 1, aten.bitwise_or: 1, aten.bitwise_xor: 1, aten.isnan: 1, aten.isinf: 1,
+    aten.__and__: 1, aten.__or__: 1, aten.__xor__: 1,   # Python's & | ^ on tensors (MoE routers' masks)
     aten.where: 1, aten.masked_fill: 1, aten.clamp_min: 1, aten.clamp_max: 1,
     aten.clamp: 2,  # compare with min, compare with max
     aten.nan_to_num: 3,  # isnan, isinf, select

@@ -15,6 +15,8 @@ var / std (+ _mean)   3         1 (+1)     Welford: delta, mean update, M2 updat
 norm (p-norm)         2         1          |x|^p, add; final root
 logsumexp             4         2          max, sub, exp, add; log, add max back
 cumsum / cumprod      1         0          one combine per element (a scan)
+histc / bincount      1         0          one bin increment per element
+diff                  0         1          one subtraction per output element
 softmax               5         0          max, sub, exp, sum, divide
 log_softmax           5         0          max, sub, exp, sum, subtract log-sum
 softmax backward      4         0          g*y, row sum, sub, mul: ``y * (g - sum(g*y))``
@@ -57,6 +59,8 @@ REDUCTION_FLOPS: dict[Any, tuple[int, int]] = {
     aten.norm: (2, 1), aten.linalg_vector_norm: (2, 1), aten.frobenius_norm: (2, 1),
     aten.logsumexp: (4, 2), aten.cumsum: (1, 0), aten.cumprod: (1, 0), aten.cummax: (1, 0),
     aten.cummin: (1, 0), aten.logcumsumexp: (4, 0),
+    aten.histc: (1, 0), aten.bincount: (1, 0),   # one bin increment per element (MoE routers' expert counts)
+    aten.diff: (0, 1),                           # one subtraction per output element
 }
 
 
