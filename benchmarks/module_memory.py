@@ -150,11 +150,13 @@ def main() -> int:
     lines += ["", "Notes:", "",
               "- The decoders of broad_cpu_accuracy peak at their logits ([4 x 128, 4096] fp32 = 8 MiB), where locals "
               "change nothing; the small_vocab suite (256 tokens, 2 x 512) peaks inside the layers.",
-              "- small_vocab decoders are over by 2-4% with the locals. At Llama's predicted peak (in layer 1's MLP) "
-              "every held tensor is one eager holds too (inputs_embeds, the loop's previous hidden_states, the norm "
-              "output the MLP's argument keeps). The 0.5 MiB excess equals the causal mask, which the export "
-              "materialises (create_causal_mask under tracing) and the graph run allocates. The eager module's SDPA "
-              "path probably skips it; that was not checked for GPT-2 and OPT."]
+              "- small_vocab decoders were over by 2-4% with the locals (2026-12-03). At Llama's predicted peak (in "
+              "layer 1's MLP) every held tensor is one eager holds too (inputs_embeds, the loop's previous "
+              "hidden_states, the norm output the MLP's argument keeps). The 0.5 MiB excess equals the causal mask, "
+              "which the export materialises (create_causal_mask under tracing) and the graph run allocates. Since "
+              "passes/eager_sdpa.py (2026-12-06: the eager module's SDPA calls, no mask, unrepeated KV heads) Qwen2 "
+              "+4.0% -> +0.0% and OPT +2.1% -> +0.0%; Llama (+4.1%) and GPT-2 (+2.3%) did not move, so their "
+              "excess is something else of the same size (not found)."]
     if failures:
         lines += ["", "Failures: " + "; ".join(f"{f['model']}: {f['error']}" for f in failures)]
     (RESULTS / "module_memory.md").write_text("\n".join(lines) + "\n")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.export.graph_signature import InputKind
 
+from boomfx.core.program import ProgramOptions
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.memory.live_bytes import measure_graph_live_bytes
 from boomfx.passes.evaluate import Evaluator
@@ -34,7 +35,8 @@ def user_inputs_for(name: str, batch: int, seq: int) -> tuple:
 @pytest.mark.parametrize("batch,seq", [(2, 8), (5, 37), (3, 128)])
 def test_inference_peak_matches_real_run(exported, name: str, batch: int, seq: int) -> None:
     ep, _ = exported(name, "cpu")
-    program = capture(ep)
+    # the graph as exported (the truth below runs it): not the eager module's attention (passes/eager_sdpa.py)
+    program = capture(ep, options=ProgramOptions(python_locals=False))
     info = liveness_pass(program)
     bindings = resolve_bindings(program, {}, batch=batch, seq=seq if name not in ("mlp", "cnn") else None)
     predicted = info.peak(Evaluator(bindings)).live_bytes

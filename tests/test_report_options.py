@@ -20,3 +20,13 @@ def test_report_options_and_text_name_every_mode_switch(exported):
     on_cpu = boomfx.analyze(ep, device="cpu", db="none", batch=2, seq=8, train=True, foreach=False)
     assert on_cpu.options["foreach"] is False
     assert "adamw (per-parameter loop)" in render_text(on_cpu).splitlines()[1]
+    # on a CPU the default (foreach) is not what torch.optim picks for CPU tensors: the line says so
+    cpu_default = boomfx.analyze(ep, device="cpu", db="none", batch=2, seq=8, train=True)
+    assert cpu_default.options["foreach"] is True
+    assert "torch's default for CPU tensors is the per-parameter loop: --no-foreach" in \
+        render_text(cpu_default).splitlines()[1]
+    import torch
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    params[0].grad = torch.zeros(2)
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    assert _default_to_fused_or_foreach(params, differentiable=False, use_fused=False) == (False, False)

@@ -26,6 +26,9 @@ def add_kernels_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
                    help="with --train: as analyze's --foreach/--no-foreach")
     c.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS", help="with --train: as analyze's --loss")
+    c.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --for: as analyze's --python-locals/--no-python-locals (the kernels of the program it "
+                        "prices: the eager module's attention and experts, or the export's own)")
     c.add_argument("--compile", action="store_true",
                    help="with --for: the kernels torch.compile (Inductor) runs; each unique fused group is "
                         "compiled and timed here, so --compile predictions are measured")

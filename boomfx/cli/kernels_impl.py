@@ -97,7 +97,8 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.frontend.foreign import import_libraries, stand_ins_called
         options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=spec.kind,
                                  checkpoint_layers=args.checkpoint_layers, resident_grads=args.resident_grads,
-                                 compile=args.compile, loss=args.loss, foreach=args.foreach)
+                                 compile=args.compile, loss=args.loss, foreach=args.foreach,
+                                 python_locals=args.python_locals)
         program = capture(args.for_file, options=options)
         if import_libraries(stand_ins_called(program.graph)):   # measure the library's own op, not a stand-in
             program = capture(args.for_file, options=options)

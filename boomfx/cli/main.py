@@ -64,10 +64,12 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.optim's implementation: --foreach (all parameters at once; the default, eager's on "
                         "CUDA) or --no-foreach (its per-parameter loop, eager's default on CPU tensors: exact memory, "
-                        "but its small ops are priced hot, so its optimizer time comes out low) (needs --train)")
+                        "but each of its small ops is priced reading its tensors cold, where the real loop finds "
+                        "them in cache, so its optimizer time comes out high) (needs --train)")
     p.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
                    help="inference as the nn.Module runs eagerly: tensors bound to its Python locals live "
-                        "until rebound or returned, and transformers' experts call torch's grouped matmul on a CPU "
+                        "until rebound or returned, transformers' attention calls SDPA causal without the mask and "
+                        "repeated KV heads the export built, and its experts call torch's grouped matmul on a CPU "
                         "(default); --no-python-locals: freed at their last use, with the ops the export recorded, "
                         "as the exported graph (ep.module()) runs")
     # compiled execution (passes/compiled.py)

@@ -27,6 +27,7 @@ from boomfx.frontend.loader import archive_key
 from boomfx.frontend.symbols import symbols_of
 from boomfx.frontend.trace_cache import cached_trace, keep_trace, trace_key
 from boomfx.passes.eager_grouped_mm import eager_grouped_products, has_cpu_grouped_mm
+from boomfx.passes.eager_sdpa import eager_attention_calls
 
 __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", "symbols_of", "program_from_traced",
            "to_exported_program", "load_exported", "trace_step", "export_of", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
@@ -94,6 +95,8 @@ def capture(source: Any, *example_inputs: Any, options: ProgramOptions = Program
     validate_options(options)
     sources_before = fx_source_keys()
     program = _capture(source, *example_inputs, options=options, dynamic_shapes=dynamic_shapes, log=log)
+    if options.runs_eager_module:   # no causal mask and unrepeated KV heads, as transformers calls SDPA eagerly
+        program = eager_attention_calls(program)
     if options.target_kind == "cpu" and options.runs_eager_module and has_cpu_grouped_mm():
         # the experts' products the eager model calls, not the fallback its export traced (passes/eager_grouped_mm.py)
         program = eager_grouped_products(program)

@@ -379,7 +379,8 @@ def _with_windows(program: Program, sites: list[AttentionSite], masks: dict[str,
     """The sites with the sliding window each one's mask shows (``boomfx/serving/sliding_window.py``)."""
     import dataclasses
 
-    from boomfx.serving.sliding_window import MAX_PROBE_TOKENS, probe_windows
+    from boomfx.passes.mask_probe import MAX_PROBE_TOKENS
+    from boomfx.serving.sliding_window import probe_windows
     bindings = {batch.symbol: 1}
     if past is not None:   # a decode step: one query over a long cached context
         top = past.max_value if past.max_value is not None else MAX_PROBE_TOKENS
