@@ -24,9 +24,10 @@ Known limitations:
   2-layer decoders of ``benchmarks/results/cpu_accuracy_cli.md`` are predicted +0.5-1.5 MiB over the
   module, +1..+3.7%); so do ``--no-python-locals`` (``ep.module()`` runs the mask, and ``boomfx
   validate`` measures it), ``--compile`` and ``boomfx serve`` (the engine's own attention).
-- NB: a sliding window of at least ``MAX_PROBE_TOKENS`` (or of the export's whole sequence range) looks causal
-  at the probe and is priced as full causal attention (eager skips the mask only while the sequence is
-  shorter than the window).
+- NB: the probe decides for every size: a sliding window of at least ``MAX_PROBE_TOKENS`` (or of the
+  export's whole sequence range) looks causal and is priced as causal attention at every length, and a
+  shorter one keeps the mask at every length, though the eager module skips it while the sequence is
+  shorter than the window (Mistral's 4096 tokens in an export up to 8191: masked at 2048).
 - NB: padding is assumed absent: an export with an attention-mask input is probed with a mask of ones, as
   the eager module skips a mask of ones; a real padded batch keeps its mask.
 """

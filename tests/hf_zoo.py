@@ -182,6 +182,14 @@ def build(name: str, device: str = "meta") -> tuple[torch.nn.Module, dict[str, t
     return model, inputs, spec.dynamic()
 
 
+def graph_args(ep: torch.export.ExportedProgram, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The flat arguments of ``ep``'s graph (or of a program captured from it): its weights, buffers and
+    constants by name, the user's ``inputs`` by input name, in the signature's order."""
+    state = {**ep.state_dict, **ep.constants}
+    return [state[spec.target] if spec.target is not None else inputs[spec.arg.name]
+            for spec in ep.graph_signature.input_specs]
+
+
 def export(name: str, device: str = "meta") -> torch.export.ExportedProgram:
     """``torch.export.export(model, (), inputs, dynamic_shapes=..., strict=False)`` of one zoo model."""
     model, inputs, dynamic = build(name, device)

@@ -50,11 +50,8 @@ def test_rewritten_graph_computes_the_exports_output(zoo) -> None:
     ep, _ = zoo("mixtral", "cpu")
     program = capture(ep, options=CPU_EAGER)
     _, inputs, _ = hf_zoo.build("mixtral", "cpu")
-    state = {**ep.state_dict, **ep.constants}
-    args = [state[spec.target] if spec.target is not None else inputs[spec.arg.name]
-            for spec in ep.graph_signature.input_specs]
     with torch.no_grad():
-        got = program.gm(*args)[0]
+        got = program.gm(*hf_zoo.graph_args(ep, inputs))[0]
         want = ep.module()(**inputs)[0]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want)

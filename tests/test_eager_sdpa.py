@@ -75,11 +75,8 @@ def test_rewritten_graph_computes_the_exports_output(zoo) -> None:
     graph_program = capture(ep, options=GRAPH)
     assert len(list(program.graph.nodes)) < len(list(graph_program.graph.nodes))
     _, inputs, _ = hf_zoo.build("mistral", "cpu")
-    state = {**ep.state_dict, **ep.constants}
-    args = [state[spec.target] if spec.target is not None else inputs[spec.arg.name]
-            for spec in ep.graph_signature.input_specs]
     with torch.no_grad():
-        got = program.gm(*args)[0]
+        got = program.gm(*hf_zoo.graph_args(ep, inputs))[0]
         want = ep.module()(**inputs)[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
