@@ -19,11 +19,24 @@ token ids and attention masks of ones at batch 1 and ``MAX_PROBE_TOKENS`` tokens
 ``repeat_kv`` of fewer heads, are those heads with ``enable_gqa=True``. The mask and the repeats are
 then dead code and leave the graph. Same output (tests/test_eager_sdpa.py).
 
+A re-traced step (``--train``, ``--amp``; ``traces_eager_attention``: with ``python_locals``, not
+``--compile``) is traced from the export rewritten so (``eager_attention_export``, called by
+``capture.trace_step``, so the per-rank re-traces of ``boomfx/distributed`` get it too, after their own
+sharding): its backward and saved tensors are then the eager module's, which saves no mask and takes the
+key/value gradients on the unrepeated heads (CPU flash attention, forward and backward). As exported, the
+2-layer decoders of ``benchmarks/cpu_accuracy.py`` at batch 4 x 128 tokens were predicted over the module's
+profiler peak (foreach AdamW) by +3.3% (Llama), +3.1% (Qwen3), +1.1% (Qwen2), +0.9% (GPT-2), and 12 more of
+``broad_cpu_accuracy`` by +1.0..+3.7%; since, all these and Mistral (its 64-token window keeps its mask, as
+the module does), Falcon and MPT are on it to the byte (tests/test_eager_sdpa_training.py). On a CUDA target
+the step's SDPA is then the kernel CUDA picks for the eager call (``training/amp.gpu_sdpa``, after torch's
+``sdp_utils.cpp``; not measured on a GPU): flash attention, which takes GQA's fewer heads, in bf16/fp16; in
+fp32 the math kernel where the heads are unrepeated (memory-efficient attention takes no GQA), where the
+export's masked call was memory-efficient.
+
 Known limitations:
-- NB: training steps keep the export's mask and repeats (the eager module's backward saves neither: the
-  2-layer decoders of ``benchmarks/results/cpu_accuracy_cli.md`` are predicted +0.5-1.5 MiB over the
-  module, +1..+3.7%); so do ``--no-python-locals`` (``ep.module()`` runs the mask, and ``boomfx
-  validate`` measures it), ``--compile`` and ``boomfx serve`` (the engine's own attention).
+- NB: ``--no-python-locals`` keeps the export's mask and repeats (``ep.module()`` runs the mask, and
+  ``boomfx validate`` measures it), so do ``--compile`` (under torch < 2.14 dynamo never lets transformers
+  skip the mask) and ``boomfx serve`` (the engine's own attention).
 - NB: the probe decides for every size: a sliding window of at least ``MAX_PROBE_TOKENS`` (or of the
   export's whole sequence range) looks causal and is priced as causal attention at every length, and a
   shorter one keeps the mask at every length, though the eager module skips it while the sequence is
@@ -33,13 +46,15 @@ Known limitations:
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from types import SimpleNamespace
+from typing import Any, Mapping, Optional
 
 import sympy
 import torch
 import torch.fx
 
-from boomfx.core.program import Program
+from boomfx.core.program import Program, ProgramOptions, SymbolInfo
 from boomfx.passes.mask_probe import MAX_PROBE_TOKENS, run_mask, visible
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -80,6 +95,40 @@ def eager_attention_calls(program: Program) -> Program:
         node.kwargs = args
     graph.eliminate_dead_code()
     return program.rewritten(graph, export=program.export)
+
+
+def traces_eager_attention(options: ProgramOptions) -> bool:
+    """Whether a step re-traced from the export (``--train``, ``--amp``) is traced from the export with the eager
+    module's SDPA calls (``eager_attention_export``): as the nn.Module runs eagerly (``python_locals``), not
+    compiled (torch < 2.14's dynamo never lets transformers skip the mask) and not the export's graph
+    (``--no-python-locals``: ``ep.module()``, what ``boomfx validate`` runs)."""
+    return options.python_locals and not options.compile and (options.train or options.amp is not None)
+
+
+# per export graph (held weakly), its rewritten export (None: no call changes): the steps of one export share it,
+# so the truncated trace kept per export graph (training/truncate.py) serves them all (a search's depth probes)
+_EXPORTS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, Optional[SimpleNamespace]]" = weakref.WeakKeyDictionary()
+
+
+def eager_attention_export(ep: Any, symbols: Mapping[str, SymbolInfo], roles: Mapping[str, str]) -> Any:
+    """``ep`` (an ExportedProgram, or the duck-typed export a rewrite builds) with its SDPA calls as the eager
+    module makes them (``eager_attention_calls`` on its graph), as a duck-typed export (what
+    ``training._trace`` reads) to trace a step from, so that the step's backward and saved tensors are the
+    eager module's: no mask, the unrepeated key/value heads. ``ep`` itself when no call changes.
+    ``symbols``/``roles``: the export's (``capture.symbols_of``, ``capture.export_roles``)."""
+    gm = ep.graph_module
+    if gm not in _EXPORTS:
+        program = eager_attention_calls(Program(gm, symbols, roles))
+        out = None
+        if program.gm is not gm:
+            fields = dict(vars(ep)) if isinstance(ep, SimpleNamespace) else {
+                "graph_signature": ep.graph_signature, "range_constraints": ep.range_constraints,
+                "state_dict": ep.state_dict}
+            fields.update(graph=program.graph, graph_module=program.gm)
+            out = SimpleNamespace(**fields)
+        _EXPORTS[gm] = out
+    out = _EXPORTS[gm]
+    return ep if out is None else out
 
 
 def _arguments(node: torch.fx.Node) -> dict[str, Any]:

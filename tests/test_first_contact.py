@@ -37,6 +37,13 @@ def _run_modes(path: str) -> dict[str, object]:
     return results
 
 
+def _outside_attention(report) -> float:
+    """FLOPs of the step's kernels outside the attention modules' own code (``self_attn``, ``SelfAttention``;
+    their projections, ``self_attn.q_proj``, count): where SDPA runs, whatever its kernel."""
+    return sum(k.flops for k in report.kernels
+               if not k.module.rsplit(".", 1)[-1].lower().endswith(("attn", "attention")))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_model_runs_in_every_mode_or_says_why(zoo, name: str) -> None:
@@ -54,6 +61,12 @@ def test_model_runs_in_every_mode_or_says_why(zoo, name: str) -> None:
     train = reports["train"].time.flops
     # backward does about twice the forward's matmul work: a step is >= 2x inference
     assert train >= 2 * reports["inference"].time.flops
-    assert reports["train_amp"].time.flops == pytest.approx(train, rel=1e-6)   # autocast changes dtypes only
-    # compiled: the same members' FLOPs, plus what Inductor recomputes instead of storing (< 2%)
-    assert train <= reports["train_compile"].time.flops <= 1.02 * train
+    # autocast changes dtypes only, and with them the SDPA kernel CUDA picks for transformers' eager GQA call (no
+    # mask, fewer KV heads: passes/eager_sdpa.py): fp32 the math kernel (every score), bf16 flash (causal half)
+    outside = _outside_attention(reports["train"])
+    assert _outside_attention(reports["train_amp"]) == pytest.approx(outside, rel=1e-6)
+    assert reports["train_amp"].time.flops <= train * (1 + 1e-6)
+    # compiled: the same members' FLOPs, plus what Inductor recomputes instead of storing (< 2%); its attention
+    # keeps the export's causal mask (every score) where the eager step skips the masked half
+    assert outside <= _outside_attention(reports["train_compile"]) <= 1.02 * outside
+    assert train <= reports["train_compile"].time.flops

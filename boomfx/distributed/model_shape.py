@@ -19,7 +19,8 @@ dimension, is refused by the walk, never split wrong). With
 colwise (``vocab_ends``).
 
 Heads come from the attention op itself (``scaled_dot_product_attention``'s query is
-``[batch, heads, seq, head_dim]``); key/value heads from the k projection's width / head_dim.
+``[batch, heads, seq, head_dim]``; the export's call where the step's runs as the math kernel's ops); key/value
+heads from the k projection's width / head_dim.
 """
 
 from __future__ import annotations
@@ -293,7 +294,10 @@ def _model_shape(program: Program, cfg: Optional[ParallelConfig]) -> ModelShape:
     prefix = find_layer_list(program.graph)
     layers = layer_names(program.graph, prefix) if prefix else []
     heads = head_dim = None
-    for node in program.graph.nodes:
+    # the step's attention kernel, else the export's SDPA call: a training step traced for CUDA runs the math
+    # kernel, ops with no attention node, on fewer key/value heads in fp32 (passes/eager_sdpa.py)
+    graphs = [program.graph] + ([program.export.graph] if program.export is not None else [])
+    for node in (n for graph in graphs for n in graph.nodes):
         if node.op == "call_function" and node.target in _SDPA:
             q = node.args[0].meta.get("val")
             heads, head_dim = int(q.shape[1]), int(q.shape[-1])

@@ -27,7 +27,7 @@ from boomfx.frontend.loader import archive_key
 from boomfx.frontend.symbols import symbols_of
 from boomfx.frontend.trace_cache import cached_trace, keep_trace, trace_key
 from boomfx.passes.eager_grouped_mm import eager_grouped_products, has_cpu_grouped_mm
-from boomfx.passes.eager_sdpa import eager_attention_calls
+from boomfx.passes.eager_sdpa import eager_attention_calls, eager_attention_export, traces_eager_attention
 
 __all__ = ["capture", "resolve_bindings", "export_roles", "export_param_names", "symbols_of", "program_from_traced",
            "to_exported_program", "load_exported", "trace_step", "export_of", "validate_options", "OPTIMIZERS", "AMP_DTYPES"]
@@ -128,7 +128,9 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label,
                        export=ep)
     refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
-    key = trace_key(archive_key(ep), options)
+    # transformers' eager attention calls (trace_step): kept once per export graph, so found again there at once
+    eager_attention = traces_eager_attention(options) and eager_attention_export(ep, symbols, roles) is not ep
+    key = trace_key(archive_key(ep), options, eager_attention)
     program = cached_trace(key, options, label)
     if program is not None:
         if log is not None:
@@ -143,8 +145,13 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
 
 def trace_step(ep: Any, options: ProgramOptions) -> Any:
     """The re-traced step of ``ep`` under ``options`` (a ``training.TracedProgram``); ``ep`` may be the
-    duck-typed export a rewrite builds (what ``training._trace`` reads)."""
+    duck-typed export a rewrite builds (what ``training._trace`` reads). As the nn.Module runs eagerly
+    (``traces_eager_attention``), traced from ``ep`` with transformers' eager SDPA calls (passes/eager_sdpa.py):
+    no causal mask, the key/value heads unrepeated, in the forward and so in the backward and its saved tensors."""
     from boomfx.training import trace as training
+    if traces_eager_attention(options):
+        roles = export_roles(ep)
+        ep = eager_attention_export(ep, symbols_of(ep, roles), roles)
     if options.train:
         # depth-free: trace 4 layers and replicate (boomfx/training/truncate.py); None -> full trace
         # (not without an optimizer or with its per-parameter loop: the synthesis extends foreach lists)

@@ -8,7 +8,9 @@ same trace): they reuse the step traced first.
 
 The key is the archive's content (``loader.archive_key``: the digest of its records, the stand-in ops
 and the deserializer, never the path or the file's time) and every option the trace reads
-(``ProgramOptions`` without ``compile``/``cudagraphs``, which rewrite the traced step afterwards). In-memory
+(``ProgramOptions`` without ``compile``/``cudagraphs``, which rewrite the traced step afterwards), and whether
+the step is traced from the export with transformers' eager attention calls (``passes/eager_sdpa.py``: not
+under ``compile``, so a compiled step shares the eager one's trace only where that rewrite changes nothing). In-memory
 ExportedPrograms and modules are not cached: nothing says their graph is unchanged since the last call.
 
 A hit returns a new Program that shares the traced GraphModule: passes never edit a Program's graph in
@@ -29,11 +31,12 @@ MAX_TRACES = 4
 _TRACES: "OrderedDict[tuple, Program]" = OrderedDict()
 
 
-def trace_key(content_key: Optional[Hashable], options: ProgramOptions) -> Optional[tuple]:
-    """What a traced step depends on: the archive content and the options the trace reads (None: not cacheable)."""
+def trace_key(content_key: Optional[Hashable], options: ProgramOptions, eager_attention: bool = False) -> Optional[tuple]:
+    """What a traced step depends on: the archive content, the options the trace reads and whether it is traced
+    from the export rewritten with transformers' eager attention calls (None: not cacheable)."""
     if content_key is None:
         return None
-    return (content_key, dataclasses.replace(options, compile=False, cudagraphs=False))
+    return (content_key, dataclasses.replace(options, compile=False, cudagraphs=False), eager_attention)
 
 
 def cached_trace(key: Optional[tuple], options: ProgramOptions, source: str) -> Optional[Program]:

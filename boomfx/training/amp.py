@@ -190,14 +190,15 @@ def _current_module() -> str:
     return next(reversed(stack.values()))[0] if stack else ""
 
 
-def _flash_ok(q: torch.Tensor, attn_mask: torch.Tensor | None, enable_gqa: bool) -> bool:
+def _flash_ok(q: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
     # sdp_utils.cpp can_use_flash_attention: fp16/bf16, no attn_mask, head_dim <= 256 and a
-    # multiple of 8 (NB: simplified; the real check also looks at the sm version and strides).
+    # multiple of 8 (NB: simplified; the real check also looks at the sm version and strides). Fewer
+    # key/value heads than query heads (enable_gqa: transformers' eager GQA call) are allowed: flash's
+    # check_batch_size_and_num_heads_dense<true> (torch's SDPA doc: GQA runs on flash and math on CUDA)
     head_dim = q.shape[-1]
     return (
         q.dtype in (torch.float16, torch.bfloat16)
         and attn_mask is None
-        and not enable_gqa
         and isinstance(head_dim, int)
         and head_dim <= 256
         and head_dim % 8 == 0
@@ -234,7 +235,7 @@ def gpu_sdpa(
         return aten.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
-    if _flash_ok(query, attn_mask, enable_gqa):
+    if _flash_ok(query, attn_mask):
         out = aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )
