@@ -22,6 +22,21 @@ issue time come from the isolated measurement), labelled ``source + IN_STEP_SUFF
 reports such rows as ``PriceSource.MEASURED_IN_STEP`` and ``boomfx/analysis/host_time.py`` charges
 them no op switch and no cold start (the price already holds what the kernels before it left).
 
+With the calls' operands (``passes/operands.py``, which program value each argument is) the rotation
+hands each call the tensors a real step would (``_OperandFlow``): the output its producer just wrote,
+the parameter, gradient and optimizer state the previous op just updated in place, and releases a
+produced value after its last reader, as the step frees it. Without them the loop of torch.optim
+(AdamW's per-parameter ops, eager's default on a CPU) was priced as if every op read its tensors
+from memory: on a 2-layer Llama (hidden 256, vocabulary 4096), summed over its keys at one thread,
+``addcmul_`` 1.49 ms own against 0.55 ms with the flow (0.30 ms profiled in the real step at two),
+``addcdiv_`` 1.48 against 1.02 ms (0.58 ms); and a fresh 8 MiB gradient, read by
+``_log_softmax_backward_data`` while the step holds its other activations, costs what the real step
+pays (1.16 ms own, 4.70 ms with the flow; 2.5-2.8 ms profiled at two threads).
+``benchmarks/results/in_step_flow.md`` (five models' training steps, four held out, torch's threads):
+the optimizer phase +6..+40% over the real ``opt.step()`` with each call's own tensors, -4.5..-11.4%
+with the flow (the real one also runs the loop's Python); whole steps within the VM's noise either way
+(median |error| 4.2% own, 5.0% flow; mean signed +1.1%, +1.0%).
+
 ``boomfx kernels collect --for`` runs it on a CPU after the isolated measurements (``--no-in-step`` skips
 it); with ``--compile`` the rotation calls each fused group's compiled callable (``FusedMeasurer.timed_call``).
 
@@ -35,10 +50,13 @@ Known limitations:
   touches fewer distinct bytes than its step, and keys first met past it (a large model's foreach
   optimizer ops: every parameter, gradient and state, per op) keep their isolated prices. Measured: GPT-2
   small training (batch 2, seq 128) peaked at 10.9 GB resident before this cap.
-- Each call reads synthetic inputs, not its predecessor's output: an activation the previous kernel
-  just wrote is read warm in a real step and from wherever the rotation left it here. Suspected where
-  compiled convolutional networks come out over (MobileNetV2 compiled inference +23% against -36%
-  isolated, benchmarks/results/broad_cpu_accuracy.md).
+- Compiled groups (``--compile``) keep their own synthetic inputs (no operands: a compiled group's
+  inputs are rebound only with its own layout, not checked here), so an activation the previous kernel
+  just wrote is read from wherever the rotation left it. Suspected where compiled convolutional networks
+  come out over (MobileNetV2 compiled inference +23% against -36% isolated,
+  benchmarks/results/broad_cpu_accuracy.md).
+- Integer and boolean arguments keep the call's own tensors (their contents are valid indices for that
+  call); a call whose inputs are shared with another call's (past the budget) keeps them too.
 """
 from __future__ import annotations
 
@@ -54,6 +72,7 @@ from boomfx.kernels_db.measure import Measurer, summarize
 from boomfx.kernels_db.schema import IN_STEP_SUFFIX, DeviceFingerprint, is_in_step_source
 from boomfx.kernels_db.store import Store
 from boomfx.passes.costs.registry import OpCall
+from boomfx.passes.operands import Operand, Operands
 
 DEFAULT_INPUT_BUDGET_BYTES = 2 << 30
 
@@ -71,11 +90,17 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
                  max_passes: int = 100, target_s: float = 1.0, warmup_passes: int = 2,
                  clock: Optional[Callable[[], int]] = None,
                  input_budget_bytes: int = DEFAULT_INPUT_BUDGET_BYTES,
-                 timed_call: Callable[[Any, list, dict], Callable[[], object]] = Measurer.timed_call) -> InStepTimes:
+                 timed_call: Callable[[Any, list, dict], Callable[[], object]] = Measurer.timed_call,
+                 operands: Optional[Sequence[Optional[Operands]]] = None) -> InStepTimes:
     """Time every call of ``calls`` (a program's kernels, in program order, sizes bound) where it stands
     in the step: timed passes over the whole sequence after ``warmup_passes``, at least ``min_passes``
     and until ``target_s`` of timed passes (a short step's samples are many: this VM's noise moved
     one collection's total by 10-20% at 8 passes of a 3 ms step), at most ``max_passes``.
+
+    ``operands`` (aligned with ``calls``; ``passes/operands.py``): which program values each call reads
+    and writes. With them each call is handed, before it is timed, the floating-point tensors the
+    step's earlier calls left (an output the previous call just wrote, the parameter and state the
+    optimizer's previous op just updated: ``_OperandFlow``) instead of its own synthetic ones.
 
     ``clock`` defaults to wall time (``time.perf_counter_ns``); with one intra-op thread the collector
     passes this thread's CPU time, as ``Measurer`` does. ``timed_call`` turns a key's inputs into what one
@@ -87,9 +112,9 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
     clock = clock or time.perf_counter_ns
     built: dict[str, tuple] = {}
     failed: dict[str, str] = {}
-    runs: list[tuple[str, Callable[[], object]]] = []
+    runs: list[_Run] = []
     spent = 0
-    for call in calls:
+    for index, call in enumerate(calls):
         try:
             key = kernel_key(call)
         except (SymbolicKeyError, UnkeyableCallError):
@@ -98,6 +123,7 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
             continue
         inputs = built.get(key.key_hash)
         need = input_bytes(key)
+        fresh = False
         if spent + need > input_budget_bytes:
             if inputs is None:   # never more than the budget: the key keeps its isolated row
                 failed[key.key_hash] = f"inputs of {need} bytes over the rotation's budget ({input_budget_bytes} bytes)"
@@ -109,22 +135,28 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
                 failed[key.key_hash] = f"{type(exc).__name__}: {exc}"
                 continue
             spent += need
+            fresh = True
             built.setdefault(key.key_hash, inputs)
         op, args, kwargs = inputs
         try:
-            runs.append((key.key_hash, timed_call(op, args, kwargs)))
+            fn = timed_call(op, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - e.g. a fused group that does not compile
             failed[key.key_hash] = f"{type(exc).__name__}: {exc}"
+            continue
+        # a call sharing another call's inputs (over the budget) keeps them: rebinding would rebind both
+        flow = operands[index] if operands is not None and fresh else None
+        runs.append(_Run(key.key_hash, fn, _slots(args, kwargs) if flow is not None else [], flow))
     samples: dict[str, list[float]] = defaultdict(list)
+    operand_flow = _OperandFlow(runs)
     previous_denormal = torch.set_flush_denormal(True)   # in-place calls repeated must not drift into denormals
     try:
         with torch.no_grad():
             for _ in range(warmup_passes):
-                _one_pass(runs, failed, None)
+                _one_pass(runs, failed, None, operand_flow)
             timed_ns = 0.0
             passes = 0
             while passes < max_passes and (passes < min_passes or timed_ns < target_s * 1e9):
-                timed_ns += _one_pass(runs, failed, samples, clock)
+                timed_ns += _one_pass(runs, failed, samples, operand_flow, clock)
                 passes += 1
     finally:
         torch.set_flush_denormal(previous_denormal)
@@ -132,23 +164,157 @@ def time_in_step(calls: Sequence[OpCall], device: torch.device | str = "cpu", *,
     return InStepTimes(ok, failed)
 
 
-def _one_pass(runs: Sequence[tuple[str, Callable[[], object]]], failed: dict[str, str],
-              samples: Optional[dict[str, list[float]]], clock: Callable[[], int] = time.perf_counter_ns) -> float:
+@dataclass
+class _Run:
+    """One call of the rotation: its key, what a sample calls, where its tensors sit in its arguments (in
+    key order, ``_slots``) and its operands (None: it keeps its own inputs)."""
+
+    key_hash: str
+    fn: Callable[[], object]
+    slots: list[tuple[Any, Any]]
+    operands: Optional[Operands]
+
+    def __post_init__(self) -> None:
+        self.own = [container[index] for container, index in self.slots]   # restored after each call
+
+
+def _slots(args: list, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(container, index) of every tensor in ``args`` then ``kwargs``, lists flattened: the kernel key's
+    tensor order (``make_inputs`` fills the op's schema in order, keyword-only arguments last)."""
+    found: list[tuple[Any, Any]] = []
+
+    def walk(container: Any, index: Any) -> None:
+        value = container[index]
+        if isinstance(value, torch.Tensor):
+            found.append((container, index))
+        elif isinstance(value, list):
+            for i in range(len(value)):
+                walk(value, i)
+
+    for i in range(len(args)):
+        walk(args, i)
+    for name in kwargs:
+        walk(kwargs, name)
+    return found
+
+
+class _OperandFlow:
+    """The tensors a real step would hand each call: every program value a call produces or is first
+    given, kept by name (and its storage by the name of the value owning it) until the last call of the
+    pass that reads that storage, as the step frees it.
+
+    Before a call runs, each floating-point argument slot whose value is known gets that tensor (same
+    shape, strides and dtype) or a view of its storage made with the argument's own strides; integer and
+    boolean tensors keep the call's own (their contents are valid indices for that call only). A slot
+    with nothing known yet gets the call's own tensor, which then stands for that value (a parameter,
+    an optimizer state or a gradient read by several calls is then one tensor, updated in place where
+    the step updates it). After the call its outputs become their values."""
+
+    def __init__(self, runs: Sequence[_Run]) -> None:
+        self._values: dict[str, torch.Tensor] = {}
+        self._storages: dict[str, torch.Tensor] = {}
+        self._names_of: dict[str, set[str]] = defaultdict(set)
+        # fresh storages the calls produce (an in-place write's output keeps its argument's storage)
+        produced: set[str] = {o.storage for r in runs if r.operands for o in r.operands.outputs
+                              if o is not None and o.storage == o.value}
+        last_use: dict[str, int] = {}
+        for i, r in enumerate(runs):
+            if r.operands is None:
+                continue
+            if len(r.operands.inputs) < len(r.slots):   # not aligned with the key (a context tensor...): own inputs
+                r.operands = None
+                continue
+            for operand in r.operands.inputs:
+                if operand is not None:
+                    last_use[operand.storage] = i
+        # a storage produced within the pass is released after its last reader, as the step frees it
+        self._release: dict[int, list[str]] = defaultdict(list)
+        for storage, i in last_use.items():
+            if storage in produced:
+                self._release[i].append(storage)
+
+    def before(self, run: _Run) -> None:
+        """Hand ``run`` the tensors of its operands (outside the timed region)."""
+        if run.operands is None:
+            return
+        for (container, slot), operand in zip(run.slots, run.operands.inputs):
+            if operand is None:
+                continue
+            own = container[slot]
+            if not (own.dtype.is_floating_point or own.dtype.is_complex):
+                continue
+            given = self._tensor_for(operand, own)
+            if given is None:
+                self._remember(operand.value, operand.storage, own)
+            else:
+                container[slot] = given
+
+    def after(self, run: _Run, index: int, result: object) -> None:
+        """Keep ``run``'s outputs as their values; release the storages no later call of the pass reads."""
+        for (container, slot), own in zip(run.slots, run.own):   # its arguments hold nothing of the step's
+            container[slot] = own
+        if run.operands is not None:
+            outputs = result if isinstance(result, (list, tuple)) else (result,)
+            for output, value in zip(run.operands.outputs, outputs):
+                if output is None or not isinstance(value, torch.Tensor):
+                    continue
+                self._values[output.value] = value
+                self._names_of[output.storage].add(output.value)
+                if output.storage == output.value:   # a fresh storage (a write in place keeps its argument's)
+                    self._storages[output.storage] = value
+                else:
+                    self._storages.setdefault(output.storage, value)
+        for storage in self._release.get(index, ()):
+            self._storages.pop(storage, None)
+            for name in self._names_of.pop(storage, ()):
+                self._values.pop(name, None)
+
+    def _remember(self, value: str, storage: str, tensor: torch.Tensor) -> None:
+        self._values[value] = tensor
+        self._names_of[storage].add(value)
+        self._storages.setdefault(storage, tensor)
+
+    def _tensor_for(self, operand: Operand, own: torch.Tensor) -> Optional[torch.Tensor]:
+        known = self._values.get(operand.value)
+        if known is not None and _same_layout(known, own):
+            return known
+        base = self._storages.get(operand.storage)
+        if base is None or base.dtype != own.dtype or base.device != own.device:
+            return None
+        reach = own.storage_offset() + sum((s - 1) * st for s, st in zip(own.shape, own.stride())) + 1
+        if min(own.shape, default=1) == 0 or reach * own.element_size() > base.untyped_storage().nbytes():
+            return None
+        view = base.as_strided(own.shape, own.stride(), own.storage_offset())
+        self._remember(operand.value, operand.storage, view)
+        return view
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _one_pass(runs: Sequence[_Run], failed: dict[str, str], samples: Optional[dict[str, list[float]]],
+              flow: _OperandFlow, clock: Callable[[], int] = time.perf_counter_ns) -> float:
     """Run every call once in order; with ``samples``, time each where it stands. Returns the time taken."""
     total = 0.0
-    for key_hash, fn in runs:
-        if key_hash in failed:
+    for index, run in enumerate(runs):
+        if run.key_hash in failed:
+            flow.after(run, index, None)
             continue
+        flow.before(run)
         t0 = clock()
         try:
-            fn()
+            result = run.fn()
         except Exception as exc:  # noqa: BLE001 - the key keeps its isolated row
-            failed[key_hash] = f"{type(exc).__name__}: {exc}"
+            failed[run.key_hash] = f"{type(exc).__name__}: {exc}"
+            flow.after(run, index, None)
             continue
         elapsed = float(clock() - t0)
+        flow.after(run, index, result)
+        del result
         total += elapsed
         if samples is not None:
-            samples[key_hash].append(elapsed)
+            samples[run.key_hash].append(elapsed)
     return total
 
 
@@ -170,11 +336,12 @@ def record_in_step(store: Store, fingerprint: DeviceFingerprint, times: InStepTi
     return written
 
 
-def collect_in_step(store: Store, calls: Sequence[OpCall], measurer: Measurer) -> int:
+def collect_in_step(store: Store, calls: Sequence[OpCall], measurer: Measurer,
+                    operands: Optional[Sequence[Optional[Operands]]] = None) -> int:
     """``time_in_step`` with ``measurer``'s clock (this thread's CPU time when it uses one) and its way of
     calling a kernel, then ``record_in_step`` over its fingerprint's rows: what ``boomfx kernels collect
     --for`` runs after the isolated measurements. Returns the rows rewritten."""
     clock = time.thread_time_ns if measurer.cpu_clock == "thread" else time.perf_counter_ns
-    times = time_in_step(calls, measurer.device, clock=clock, timed_call=measurer.timed_call)
+    times = time_in_step(calls, measurer.device, clock=clock, timed_call=measurer.timed_call, operands=operands)
     return record_in_step(store, measurer.fingerprint(), times)
 

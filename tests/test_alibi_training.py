@@ -27,5 +27,5 @@ def test_bloom_training_peak_matches_the_profiler(tmp_path) -> None:
     ep = torch.export.export(model, (ids,), strict=False,
                              dynamic_shapes=({0: Dim("batch", max=64), 1: Dim("seq", min=2, max=64)},))
     predicted, _ = predicted_peak(ep, (ids,), ProgramOptions(True, "adamw", target_kind="cpu"), str(tmp_path / "cpu.db"))
-    real = real_peak(ep, (ids,), True, loss="cross_entropy")
+    real = real_peak(ep, (ids,), True, loss="cross_entropy", foreach=None)   # torch's AdamW default: the loop
     assert real > 0 and abs(predicted - real) <= TOLERANCE * real, (predicted, real, predicted / real - 1)

@@ -66,7 +66,7 @@ def real_peak(ep: torch.export.ExportedProgram, inputs: tuple, train: bool, set_
     """Profiler peak of one real eager step (after two warm-ups); ``set_to_none=False`` keeps the .grad
     buffers between steps (the --resident-grads steady state). ``loss="cross_entropy"``: a language
     model's training loss against random next-token labels (drawn once, resident like a batch's).
-    ``foreach``: AdamW's argument (``--train``'s default True; None: torch's default, the loop on CPU)."""
+    ``foreach``: AdamW's argument (None: torch's default, the loop on CPU, as ``--train``'s on a CPU target)."""
     gm = ep.module()
     reduce = step_loss(loss)
 

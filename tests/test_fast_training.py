@@ -53,15 +53,17 @@ def test_capture_uses_the_fast_path_for_deep_models(monkeypatch: pytest.MonkeyPa
     real = training.build_training_program
     monkeypatch.setattr(training, "build_training_program",
                         lambda e, **kw: calls.append(len(list(e.graph.nodes))) or real(e, **kw))
-    program = capture(ep, options=ProgramOptions(train=True, target_kind="cpu"))
+    program = capture(ep, options=ProgramOptions(train=True, target_kind="cuda"))   # foreach: CUDA's default
     assert len(calls) == 1 and calls[0] < len(list(ep.graph.nodes))    # only the truncated program
     assert {p for p in program.param_names.values() if p.startswith("h.")} >= {f"h.{i}.fc.weight"
                                                                                for i in range(8)}
-    # torch.optim's per-parameter loop (--no-foreach): the synthesis extends foreach lists, so the whole
-    # model is traced
-    calls.clear()
-    capture(ep, options=ProgramOptions(train=True, target_kind="cpu", foreach=False))
-    assert calls == [len(list(ep.graph.nodes))]
+    # torch.optim's per-parameter loop (--no-foreach, and torch's default for a CPU's tensors): the
+    # synthesis extends foreach lists, so the whole model is traced
+    for options in (ProgramOptions(train=True, target_kind="cuda", foreach=False),
+                    ProgramOptions(train=True, target_kind="cpu")):
+        calls.clear()
+        capture(ep, options=options)
+        assert calls == [len(list(ep.graph.nodes))]
 
 
 def test_unsupported_structure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,8 @@ temporaries by hand, the CLI flag, and the per-rank rewrites, which start from t
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from boomfx.cli.main import main
@@ -40,10 +42,10 @@ def _optimizer_nodes(program) -> list[torch.fx.Node]:
     return [n for n in program.graph.nodes if program.phases.get(n.name) == PHASE_OPTIMIZER]
 
 
-def test_default_is_foreach_and_torch_loops_on_cpu() -> None:
+def test_default_is_torchs_loop_on_cpu_and_foreach_on_cuda() -> None:
     from torch.optim.optimizer import _default_to_fused_or_foreach
     assert _default_to_fused_or_foreach([torch.nn.Parameter(torch.ones(2))], False, False) == (False, False)
-    assert ProgramOptions(True, target_kind="cpu").uses_foreach is True
+    assert ProgramOptions(True, target_kind="cpu").uses_foreach is False       # torch.optim's default for CPU tensors
     assert ProgramOptions(True, target_kind="cuda").uses_foreach is True
     assert ProgramOptions(True, target_kind="cpu", foreach=False).uses_foreach is False
     assert ProgramOptions(True, target_kind="cpu", foreach=True).uses_foreach is True
@@ -97,9 +99,12 @@ def test_cli_foreach_flag(capsys, exported) -> None:
     common = ["analyze", path, "--device", "cpu", "--db", "none", "--batch", "8", "--json"]
     assert main(common + ["--train", "--no-foreach"]) == 0
     loop = capsys.readouterr().out
-    assert main(common + ["--train"]) == 0
+    assert main(common + ["--train", "--foreach"]) == 0
     both = capsys.readouterr().out
+    assert main(common + ["--train"]) == 0                  # a CPU's default: torch.optim's loop
+    default = capsys.readouterr().out
     assert '"_foreach_sqrt' not in loop and "_foreach_sqrt" in both
+    assert json.loads(default)["options"]["foreach"] is False and json.loads(default)["time"] == json.loads(loop)["time"]
     assert main(common + ["--foreach"]) == 2
     err = capsys.readouterr().err
     assert "--foreach/--no-foreach needs --train" in err and err.count("\n") == 1

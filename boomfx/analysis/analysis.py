@@ -159,13 +159,23 @@ class Analysis:
         """The bound OpCall of every kernel the step launches, each unique block priced once: exactly
         what model-guided collection must measure."""
         ev = self.evaluator(bindings)
-        names = []
+        return [self._bind(name, ev) for name in self._kernel_names()]
+
+    def kernel_operands(self) -> list[Any]:
+        """The ``passes/operands.Operands`` of each of ``kernel_calls``' calls (same order): which program
+        values each reads and writes, for the in-step rotation (``kernels_db/in_step.py``)."""
+        from boomfx.passes.operands import StorageRoots, operands_of
+        roots = StorageRoots()
+        by_name = {node.name: node for node in self._nodes}
+        return [operands_of(by_name[name], roots) for name in self._kernel_names()]
+
+    def _kernel_names(self) -> list[str]:
+        """Each priced node's representative, in program order, once."""
+        names: dict[str, None] = {}
         for node in self._nodes:
             if node.name in self.costs.by_node:
-                rep = self._reps.get(node.name, node.name)
-                if rep not in names:
-                    names.append(rep)
-        return [self._bind(name, ev) for name in names]
+                names.setdefault(self._reps.get(node.name, node.name))
+        return list(names)
 
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
@@ -290,10 +300,12 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     (``zero_grad(set_to_none=False)``, gradient accumulation); the default frees them after each step.
     ``loss`` (with ``train``): ``"auto"`` (cross-entropy for a language model's logits, see
     ``training.trace.token_logits``), ``"cross_entropy"``, ``"mean"`` or ``"output"``.
-    ``foreach`` (with ``train``): torch.optim's foreach implementation (None/True) or (False) its
-    per-parameter loop, eager's default on CPU tensors (core/program.py says why it is not the default here).
-    ``python_locals`` (inference): tensors bound to the model's Python locals live until rebound or returned,
-    as the nn.Module runs eagerly; False: freed at last use, as the export's graph runs.
+    ``foreach`` (with ``train``): torch.optim's foreach implementation (True) or its per-parameter loop
+    (False); None: torch.optim's default for the device's tensors (foreach on CUDA, the loop on a CPU).
+    ``python_locals``: as the nn.Module runs eagerly (inference: tensors bound to the model's Python locals
+    live until rebound or returned; inference and training: transformers' attention calls SDPA causal
+    without the export's mask and repeated KV heads, ``passes/eager_sdpa.py``); False: as the export's
+    graph runs (freed at last use, its own ops).
     ``device_spec="my_gpu.json"``: an unlisted device described in JSON (``boomfx/core/device_spec_file.py``);
     it replaces ``device``.
 

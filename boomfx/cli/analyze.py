@@ -31,18 +31,21 @@ def run_analyze(args: argparse.Namespace) -> int:
         raise OptionError("--loss needs --train (an inference step has no loss)")
     if args.foreach is not None and not args.train:
         raise OptionError("--foreach/--no-foreach needs --train (an inference step has no optimizer)")
+    from boomfx.distributed.cli import parallel_config
+    parallel = None if args.search else parallel_config(args)     # --parallel: checked before the (slow) capture
+    foreach = args.foreach
+    if foreach is None and (parallel is not None or args.search):
+        foreach = True   # every rank rewrite starts from the foreach step (distributed/ranks.py): traced once
     options = ProgramOptions(args.train, args.optimizer or DEFAULT_OPTIMIZER, args.amp, args.checkpoint, target_kind=device.kind,
                              compile=args.compile or args.cudagraphs, cudagraphs=args.cudagraphs,  # --compile
                              checkpoint_layers=args.checkpoint_layers,  # "h.0,h.2": split by ProgramOptions
-                             resident_grads=args.resident_grads, loss=args.loss, foreach=args.foreach,
+                             resident_grads=args.resident_grads, loss=args.loss, foreach=foreach,
                              python_locals=args.python_locals)
     if args.search:   # --search: the fastest parallel plans that fit (boomfx/distributed/search_cli.py)
         from boomfx.distributed.search_cli import run_search
         return run_search(args, device, options, dims, AnalyzeOptions(device.name, args.alloc_conf, args.outside_memory,
                                                                       args.db, args.from_db),
                           log=progress.log if args.verbose else None)
-    from boomfx.distributed.cli import parallel_config
-    parallel = parallel_config(args)     # --parallel: checked before the (slow) capture
     if parallel is not None and not args.train:
         raise OptionError("--parallel needs --train (the per-rank programs are training steps)")
     progress.stage("loading and capturing the program")

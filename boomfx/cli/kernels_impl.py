@@ -97,7 +97,9 @@ def _collect(args: argparse.Namespace) -> int:
         from boomfx.frontend.foreign import import_libraries, stand_ins_called
         options = ProgramOptions(args.train, args.optimizer, args.amp, args.checkpoint, target_kind=spec.kind,
                                  checkpoint_layers=args.checkpoint_layers, resident_grads=args.resident_grads,
-                                 compile=args.compile, loss=args.loss, foreach=args.foreach,
+                                 compile=args.compile, loss=args.loss,
+                                 # every rank rewrite starts from the foreach step (distributed/ranks.py)
+                                 foreach=True if args.foreach is None and parallel is not None else args.foreach,
                                  python_locals=args.python_locals)
         program = capture(args.for_file, options=options)
         if import_libraries(stand_ins_called(program.graph)):   # measure the library's own op, not a stand-in
@@ -124,11 +126,12 @@ def _collect(args: argparse.Namespace) -> int:
                 what += _in_step(path, analysis.kernel_calls(bindings), fused_measurer)
         elif parallel is not None:   # each rank class's program, as analyze --parallel builds and prices it
             per_class = _rank_class_calls(program, parallel, spec, bindings)
-            calls = [c for class_calls in per_class for c in class_calls]
+            calls = [c for class_calls, _ in per_class for c in class_calls]
             result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
             what = f"{len(calls)} kernels of {len(per_class)} rank classes of {args.for_file} ({parallel.describe()})"
             if device.type == "cpu" and args.in_step and not result.pending:
-                what += "".join(_in_step(path, class_calls, measurer) for class_calls in per_class)
+                what += "".join(_in_step(path, class_calls, measurer, operands)
+                                for class_calls, operands in per_class)
             if device.type == "cpu" and (parallel.dp_shard > 1 or parallel.tp > 1):
                 from boomfx.kernels_db.framework_overheads import collect_framework_costs
                 collect_framework_costs(Store(path), measurer)   # FSDP2's hooks, DTensor's dispatch
@@ -137,7 +140,7 @@ def _collect(args: argparse.Namespace) -> int:
             result = collect_calls(Store(path), calls, device, budget, progress, measurer=measurer)
             what = f"{len(calls)} kernels of {args.for_file}"
             if device.type == "cpu" and args.in_step and not result.pending:
-                what += _in_step(path, calls, measurer)
+                what += _in_step(path, calls, measurer, analysis.kernel_operands())
     else:
         dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
         families = [f.strip() for f in args.families.split(",")] if args.families else None
@@ -176,21 +179,26 @@ def _parallel(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def _rank_class_calls(program: Any, cfg: Any, spec: Any, bindings: Any) -> list[list]:
-    """Each rank class's aten kernels under ``cfg`` (collectives and sends are priced apart)."""
+def _rank_class_calls(program: Any, cfg: Any, spec: Any, bindings: Any) -> list[tuple[list, list]]:
+    """Each rank class's aten kernels under ``cfg`` (collectives and sends are priced apart), with their
+    operands (``Analysis.kernel_operands``)."""
     from boomfx.analysis.analysis import AnalyzeOptions
     from boomfx.distributed.analysis import DistributedAnalysis
     dist = DistributedAnalysis(program, cfg, spec, AnalyzeOptions(spec.name, db="none"))
     rank_bindings = dist.program_bindings(bindings)
-    return [[c for c in a.kernel_calls(rank_bindings) if c.op.namespace == "aten"] for a in dist.analyses]
+    out = []
+    for a in dist.analyses:
+        pairs = [(c, o) for c, o in zip(a.kernel_calls(rank_bindings), a.kernel_operands()) if c.op.namespace == "aten"]
+        out.append(([c for c, _ in pairs], [o for _, o in pairs]))
+    return out
 
 
-def _in_step(path: Path, calls: list, measurer: Any) -> str:
+def _in_step(path: Path, calls: list, measurer: Any, operands: Optional[list] = None) -> str:
     """Time the program's kernels inside its step and price them by it (kernels_db/in_step.py), at the
-    thread count set above."""
+    thread count set above; with ``operands``, each call handed the tensors the step's earlier calls left."""
     from boomfx.kernels_db.in_step import collect_in_step
     from boomfx.kernels_db.store import Store
-    return f" ({collect_in_step(Store(path), calls, measurer)} timed in step)"
+    return f" ({collect_in_step(Store(path), calls, measurer, operands)} timed in step)"
 
 
 def _sizes(key) -> str:

@@ -62,16 +62,15 @@ def _add_program_args(p: argparse.ArgumentParser) -> None:
                    help="gradients stay allocated between steps (zero_grad(set_to_none=False), gradient "
                         "accumulation); default: freed after each step (needs --train)")
     p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.optim's implementation: --foreach (all parameters at once; the default, eager's on "
-                        "CUDA) or --no-foreach (its per-parameter loop, eager's default on CPU tensors: exact memory, "
-                        "but each of its small ops is priced reading its tensors cold, where the real loop finds "
-                        "them in cache, so its optimizer time comes out high) (needs --train)")
+                   help="torch.optim's implementation: --foreach (all parameters at once) or --no-foreach (its "
+                        "per-parameter loop); default: torch's for the device's tensors, foreach on CUDA, the loop "
+                        "on a CPU (needs --train)")
     p.add_argument("--python-locals", action=argparse.BooleanOptionalAction, default=True,
-                   help="inference as the nn.Module runs eagerly: tensors bound to its Python locals live "
-                        "until rebound or returned, transformers' attention calls SDPA causal without the mask and "
-                        "repeated KV heads the export built, and its experts call torch's grouped matmul on a CPU "
-                        "(default); --no-python-locals: freed at their last use, with the ops the export recorded, "
-                        "as the exported graph (ep.module()) runs")
+                   help="as the nn.Module runs eagerly (default): in inference tensors bound to its Python "
+                        "locals live until rebound or returned and its experts call torch's grouped matmul on a "
+                        "CPU; in inference and training (not --compile) transformers' attention calls SDPA causal "
+                        "without the mask and repeated KV heads the export built; --no-python-locals: freed at "
+                        "their last use, with the ops the export recorded, as the exported graph (ep.module()) runs")
     # compiled execution (passes/compiled.py)
     p.add_argument("--compile", action="store_true", help="predict torch.compile (Inductor fusion, one launch per kernel)")
     p.add_argument("--cudagraphs", action="store_true", help="with --compile: mode=reduce-overhead (CUDA graph replay)")

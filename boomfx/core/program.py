@@ -91,16 +91,17 @@ class ProgramOptions:
     # with train: how the step reduces the model's output to a loss (training/trace.py ``_loss_of``):
     # "auto", "cross_entropy", "mean" or "output"
     loss: str = "auto"
-    # with train: how torch.optim steps. True/None: foreach (``torch._foreach_*`` over every parameter at once,
-    # temporaries the size of all parameters; eager's default on CUDA); False: its per-parameter loop (one
-    # parameter's temporaries at a time; eager's default on CPU tensors, ``_default_to_fused_or_foreach``).
-    # The loop is not the CPU default here: its memory is exact, but its small per-parameter ops are priced
-    # from hot microbenchmarks, so for the same real optimizer time (T5: 21.9 vs 22.2 ms) its step was
-    # predicted 14-27% lower than foreach's for the language models of broad_cpu_accuracy
+    # with train: how torch.optim steps, as torch.optim picks by default (``_default_to_fused_or_foreach``)
+    # when None: foreach (``torch._foreach_*`` over every parameter at once, temporaries the size of all
+    # parameters) on a CUDA target, its per-parameter loop (one parameter's temporaries at a time) on a CPU.
+    # True/False force foreach/the loop. The loop's small ops are priced as they run in the step, each
+    # reading the tensors the op before it just touched (kernels_db/in_step.py's operand flow)
     foreach: Optional[bool] = None
-    # inference: as the nn.Module runs eagerly: tensors bound to Python locals of the model's forward live until
+    # as the nn.Module runs eagerly: in inference tensors bound to Python locals of the model's forward live until
     # rebound or returned (passes/python_locals.py), and on a CPU transformers' experts call torch's grouped
-    # matmul rather than the fallback the export traced (passes/eager_grouped_mm.py); False: freed at last use,
+    # matmul rather than the fallback the export traced (passes/eager_grouped_mm.py); in inference and training
+    # (not compiled) transformers' attention calls SDPA causal without the export's mask and repeated KV heads
+    # (passes/eager_sdpa.py, ``traces_eager_attention`` for re-traced steps); False: freed at last use,
     # the export's own ops, as the export's graph (``ep.module()``) runs, which is what ``boomfx validate`` measures
     # (with the grouped-product rewrite on a CPU applied to both its sides: boomfx/validate/run.py)
     python_locals: bool = True
@@ -119,8 +120,9 @@ class ProgramOptions:
 
     @property
     def uses_foreach(self) -> bool:
-        """Whether the traced optimizer step is foreach (unless ``foreach=False``)."""
-        return self.foreach is not False
+        """Whether the traced optimizer step is foreach: ``foreach`` when given, else torch.optim's default
+        for the target's tensors (foreach on CUDA, the per-parameter loop on a CPU)."""
+        return self.foreach if self.foreach is not None else self.target_kind != "cpu"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

@@ -59,7 +59,7 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
         foreach = report.options.get("foreach")
         how = {True: " (foreach)", False: " (per-parameter loop)"}.get(foreach, "")
         if foreach and report.device == "cpu":   # torch.optim's _default_to_fused_or_foreach: the loop on CPU
-            how = " (foreach; torch's default for CPU tensors is the per-parameter loop: --no-foreach)"
+            how = " (foreach, as asked; torch's default for CPU tensors is its per-parameter loop)"
         opts.append(report.options["optimizer"] + how)
     if report.options.get("amp"):
         opts.append(f"amp {report.options['amp']}")

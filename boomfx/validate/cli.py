@@ -19,8 +19,8 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--compile", action="store_true", help="torch.compile the model (Inductor)")
     v.add_argument("--resident-grads", action="store_true", help="zero_grad(set_to_none=False) steady state")
     v.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --train: torch.optim's foreach implementation (default) or its per-parameter loop; "
-                        "the real step uses the same")
+                   help="with --train: torch.optim's foreach implementation or its per-parameter loop (default: "
+                        "torch's for the device, the loop on a CPU); the real step uses the same")
     v.add_argument("--loss", default="auto", choices=LOSSES, metavar="LOSS",
                    help="with --train: as analyze's --loss (the real step computes the same loss)")
     v.add_argument("--db", default="auto", help="kernel database for the prediction (path, auto, default, none)")
