@@ -4,8 +4,8 @@ between two of its calls, as they do in a real step.
 Why: ``Measurer`` times one kernel over and over; between two samples nothing else runs, so the kernel's
 code, its branch history, its operands' cache lines and their TLB entries stay hot. A real eager step
 runs hundreds of other kernels in between. Measured on this repository's 2-vCPU development VM (AMD
-EPYC, 1 MiB L2 per core, 32 MiB L3; ``benchmarks/results/in_step.md``), the same aten calls with the
-same tensors, timed one by one inside a real eager forward, took 1.2-1.4x their looped time for
+EPYC, 1 MiB L2 per core, 32 MiB L3; an ad-hoc run when the rotation was added, no results file), the
+same aten calls with the same tensors, timed one by one inside a real eager forward, took 1.2-1.4x their looped time for
 matmuls, convolutions and norms and 2-4x for small pointwise ops (ConvNeXt: 3.08 ms in situ against
 2.31 ms looped; MobileNetV2: 10.4 ms against 7.9 ms), at one thread as at two. No single cache flush
 before each sample reproduces it (a flush of 8 MiB gave 2.66 ms, 32 MiB 4.55 ms), nor running the

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from torch.export import Dim
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
@@ -28,6 +27,7 @@ from boomfx.core.program import EAGER_PROGRAM, ProgramOptions
 from boomfx.frontend import trace_cache
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.memory.live_bytes import profiler_peak_bytes
+from test_eager_sdpa import _RecordSDPA
 
 BATCH, SEQ, VOCAB = 4, 128, 256
 EAGER = ProgramOptions(train=True, optimizer="adamw", target_kind="cpu", foreach=True)
@@ -62,23 +62,6 @@ def llama() -> dict[str, Any]:
 def _cross_entropy(logits: torch.Tensor) -> torch.Tensor:
     labels = torch.randint(0, VOCAB, logits.shape[:-1], generator=torch.Generator().manual_seed(0))
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten())
-
-
-class _RecordSDPA(TorchFunctionMode):
-    """Each ``F.scaled_dot_product_attention`` call: (mask given, is_causal, enable_gqa, key heads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[bool, bool, bool, int]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            self.calls.append((mask is not None, bool(causal), bool(kwargs.get("enable_gqa", False)),
-                               int(args[1].shape[1])))
-        return func(*args, **kwargs)
 
 
 def _attention_kernel(op: Any, args: tuple, kwargs: dict, shape: Any) -> tuple[str, bool, bool, int, int]:
