@@ -35,37 +35,28 @@ DEFAULT_MODELS = ("llama", "gpt2", "bert", "t5", "qwen2")
 
 
 def real_times(model: torch.nn.Module, kwargs: dict, loss: str, iters: int) -> dict[str, float]:
-    """Median wall seconds of the whole step and of ``opt.step()`` alone (torch's default AdamW)."""
+    """Median wall seconds of the whole step and of ``opt.step()`` alone (torch's default AdamW), the step
+    being ``cpu_accuracy.make_step``'s; the optimizer's share timed by torch.optim's global step hooks."""
     import cpu_accuracy as ca
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     model.train(True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])   # torch's defaults
-    labels: list[torch.Tensor] = []     # drawn once, resident like a batch's
+    starts: list[float] = []
     opt_times: list[float] = []
-    totals: list[float] = []
-
-    def step() -> None:
-        out = ca.first_output(model(**kwargs))
-        if loss == "cross_entropy":
-            if not labels:
-                labels.append(torch.randint(0, out.shape[-1], out.shape[:-1],
-                                            generator=torch.Generator().manual_seed(0)))
-            out = torch.nn.functional.cross_entropy(out.flatten(0, -2), labels[0].flatten())
-        elif loss == "mean" and out.dim():
-            out = out.mean()
-        out.backward()
-        t0 = time.perf_counter()
-        opt.step()
-        opt_times.append(time.perf_counter() - t0)
-        opt.zero_grad(set_to_none=True)
-    step()
-    ca.densify_adam_state(opt)
-    for _ in range(2):
-        step()
-    opt_times.clear()
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        totals.append(time.perf_counter() - t0)
+    hooks = [register_optimizer_step_pre_hook(lambda *_: starts.append(time.perf_counter())),
+             register_optimizer_step_post_hook(lambda *_: opt_times.append(time.perf_counter() - starts.pop()))]
+    try:
+        step = ca.make_step(model, kwargs, True, loss, foreach=None)    # warms up; dense AdamW state
+        for _ in range(2):
+            step()
+        opt_times.clear()
+        totals = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            totals.append(time.perf_counter() - t0)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return {"step_s": statistics.median(totals), "optimizer_s": statistics.median(opt_times)}
 
 
