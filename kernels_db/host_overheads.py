@@ -132,12 +132,14 @@ class HostCosts:
 
     @classmethod
     def from_records(cls, records: Sequence[KernelRecord], device_kind: str,
-                     l2_bytes: Optional[int] = None) -> "HostCosts":
-        """The database's rows, each missing event from the defaults of ``device_kind`` ("cpu"/"cuda")."""
+                     l2_bytes: Optional[int] = None, probed: Optional[Mapping[str, float]] = None) -> "HostCosts":
+        """The database's rows, each missing event from ``probed`` (this host's probe, ``host_probe``), else
+        the defaults of ``device_kind`` ("cpu"/"cuda")."""
         found = {event_of(r.key): r.median_ns for r in records if event_of(r.key) is not None}
-        defaults = DEFAULT_NS["cpu" if device_kind == "cpu" else "cuda"]
+        defaults = {**DEFAULT_NS["cpu" if device_kind == "cpu" else "cuda"], **(probed or {})}
         needed = [e for e in EVENTS if e not in FRAMEWORK_EVENTS]
-        source = "measured" if all(e in found for e in needed) else ("partly measured" if found else "default")
+        source = ("measured" if all(e in found for e in needed) else "partly measured" if found
+                  else "this host's probe and defaults" if probed else "default")
         return cls({e: found.get(e, defaults[e]) for e in EVENTS}, source,
                    l2_cache_bytes() if l2_bytes is None else int(l2_bytes))
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -256,7 +256,7 @@ class KernelPricer:
         self.model_source = PriceSource(model_source)
         self._exact: dict[str, KernelRecord] = {}
         self.host_records: dict[str, KernelRecord] = {}
-        self._memo: dict[str, KernelPrice] = {}
+        self._memo: dict[tuple[str, Any], KernelPrice] = {}
         self.warnings: list[str] = []    # e.g. "the file holds no rows of this device" (device_rows.py)
         if store is not None:
             with store:
@@ -292,10 +292,11 @@ class KernelPricer:
             key = kernel_key(call)
         except (UnkeyableCallError, SymbolicKeyError) as exc:
             return self._fallback(call, cost, f"not keyable: {exc}")
-        memo = self._memo.get(key.key_hash)
+        memo_key = (key.key_hash, getattr(self.model, "context_key", None))
+        memo = self._memo.get(memo_key)
         if memo is None:
             memo = self._price_key(call, cost, key)
-            self._memo[key.key_hash] = memo
+            self._memo[memo_key] = memo
         return memo
 
     def _price_key(self, call: OpCall, cost: Cost, key: KernelKey) -> KernelPrice:
@@ -331,13 +332,13 @@ class KernelPricer:
         return rec.host_ns if rec.host_ns > 0 else self.device.host_issue_ns
 
     def _fallback(self, call: OpCall, cost: Cost, why: str) -> KernelPrice:
+        # a CPU convolution's oneDNN scratch (kernels_db/cpu_scratch.py): a database measures it, else modelled
+        scratch = convolution_scratch_bytes(call) if self.device.kind == "cpu" else 0
         if self.model is not None:
             time_ns = self.model(call, self.device)
             if time_ns is not None:
-                return KernelPrice(float(time_ns), self.device.host_issue_ns, 0, self.model_source, why)
+                return KernelPrice(float(time_ns), self.device.host_issue_ns, scratch, self.model_source, why)
         klass = op_class(call.op)
-        # a CPU convolution's oneDNN scratch (kernels_db/cpu_scratch.py): a database measures it, else modelled
-        scratch = convolution_scratch_bytes(call) if self.device.kind == "cpu" else 0
         return KernelPrice(
             roofline_ns(call, cost, self.device, klass),
             self.device.host_issue_ns,

@@ -3,17 +3,21 @@
 1. the target device's own kernel database: measured > interpolated (``kernels_db.lookup``);
 2. with ``--from-db``, kernels measured on other GPUs, transferred kernel by kernel to the target
    through the GPU kernel model (labelled "transferred"), each source GPU priced by its own rows;
-3. for CUDA targets, the GPU kernel model fitted on public measurements (labelled "model");
+3. for CUDA targets, the GPU kernel model fitted on public measurements (labelled "model"); for a CPU
+   target, the CPU kernel model over this host's measured rates (``cpu_model``, ``host_probe``; "model")
+   whenever a database is asked for (the CLI's ``--db auto`` and ``--db none`` included): without one
+   (``db=None``, the Python API's default) CPU prices stay a pure function of the graph and the device;
 4. the datasheet roofline (labelled "roofline").
 Every price carries its source; the report totals the share of time each source priced. Host time
 outside the prices (a compiled step's graph entries, a CPU's cold starts) comes from ``host_costs``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
@@ -25,9 +29,10 @@ from boomfx.kernels_db.schema import KernelRecord
 
 if TYPE_CHECKING:
     from boomfx.kernels_db.gpu_model import GpuKernelModel
+    from boomfx.kernels_db.host_probe import HostProfile
     from boomfx.kernels_db.host_overheads import HostCosts
 
-__all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "db_label"]
+__all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "db_label", "set_step_footprint"]
 
 
 @dataclass
@@ -123,7 +128,12 @@ def make_pricer(device: DeviceSpec, db_path: Optional[str] = None, from_db: Opti
     if device.kind != "cuda":
         if from_db:
             raise OptionError("--from-db transfers GPU measurements; it needs a CUDA target device")
-        return _calibrated(KernelPricer(store, device), path)
+        profile = _host_profile(device) if db_path is not None else None   # db=None: a pure function
+        if profile is None:
+            return _calibrated(KernelPricer(store, device), path)
+        from boomfx.kernels_db.cpu_model import CpuKernelModel
+        probed = dataclasses.replace(device, host_issue_ns=profile.dispatch_ns)
+        return _calibrated(KernelPricer(store, probed, model=CpuKernelModel(profile)), path)
     from boomfx.kernels_db.gpu_model import GpuKernelModel
     gpu_model = GpuKernelModel.load()
     transfer = None
@@ -145,9 +155,40 @@ def _calibrated(pricer: Any, path: Optional[Path]) -> Any:
 
 def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":
     """The host costs outside kernel prices (``kernels_db/host_overheads.py``: compiled graphs' entries,
-    cold starts): the rows the database measured on its host, else the defaults for ``device``'s kind."""
+    cold starts): the rows the database measured on its host, else (a CPU target) this host's probe
+    (``host_probe``), else the defaults for ``device``'s kind."""
     from boomfx.kernels_db.host_overheads import HostCosts
-    return HostCosts.from_records(list(pricer.host_records.values()), device.kind)
+    model = _cpu_model_of(pricer)
+    return HostCosts.from_records(list(pricer.host_records.values()), device.kind,
+                                  probed=model.profile.host_costs if model is not None else None)
+
+
+def set_step_footprint(pricer: Any, nbytes: Optional[int]) -> None:
+    """Tell a CPU pricer's host model (``cpu_model.CpuKernelModel``) the footprint of the step it prices
+    next: the cache level its kernels find their operands at. A no-op for other pricers."""
+    model = _cpu_model_of(pricer)
+    if model is not None:
+        model.footprint_bytes = nbytes
+
+
+def _cpu_model_of(pricer: Any) -> Any:
+    """The ``CpuKernelModel`` a (possibly wrapped) pricer consults, or None."""
+    from boomfx.kernels_db.cpu_model import CpuKernelModel
+    inner = pricer
+    while inner is not None:
+        model = getattr(inner, "model", None)
+        if isinstance(model, CpuKernelModel):
+            return model
+        inner = getattr(inner, "inner", None)
+    return None
+
+
+def _host_profile(device: DeviceSpec) -> "Optional[HostProfile]":
+    """This host's probe (``kernels_db/host_probe.py``) when ``device`` is this host's CPU, else None."""
+    if device.kind != "cpu":
+        return None
+    from boomfx.kernels_db.host_probe import host_profile
+    return host_profile()
 
 
 def db_label(db: Optional[str]) -> Optional[str]:

@@ -30,7 +30,7 @@ from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
 from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
-from boomfx.kernels_db.pricing import host_costs, make_pricer
+from boomfx.kernels_db.pricing import host_costs, make_pricer, set_step_footprint
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
 from boomfx.report.model import KernelReport, Report
@@ -192,6 +192,8 @@ class Analysis:
         workspace_at: dict[int, int] = {}
         point_prices: dict[str, Any] = {}
         suspects: dict[str, tuple[float, float, str]] = {}   # node -> (rooflines, time_ns, op) of implausible rows
+        if self.device.kind == "cpu":   # the cache level a CPU step's kernels find their operands at (cpu_model.py)
+            set_step_footprint(self.pricer, max(self.liveness.timeline(ev), default=0))
         if memory_only:
             # no schedule, but each kernel's scratch (a measured workspace, a CPU convolution's blocked
             # copies) is memory all the same: a peak inside a kernel is a peak (--max-batch, --search)

@@ -56,6 +56,7 @@ import torch
 
 from boomfx.analysis.analysis import Analysis
 from boomfx.passes.compiled import CUDAGRAPH_REPLAY_HOST_NS
+from boomfx.kernels_db.pricing import set_step_footprint
 from boomfx.passes.costs.registry import Cost, OpCall, price_call
 from boomfx.passes.specs import TensorSpec, contiguous_strides
 from boomfx.serving.engine import EngineConfig, EngineRules
@@ -304,6 +305,9 @@ class StepPricer:
         if hit is None:
             c = price_call(call).cost
             cost = Cost(c.flops, c.bytes_read, c.bytes_written)
+            # a CPU host model prices at the cache level of a step's footprint: a serving step streams
+            # every weight, so its calls find their operands at least that far back (kernels_db/cpu_model.py)
+            set_step_footprint(self.analysis.pricer, self.model.weights_bytes)
             p = self.analysis.pricer.price(call, cost)
             device = p.time_ns
             if self.cpu and not getattr(p, "host_in_time", False):

@@ -1,0 +1,115 @@
+"""A CPU kernel's time from this host's measured rates (``host_probe.HostProfile``), for kernels the
+database does not hold: the CPU counterpart of the GPU kernel model, consulted before the roofline.
+
+    time_ns = max(bytes / stream_rate(bytes, footprint),     every op
+                  flops / gemm_rate(dtype, flops, footprint),  matmul / conv classes
+                  flops / attention_rate(keys),              fused SDPA forward / backward
+                  flops / depthwise_rate(flops),             depthwise convolutions
+                  elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...
+              + pages x page_fault_ns                        outputs of 32 MiB or more (fresh mmaps)
+
+at least the op's probed one-element call (``op_floors_ns``) less the dispatch charged as host time.
+
+The op's dispatch (``HostProfile.dispatch_ns``) is its host time, added by the CPU schedule. The
+rates are curves, not peaks: a GEMM of F FLOPs runs at the rate the probe's square GEMM of F FLOPs
+reached (small GEMMs run far below the plateau on a CPU), a kernel moving B bytes at the rate a copy
+of B bytes reached, both at the cache level the step's footprint leaves its operands in
+(``HostProfile`` levels: a tensor is reused after about the step's footprint of other bytes). Known limitations: a GEMM's aspect ratio (a skinny
+``[tokens, hidden] @ [hidden, 4 hidden]`` packs differently from a square one of the same FLOPs), and
+the in-step effects the database's in-step prices hold (what the kernel before left in the caches).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from boomfx.core.devices import DeviceSpec
+from boomfx.passes.costs.registry import OpCall
+
+from boomfx.kernels_db.host_probe import MMAP_ALWAYS_BYTES, PAGE_BYTES, HostProfile, _rate_at
+from boomfx.kernels_db.roofline import compute_dtype, op_class
+
+aten = torch.ops.aten
+COMPUTE_CLASSES = ("matmul", "conv")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ATTENTION_BACKWARD = frozenset({aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                                 aten._scaled_dot_product_flash_attention_backward,
+                                 aten._scaled_dot_product_efficient_attention_backward,
+                                 aten._scaled_dot_product_cudnn_attention_backward})
+
+
+class CpuKernelModel:
+    """``(call, device) -> ns`` over one ``HostProfile`` (the ``model`` hook of ``KernelPricer``), at the
+    cache level of a step of ``footprint_bytes`` (set per evaluated point by ``Analysis``; None: warm)."""
+
+    def __init__(self, profile: HostProfile) -> None:
+        self.profile = profile
+        self.footprint_bytes: Optional[int] = None
+
+    @property
+    def context_key(self) -> Optional[int]:
+        """What the prices depend on beyond the call (``KernelPricer`` memoizes per call and this)."""
+        return self.footprint_bytes
+
+    def __call__(self, call: OpCall, device: DeviceSpec) -> Optional[float]:
+        from boomfx.passes.costs.registry import price_call
+        try:
+            flops, read, written = price_call(call).cost.evaluate()
+        except ValueError:
+            return None
+        moved = float(read + written)
+        footprint = self.footprint_bytes
+        ns = moved / self.profile.stream_rate(moved, footprint) * 1e9 if moved > 0 else 0.0
+        klass = op_class(call.op)
+        if flops > 0 and _is_depthwise(call):
+            ns = max(ns, flops / _rate_at(self.profile.depthwise_conv, float(flops)) * 1e9)
+        elif flops > 0 and klass in COMPUTE_CLASSES:
+            dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
+            ns = max(ns, flops / self.profile.gemm_rate(dtype, float(flops), footprint) * 1e9)
+        elif flops > 0 and klass == "attention":
+            backward = call.op.overloadpacket in _ATTENTION_BACKWARD
+            keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
+            ns = max(ns, flops / self.profile.attention_rate(float(keys), backward) * 1e9)
+        outputs = call.tensor_outputs()
+        rate = self.profile.special_elements_per_s.get(call.op.overloadpacket.__name__)
+        if rate:
+            ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
+        floor = self.profile.op_floors_ns.get(call.op.overloadpacket.__name__, 0.0) - self.profile.dispatch_ns
+        return max(ns, floor) + self.page_faults_ns(outputs)
+
+    def page_faults_ns(self, outputs: list) -> float:
+        """Outputs of ``MMAP_ALWAYS_BYTES`` or more are fresh mmaps: every page faults when written."""
+        fresh = [_numel(spec) * spec.dtype.itemsize for spec in outputs]
+        pages = sum(math.ceil(b / PAGE_BYTES) for b in fresh if b >= MMAP_ALWAYS_BYTES)
+        return pages * self.profile.page_fault_ns
+
+
+def _dim(spec: object, i: int) -> int:
+    shape = getattr(spec, "shape", ())
+    try:
+        return int(shape[i]) if len(shape) >= abs(i) else 0
+    except TypeError:
+        return 0
+
+
+def _is_depthwise(call: OpCall) -> bool:
+    """A grouped convolution with one input channel per group (``weight [C, 1, kh, kw]``, groups = C > 1)."""
+    if call.op.overloadpacket not in (aten.conv2d, aten.convolution, aten.conv1d):
+        return False
+    groups = call.arg("groups")
+    try:
+        return int(groups) > 1 and _dim(call.arg("weight"), 1) == 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _numel(spec: object) -> int:
+    n = 1
+    for d in getattr(spec, "shape", ()):
+        try:
+            n *= int(d)
+        except TypeError:
+            return 0
+    return n

@@ -1,0 +1,407 @@
+"""This host's CPU as PyTorch runs on it, measured once: what a CPU target is priced with when no kernel
+database holds the kernel.
+
+A CPU's datasheet says little about what PyTorch reaches on it: the vector width its kernels use,
+turbo and a VM's share of the socket, the intra-op thread count, and the DRAM bandwidth, which nothing
+the process can read states. The nominal description (``core/devices.cpu_spec``: AVX2 FMA rate x
+cores, 20 GB/s assumed) priced a 2-vCPU AVX-512 host's steps 1.5-3x over. So four microbenchmarks
+describe it instead, at torch's current intra-op thread count, wall clock, medians:
+
+- **GEMM rate curve** per dtype (fp32, bf16, fp16): ``[n, n] @ [n, n]`` for n in ``GEMM_SIZES``; a
+  CPU GEMM's rate climbs with its size (packing, threading and the microkernel's edges), so a call
+  is priced at the rate of its FLOPs on this curve, not at the plateau;
+- **attention rate curves**: causal fp32 SDPA forward and backward (the CPU flash kernels, several
+  times slower per FLOP than a GEMM: blocked softmax, small tiles) by sequence length;
+- **depthwise convolution curve**: 3x3 depthwise ``conv2d`` at three channel counts (far below a GEMM's
+  rate per FLOP);
+- **pointwise bandwidth curve**: ``a + b`` into a fresh tensor (as eager ops allocate theirs), from
+  L1-sized to beyond the last-level cache; a kernel moving B bytes is priced at the rate of B on this
+  curve (its working set hits the cache level that size fits);
+- **special-function rates**: elements per second of ``exp``, ``tanh``, ``gelu``, ``silu``, softmax,
+  ...: on a CPU these are bound by the vector units, not memory;
+- **page faults**: PyTorch's CPU tensors come from glibc's malloc, which serves a block of 32 MiB or
+  more (``DEFAULT_MMAP_THRESHOLD_MAX``; smaller thresholds rise to the largest block freed) with a
+  fresh ``mmap`` every time: each of its pages faults on first write (~1 us per 4 KiB page on the
+  2-vCPU VM, 7.7 ms for a 33 MiB ``zeros`` against 0.29 ms for 31 MiB). Measured as a fresh 64 MiB
+  ``zeros`` minus refilling the same buffer, per page;
+- **dispatch**: a one-element ``aten.add`` (allocating), the per-op floor of eager dispatch (the host
+  time of every op); and the floors of composite ops whose one-element call costs several times that
+  (``OP_FLOORS``: a convolution's oneDNN primitive, batch norm's statistics, padding's fill and copy,
+  SDPA's checks): a call of those ops costs at least its floor.
+
+A step's kernel finds its operands where the step left them: a tensor is reused after about the step's
+footprint of other bytes was touched (``kernels_db.measure.step_flush_bytes``, the reuse distance the CPU
+collection protocol flushes by). So the GEMM and pointwise curves are measured at several cache flushes
+(``FLUSH_LEVELS_MIB``: warm, and after touching 8, 32 and 128 MiB of other data) and a call is priced at
+the level of its step's footprint (``footprint_bytes``: warm up to the L2, log-interpolated between
+levels, held beyond the last).
+
+Each curve point is the measured time minus the dispatch floor (it is charged once, as the op's host
+time). The eager host-cost events (``host_overheads.EAGER_EVENTS``) are measured too, as the defaults of
+an analysis whose database lacks them. ~1-2 s in all; cached as JSON in the user cache per CPU model,
+thread count and torch version (``profile_path``); ``BOOMFX_HOST_PROBE=off`` keeps the nominal
+description (deterministic, for tests that compare against it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import torch
+
+PROBE_ENV = "BOOMFX_HOST_PROBE"
+PROFILE_VERSION = 6
+FLUSH_LEVELS_MIB = (0, 8, 32, 128)
+GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
+GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GEMM_STOP_NS = 20e6           # a dtype without fast kernels here stops climbing once one call takes this
+STREAM_KIB = (16, 128, 1024, 8192, 24576)   # below glibc's largest mmap threshold: reused heap chunks
+MMAP_ALWAYS_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit): larger blocks are always fresh mmaps
+PAGE_BYTES = 4096
+SPECIAL_ELEMENTS = 1 << 20    # 4 MiB of fp32
+ATTN_BH = 8
+ATTN_SEQS = (32, 128, 512, 1024)
+DEPTHWISE_CHANNELS = (32, 128, 512)      # [8, C, 28, 28] * [C, 1, 3, 3], groups=C
+SPECIAL_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
+                   "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
+                   "max_pool2d_with_indices": "max_pool2d", "_safe_softmax": "_softmax"}
+FLOOR_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
+                 "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
+                 "max_pool2d_with_indices": "max_pool2d", "_adaptive_avg_pool2d": "adaptive_avg_pool2d",
+                 "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention"}
+_MIN_KERNEL_NS = 1.0
+Curve = tuple[tuple[float, float], ...]     # ((work, kernel ns), ...) by increasing work
+Levels = tuple[tuple[int, Curve], ...]      # ((flush bytes, curve), ...) by increasing flush
+Rates = tuple[tuple[float, float], ...]     # ((x, rate), ...) by increasing x
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """Measured rates of this host at ``threads`` intra-op threads (see the module docstring)."""
+
+    threads: int
+    cpu: str
+    torch_version: str
+    dispatch_ns: float
+    l2_bytes: int
+    gemm: Mapping[str, Levels]           # dtype -> flush level -> (FLOPs, ns) by size
+    stream: Levels                       # flush level -> (bytes read + written, ns) by size
+    special_elements_per_s: Mapping[str, float]    # aten op name -> elements/s
+    attention: Rates                     # (keys, FLOP/s) of a causal forward
+    attention_backward: Rates
+    depthwise_conv: Curve                # (FLOPs, ns) of a 3x3 depthwise convolution
+    page_fault_ns: float                 # per 4 KiB page of a fresh mmap, on first write
+    op_floors_ns: Mapping[str, float]    # aten op name -> its one-element call (dispatch included)
+    host_costs: Mapping[str, float] = field(default_factory=dict)   # host_overheads.EAGER_EVENTS -> ns
+    measured_at: str = ""
+
+    def gemm_rate(self, dtype: str, flops: float, footprint_bytes: Optional[float] = None) -> float:
+        """FLOP/s of a GEMM of ``flops`` in a step of ``footprint_bytes`` (None: warm; fp32's curves for
+        dtypes not probed)."""
+        return self._at_level(self.gemm.get(dtype) or self.gemm["float32"], flops, footprint_bytes)
+
+    def stream_rate(self, nbytes: float, footprint_bytes: Optional[float] = None) -> float:
+        """Bytes/s of a kernel moving ``nbytes`` (read + written) in a step of ``footprint_bytes``."""
+        return self._at_level(self.stream, nbytes, footprint_bytes)
+
+    def attention_rate(self, keys: float, backward: bool) -> float:
+        """FLOP/s of a fused SDPA forward (backward) kernel over ``keys`` keys per query (the CPU flash
+        kernel's blocks: short sequences run far below long ones, whatever the batch x heads)."""
+        return _interp(self.attention_backward if backward else self.attention, keys)
+
+    def _at_level(self, levels: Levels, x: float, footprint: Optional[float]) -> float:
+        """The rate at ``x`` on each level's curve, interpolated in log(flush) at the footprint: a footprint
+        within the L2 is warm (level 0), beyond the largest level that level's."""
+        rates = [(max(flush, self.l2_bytes), _rate_at(curve, x)) for flush, curve in levels]
+        if footprint is None or footprint <= rates[0][0] or len(rates) == 1:
+            return rates[0][1]
+        for (f0, r0), (f1, r1) in zip(rates, rates[1:]):
+            if footprint <= f1:
+                t = (math.log(footprint) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return r0 + t * (r1 - r0)
+        return rates[-1][1]
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "version": PROFILE_VERSION}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Optional["HostProfile"]:
+        d = json.loads(text)
+        if d.pop("version", None) != PROFILE_VERSION:
+            return None
+        d["gemm"] = {k: _levels(v) for k, v in d["gemm"].items()}
+        d["stream"] = _levels(d["stream"])
+        for name in ("attention", "attention_backward", "depthwise_conv"):
+            d[name] = _curve(d[name])
+        return cls(**d)
+
+
+def _curve(points: list) -> Curve:
+    return tuple((float(x), float(ns)) for x, ns in points)
+
+
+def _levels(levels: list) -> Levels:
+    return tuple((int(flush), _curve(curve)) for flush, curve in levels)
+
+
+def _rate_at(points: Curve, x: float) -> float:
+    """The rate (work / time) at ``x``, linear in log(x) between the probe's points and held at the ends
+    (a smaller call runs no faster than the smallest probe, a larger no faster than the largest)."""
+    return _interp(tuple((px, px / (ns / 1e9)) for px, ns in points), x)
+
+
+def _interp(points: Rates, x: float) -> float:
+    """``y`` at ``x``: linear in log(x) between points, held beyond the ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
+
+
+def _median_ns(fn: Callable[[], object], reps: int, budget_ns: float = 60e6,
+               flush: Optional[torch.Tensor] = None) -> float:
+    """Median wall time of ``fn`` after two warm-ups: ``reps`` samples, fewer (at least 3) past ``budget_ns``;
+    with ``flush``, that buffer is rewritten before each sample (untimed)."""
+    fn()
+    fn()
+    samples: list[float] = []
+    while len(samples) < reps and (len(samples) < 3 or sum(samples) < budget_ns):
+        if flush is not None:
+            flush.add_(1.0)
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append(float(time.perf_counter_ns() - t0))
+    return statistics.median(samples)
+
+
+def _flush_buffers() -> list[tuple[int, Optional[torch.Tensor]]]:
+    return [(mib << 20, torch.zeros((mib << 20) // 4) if mib else None) for mib in FLUSH_LEVELS_MIB]
+
+
+def _kernel_ns(total_ns: float, dispatch: float) -> float:
+    return max(total_ns - dispatch, _MIN_KERNEL_NS)
+
+
+def _dispatch_ns() -> float:
+    """A one-element ``aten.add.Tensor`` through the dispatcher, allocating its output as eager ops do."""
+    x, y = torch.ones(1), torch.ones(1)
+    add = torch.ops.aten.add.Tensor
+    loops = 200
+
+    def run() -> None:
+        for _ in range(loops):
+            add(x, y)
+    return _median_ns(run, 15) / loops
+
+
+def _gemm_levels(dtype: torch.dtype, dispatch: float, flushes: list) -> Levels:
+    """Up the sizes until one call takes ``GEMM_STOP_NS``; a dtype that stops early (no fast kernels here:
+    fp16 on most CPUs) is measured warm only and its larger calls priced at its last rate."""
+    levels = []
+    for flush_bytes, flush in flushes:
+        points = []
+        for n in GEMM_SIZES:
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            ns = _median_ns(lambda: torch.ops.aten.mm(a, b), 15 if flush is None else 9, flush=flush)
+            points.append((2.0 * n ** 3, _kernel_ns(ns, dispatch)))
+            if ns > GEMM_STOP_NS:
+                break
+        levels.append((flush_bytes, tuple(points)))
+        if len(points) < len(GEMM_SIZES):
+            break
+    return tuple(levels)
+
+
+def _stream_levels(dispatch: float, flushes: list) -> Levels:
+    """``a + b`` into a fresh tensor (large outputs are fresh pages the kernel faults in, as in a step)."""
+    levels = []
+    for flush_bytes, flush in flushes:
+        points = []
+        for kib in STREAM_KIB:
+            a, b = torch.ones(kib * 128), torch.ones(kib * 128)
+            ns = _median_ns(lambda: torch.ops.aten.add(a, b), 25 if flush is None else 11, flush=flush)
+            points.append((3.0 * a.numel() * 4, _kernel_ns(ns, dispatch)))
+        levels.append((flush_bytes, tuple(points)))
+    return tuple(levels)
+
+
+def _special_rates(dispatch: float) -> dict[str, float]:
+    """Elements/s (of the output) of each op whose CPU kernel is bound by its arithmetic, not its bytes,
+    over ``SPECIAL_ELEMENTS`` fp32 elements: special functions, softmaxes and layer norms over rows of
+    256, batch norm and 3x3 max pooling over [16, 64, 32, 32]."""
+    aten = torch.ops.aten
+    x = torch.rand(SPECIAL_ELEMENTS) - 0.5
+    positive = x.abs() + 1.0
+    rows = x.view(-1, 256)
+    calls: dict[str, Callable[[], object]] = {
+        "exp": lambda: aten.exp(x), "tanh": lambda: aten.tanh(x), "sigmoid": lambda: aten.sigmoid(x),
+        "silu": lambda: aten.silu(x), "gelu": lambda: aten.gelu(x), "erf": lambda: aten.erf(x),
+        "log": lambda: aten.log(positive), "sin": lambda: aten.sin(x), "cos": lambda: aten.cos(x),
+        "sqrt": lambda: aten.sqrt(positive), "rsqrt": lambda: aten.rsqrt(positive),
+        "_softmax": lambda: aten._softmax(rows, -1, False),
+        "_log_softmax": lambda: aten._log_softmax(rows, -1, False),
+        "layer_norm": lambda: aten.layer_norm(rows, [256], ones, zeros),
+        "batch_norm": lambda: aten.batch_norm(image, scale, shift, scale, shift, False, 0.1, 1e-5, True),
+        "max_pool2d": lambda: aten.max_pool2d(image, [3, 3], [1, 1], [1, 1])}
+    ones, zeros = torch.ones(256), torch.zeros(256)
+    image = x.view(16, 64, 32, 32)
+    scale, shift = torch.ones(64), torch.zeros(64)
+    rates = {name: SPECIAL_ELEMENTS / (_kernel_ns(_median_ns(fn, 15), dispatch) / 1e9) for name, fn in calls.items()}
+    # the same kernels under the names the training export and the decompositions use
+    for alias, name in SPECIAL_ALIASES.items():
+        rates[alias] = rates[name]
+    return rates
+
+
+def _attention_rates(dispatch: float, backward: bool) -> Rates:
+    """Causal fp32 SDPA ``[ATTN_BH / 4, 4, S, 64]`` for S in ``ATTN_SEQS``: (S, FLOP/s), FLOPs as
+    ``passes/costs/attention.py`` counts them (forward ``4 BH pairs E``, backward ``10 BH pairs E``)."""
+    import torch.nn.functional as F
+    points = []
+    for s in ATTN_SEQS:
+        q, k, v = (torch.randn(ATTN_BH // 4, 4, s, 64, requires_grad=backward) for _ in range(3))
+        pairs = s * (s + 1) / 2
+
+        def forward() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            grad = torch.randn(ATTN_BH // 4, 4, s, 64)
+            both = _median_ns(lambda: torch.autograd.grad(forward(), (q, k, v), grad), 9)
+            ns, flops = both - _median_ns(forward, 9), 10.0 * ATTN_BH * pairs * 64
+        else:
+            with torch.no_grad():
+                ns = _median_ns(forward, 15)
+            flops = 4.0 * ATTN_BH * pairs * 64
+        points.append((float(s), flops / (_kernel_ns(ns, dispatch) / 1e9)))
+    return tuple(points)
+
+
+def _depthwise_curve(dispatch: float) -> Curve:
+    """3x3 depthwise convolutions (MobileNet's, ConvNeXt's kind): oneDNN runs them far below a GEMM's
+    rate per FLOP (one multiply-add per weight per pixel, no reuse across channels)."""
+    points = []
+    for c in DEPTHWISE_CHANNELS:
+        x, w = torch.randn(8, c, 28, 28), torch.randn(c, 1, 3, 3)
+        ns = _median_ns(lambda: torch.ops.aten.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], c), 15)
+        points.append((2.0 * 8 * c * 28 * 28 * 9, _kernel_ns(ns, dispatch)))
+    return tuple(points)
+
+
+def _op_floors() -> dict[str, float]:
+    """The one-element (or smallest legal) call of each composite op whose fixed cost exceeds a pointwise
+    op's dispatch, through the aten op as eager code calls it."""
+    aten = torch.ops.aten
+    x1, v1 = torch.ones(1, 1, 1, 1), torch.ones(1)
+    w1 = torch.ones(1, 1, 1, 1)
+    row, q = torch.ones(1, 1), torch.ones(1, 1, 1, 8)
+    ids = torch.zeros(1, dtype=torch.long)
+    calls: dict[str, Callable[[], object]] = {
+        "conv2d": lambda: aten.conv2d(x1, w1), "convolution": lambda: aten.convolution(
+            x1, w1, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+        "batch_norm": lambda: aten.batch_norm(x1, v1, v1, v1, v1, False, 0.1, 1e-5, True),
+        "layer_norm": lambda: aten.layer_norm(row, [1], v1, v1),
+        "pad": lambda: aten.pad(x1, [1, 1, 1, 1]), "constant_pad_nd": lambda: aten.constant_pad_nd(x1, [1, 1, 1, 1]),
+        "max_pool2d": lambda: aten.max_pool2d(x1, [1, 1]),
+        "adaptive_avg_pool2d": lambda: aten.adaptive_avg_pool2d(x1, [1, 1]),
+        "linear": lambda: aten.linear(row, row, v1), "addmm": lambda: aten.addmm(v1, row, row),
+        "mm": lambda: aten.mm(row, row), "bmm": lambda: aten.bmm(row[None], row[None]),
+        "scaled_dot_product_attention": lambda: aten.scaled_dot_product_attention(q, q, q),
+        "embedding": lambda: aten.embedding(row, ids), "index": lambda: aten.index(v1, [ids]),
+        "cat": lambda: aten.cat([v1, v1]), "masked_fill": lambda: aten.masked_fill(v1, v1 > 0, 0.0),
+        "roll": lambda: aten.roll(v1, [1], [0]), "_softmax": lambda: aten._softmax(row, -1, False),
+        "clone": lambda: aten.clone(v1), "mean": lambda: aten.mean(row, [-1]), "sum": lambda: aten.sum(row, [-1]),
+    }
+    loops = 20
+    floors = {}
+    for name, fn in calls.items():
+        def run(fn: Callable[[], object] = fn) -> None:
+            for _ in range(loops):
+                fn()
+        floors[name] = _median_ns(run, 9) / loops
+    for alias, name in FLOOR_ALIASES.items():
+        floors[alias] = floors[name]
+    return floors
+
+
+def _page_fault_ns() -> float:
+    n = (2 * MMAP_ALWAYS_BYTES) // 4
+    reused = torch.empty(n)
+    fresh = _median_ns(lambda: torch.zeros(n), 9)
+    refill = _median_ns(lambda: reused.zero_(), 9)
+    return max(fresh - refill, 0.0) / (2 * MMAP_ALWAYS_BYTES / PAGE_BYTES)
+
+
+def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
+    """Run the probes at torch's current intra-op thread count (a few seconds)."""
+    from boomfx.kernels_db.measure import _cpu_model
+    dispatch = _dispatch_ns()
+    costs: dict[str, float] = {}
+    if with_host_costs:
+        from boomfx.kernels_db.host_overheads import measure_host_costs
+        from boomfx.kernels_db.measure import Measurer
+        costs = {e: m.median_ns for e, m in measure_host_costs(Measurer("cpu", cpu_clock="wall"), pairs=30,
+                                                                 compiled=False).items()}
+    from boomfx.kernels_db.measure import l2_cache_bytes
+    flushes = _flush_buffers()
+    return HostProfile(
+        torch.get_num_threads(), _cpu_model(), torch.__version__, dispatch, l2_cache_bytes(),
+        {name: _gemm_levels(dt, dispatch, flushes) for name, dt in GEMM_DTYPES.items()},
+        _stream_levels(dispatch, flushes), _special_rates(dispatch), _attention_rates(dispatch, False),
+        _attention_rates(dispatch, True), _depthwise_curve(dispatch), _page_fault_ns(), _op_floors(), costs,
+        time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def profile_path(env: Optional[Mapping[str, str]] = None) -> Path:
+    """``<user cache>/boomfx/host-<cpu>-t<threads>-torch<version>.json`` (next to the kernel databases)."""
+    import re
+    from boomfx.kernels_db.measure import _cpu_model
+    from boomfx.kernels_db.store import default_db_path
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{_cpu_model()}-t{torch.get_num_threads()}-torch{torch.__version__}".lower())
+    return default_db_path("cpu", env).parent / f"host-{slug.strip('-')}.json"
+
+
+_LOADED: dict[Path, HostProfile] = {}
+
+
+def probing_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get(PROBE_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def host_profile(env: Optional[Mapping[str, str]] = None) -> Optional[HostProfile]:
+    """This host's profile: cached in memory and in the user cache, measured on first use (a line on
+    stderr says so); None when probing is off."""
+    if not probing_enabled(env):
+        return None
+    path = profile_path(env)
+    hit = _LOADED.get(path)
+    if hit is not None:
+        return hit
+    profile = None
+    if path.exists():
+        try:
+            profile = HostProfile.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError):
+            profile = None
+    if profile is None:
+        sys.stderr.write(f"[boomfx] measuring this CPU once ({torch.get_num_threads()} threads; cached in {path})\n")
+        profile = measure_host_profile()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(profile.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:     # a read-only cache: this process keeps its own measurement
+            sys.stderr.write(f"[boomfx] could not cache the CPU probe in {path}: {exc}\n")
+    _LOADED[path] = profile
+    return profile

@@ -1,0 +1,216 @@
+"""The CPU kernel model (kernels_db/cpu_model.py) over this host's probe (kernels_db/host_probe.py): rates read
+off the measured curves, the pricer's tier between the database and the roofline, the probe's cache."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import sympy
+import torch
+
+from boomfx.core.devices import cpu_spec
+from boomfx.kernels_db import host_probe
+from boomfx.kernels_db.cpu_model import CpuKernelModel
+from boomfx.kernels_db.host_overheads import ALIAS_OP, DEFAULT_NS, OP_COLD, OP_SWITCH
+from boomfx.kernels_db.host_probe import HostProfile, _rate_at, measure_host_profile
+from boomfx.kernels_db.price import PriceSource
+from boomfx.kernels_db.pricing import host_costs, make_pricer
+from boomfx.passes.costs.registry import OpCall, price_call
+from boomfx.passes.specs import TensorSpec, contiguous_strides
+
+aten = torch.ops.aten
+
+# a made-up host (L2 1 MiB): GEMMs at 10 / 20 / 40 GFLOP/s at 1e6 / 1e8 / 1e10 FLOPs warm (100 us, 5 ms, 250 ms),
+# half that after 64 MiB of other data; pointwise kernels at 10 / 100 GB/s at 1e4 / 1e8 bytes warm, 1 / 10 GB/s
+# cold; attention at 5 / 20 GFLOP/s forward over 64 / 1024 keys (half that backward); depthwise convolutions
+# at 1 / 5 GFLOP/s; a page fault 1 us; a conv2d call at least 10 us
+MIB = 1 << 20
+PROFILE = HostProfile(
+    threads=2, cpu="test cpu", torch_version=torch.__version__, dispatch_ns=1_500.0, l2_bytes=MIB,
+    gemm={"float32": ((0, ((1e6, 1e5), (1e8, 5e6), (1e10, 2.5e8))), (64 * MIB, ((1e6, 2e5), (1e8, 1e7), (1e10, 5e8)))),
+          "bfloat16": ((0, ((1e6, 5e4), (1e10, 1.25e8))),)},
+    stream=((0, ((1e4, 1e3), (1e8, 1e6))), (64 * MIB, ((1e4, 1e4), (1e8, 1e7)))),
+    special_elements_per_s={"tanh": 1e9, "exp": 4e9},
+    attention=((64.0, 5e9), (1024.0, 2e10)), attention_backward=((64.0, 2.5e9), (1024.0, 1e10)),
+    depthwise_conv=((1e6, 1e6), (1e8, 2e7)), page_fault_ns=1_000.0,
+    op_floors_ns={"conv2d": 10_000.0},
+    host_costs={OP_COLD: 500.0, OP_SWITCH: 300.0, ALIAS_OP: 1_400.0})
+
+
+def spec(*shape: int, dtype=torch.float32) -> TensorSpec:
+    s = tuple(sympy.Integer(x) for x in shape)
+    return TensorSpec(s, contiguous_strides(s), dtype)
+
+
+def mm(m: int, n: int, k: int, dtype=torch.float32) -> OpCall:
+    return OpCall.build(aten.mm.default, (spec(m, k, dtype=dtype), spec(k, n, dtype=dtype)), {},
+                        (spec(m, n, dtype=dtype),))
+
+
+def unary(op, n: int) -> OpCall:
+    return OpCall.build(op, (spec(n),), {}, (spec(n),))
+
+
+def test_rate_is_exact_at_the_probes_log_linear_between_and_held_outside():
+    curve = PROFILE.gemm["float32"][0][1]
+    assert _rate_at(curve, 1e6) == pytest.approx(1e10)
+    assert _rate_at(curve, 1e8) == pytest.approx(2e10)
+    assert _rate_at(curve, 1e7) == pytest.approx(1.5e10)          # halfway in log(FLOPs)
+    assert _rate_at(curve, 1e3) == pytest.approx(1e10)            # below the smallest probe: its rate
+    assert _rate_at(curve, 1e12) == pytest.approx(4e10)           # above the largest: the plateau
+
+
+def test_gemm_priced_at_the_rate_of_its_flops():
+    model = CpuKernelModel(PROFILE)
+    call = mm(100, 100, 500)                                       # 1e7 FLOPs, 1.2 MB moved
+    assert model(call, cpu_spec()) == pytest.approx(1e7 / 1.5e10 * 1e9)
+    # bf16 reads its own curve: 1e6 FLOPs at 2e10
+    assert model(mm(10, 100, 500, torch.bfloat16), cpu_spec()) == pytest.approx(1e6 / 2e10 * 1e9)
+    # fp16 was not probed: fp32's curve
+    assert model(mm(10, 100, 500, torch.float16), cpu_spec()) == pytest.approx(1e6 / 1e10 * 1e9)
+
+
+def test_the_step_footprint_picks_the_cache_level():
+    """Within the L2 warm; at the largest level's flush that level; between, log-interpolated in the
+    footprint; beyond, held (kernels_db.measure.step_flush_bytes: a tensor is reused a footprint later)."""
+    assert PROFILE.gemm_rate("float32", 1e8, footprint_bytes=MIB // 2) == pytest.approx(2e10)
+    assert PROFILE.gemm_rate("float32", 1e8, footprint_bytes=64 * MIB) == pytest.approx(1e10)
+    assert PROFILE.gemm_rate("float32", 1e8, footprint_bytes=1024 * MIB) == pytest.approx(1e10)
+    assert PROFILE.gemm_rate("float32", 1e8, footprint_bytes=8 * MIB) == pytest.approx(2e10 - 1e10 * 0.5)
+    assert PROFILE.stream_rate(1e8, footprint_bytes=64 * MIB) == pytest.approx(1e10)
+    assert PROFILE.gemm_rate("bfloat16", 1e6, footprint_bytes=64 * MIB) == pytest.approx(2e10)   # warm only
+    model = CpuKernelModel(PROFILE)
+    call = mm(100, 100, 500)
+    warm = model(call, cpu_spec())
+    model.footprint_bytes = 64 * MIB
+    assert model(call, cpu_spec()) == pytest.approx(2 * warm) and model.context_key == 64 * MIB
+
+
+def test_outputs_of_fresh_mmaps_pay_their_page_faults():
+    model = CpuKernelModel(PROFILE)
+    small, large = (32 * MIB - 4) // 4, (32 * MIB) // 4           # fp32 elements: just below / at the threshold
+    below = model(unary(aten.relu.default, small), cpu_spec())
+    at = model(unary(aten.relu.default, large), cpu_spec())
+    assert at - below == pytest.approx(8192 * 1_000.0, rel=1e-3)   # 8192 pages of 4 KiB, 1 us each
+
+
+def test_pointwise_priced_by_the_bandwidth_of_its_working_set():
+    model = CpuKernelModel(PROFILE)
+    n = 1_000_000                                                   # relu: 8 MB read + written
+    moved = 8e6
+    rate = 1e10 + (1e11 - 1e10) * (math.log(moved) - math.log(1e4)) / (math.log(1e8) - math.log(1e4))
+    assert model(unary(aten.relu.default, n), cpu_spec()) == pytest.approx(moved / rate * 1e9)
+
+
+def test_special_functions_are_bound_by_their_element_rate():
+    model = CpuKernelModel(PROFILE)
+    n = 1_000_000
+    relu = model(unary(aten.relu.default, n), cpu_spec())
+    assert model(unary(aten.tanh.default, n), cpu_spec()) == pytest.approx(1e6 / 1e9 * 1e9)   # 1 ms > relu's
+    assert relu < 1e6
+    # exp's element rate (4e9: 250 us) is below the bandwidth term here: the larger of the two
+    assert model(unary(aten.exp.default, n), cpu_spec()) == pytest.approx(max(relu, 2.5e5))
+
+
+def sdpa(keys: int, backward: bool = False) -> OpCall:
+    q, k = spec(1, 4, keys, 64), spec(1, 4, keys, 64)
+    if backward:
+        return OpCall.build(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                            (spec(1, 4, keys, 64), q, k, k, spec(1, 4, keys, 64), spec(1, 4, keys), 0.0, True),
+                            {}, (q, k, k))
+    return OpCall.build(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, k), {"is_causal": True},
+                        (spec(1, 4, keys, 64), spec(1, 4, keys)))
+
+
+def test_attention_priced_at_the_rate_of_its_sequence_length():
+    model = CpuKernelModel(PROFILE)
+    for keys, rate in ((64, 5e9), (256, 1.25e10), (4096, 2e10)):      # 256: halfway in log(keys)
+        for backward, scale in ((False, 1.0), (True, 0.5)):
+            call = sdpa(keys, backward)
+            flops = price_call(call).cost.evaluate()[0]
+            assert model(call, cpu_spec()) == pytest.approx(flops / (rate * scale) * 1e9, rel=1e-6), (keys, backward)
+
+
+def conv(channels: int, groups: int) -> OpCall:
+    x, w = spec(8, channels, 28, 28), spec(channels, channels // groups, 3, 3)
+    return OpCall.build(aten.conv2d.default, (x, w, None, [1, 1], [1, 1], [1, 1], groups), {},
+                        (spec(8, channels, 28, 28),))
+
+
+def test_depthwise_convolutions_read_their_own_curve_and_a_conv_costs_its_floor():
+    model = CpuKernelModel(PROFILE)
+    depthwise = conv(64, 64)
+    flops = price_call(depthwise).cost.evaluate()[0]
+    assert model(depthwise, cpu_spec()) == pytest.approx(flops / _rate_at(PROFILE.depthwise_conv, flops) * 1e9)
+    dense = conv(64, 1)
+    dense_flops = price_call(dense).cost.evaluate()[0]
+    assert model(dense, cpu_spec()) == pytest.approx(
+        max(dense_flops / PROFILE.gemm_rate("float32", dense_flops) * 1e9, 10_000.0 - 1_500.0))
+    tiny = OpCall.build(aten.conv2d.default, (spec(1, 1, 1, 1), spec(1, 1, 1, 1), None, [1, 1], [0, 0], [1, 1], 1),
+                        {}, (spec(1, 1, 1, 1),))
+    assert model(tiny, cpu_spec()) == pytest.approx(10_000.0 - 1_500.0)    # the floor less the dispatch
+
+
+def test_pricer_uses_the_model_between_database_and_roofline(monkeypatch):
+    monkeypatch.setattr(host_probe, "host_profile", lambda env=None: PROFILE)
+    pricer = make_pricer(cpu_spec(), "none")                        # the CLI's --db none (no database)
+    call = mm(100, 100, 500)
+    price = pricer.price(call, price_call(call).cost)
+    assert price.source == PriceSource.MODEL
+    assert price.time_ns == pytest.approx(1e7 / 1.5e10 * 1e9)
+    assert price.host_ns == PROFILE.dispatch_ns                     # the probe's dispatch, not the nominal 4 us
+    costs = host_costs(pricer, cpu_spec())
+    assert costs.values[OP_COLD] == 500.0 and costs.values[OP_SWITCH] == 300.0
+    assert costs.values["autograd_node"] == DEFAULT_NS["cpu"]["autograd_node"]   # not probed: the default
+
+
+@pytest.mark.parametrize("off", ["env", "no db argument"])
+def test_probing_off_keeps_the_nominal_roofline(monkeypatch, off):
+    """``BOOMFX_HOST_PROBE=off``, or no ``db`` at all (the Python API's default: prices a pure function of
+    the graph and the device, what regression baselines need)."""
+    monkeypatch.setattr(host_probe, "host_profile",
+                        lambda env=None: None if host_probe.probing_enabled(env) is False else PROFILE)
+    if off == "env":
+        monkeypatch.setenv(host_probe.PROBE_ENV, "off")
+    pricer = make_pricer(cpu_spec(), "none" if off == "env" else None)
+    call = mm(100, 100, 500)
+    price = pricer.price(call, price_call(call).cost)
+    assert price.source == PriceSource.ROOFLINE
+    assert host_costs(pricer, cpu_spec()).values[OP_COLD] == DEFAULT_NS["cpu"][OP_COLD]
+
+
+def test_profile_cached_once_per_host_and_remeasured_on_a_new_format(monkeypatch, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path), host_probe.PROBE_ENV: "on"}
+    calls = []
+    monkeypatch.setattr(host_probe, "measure_host_profile", lambda: calls.append(1) or PROFILE)
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == PROFILE
+    path = host_probe.profile_path(env)
+    assert path.exists() and HostProfile.from_json(path.read_text()) == PROFILE
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == PROFILE and len(calls) == 1      # read back, not measured again
+    stale = json.loads(path.read_text())
+    stale["version"] = host_probe.PROFILE_VERSION - 1
+    path.write_text(json.dumps(stale))
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    host_probe.host_profile(env)
+    assert len(calls) == 2
+
+
+def test_the_real_probe_measures_this_host():
+    """Every curve positive and in increasing work; the largest fp32 GEMM faster per FLOP than the
+    smallest (packing and threading amortised) and slower in all (32768 times the FLOPs)."""
+    profile = measure_host_profile(with_host_costs=False)
+    assert profile.threads == torch.get_num_threads() and profile.dispatch_ns > 0
+    curves = [c for levels in (*profile.gemm.values(), profile.stream) for _, c in levels]
+    for curve in (*curves, profile.attention, profile.attention_backward, profile.depthwise_conv):
+        works = [x for x, _ in curve]
+        assert works == sorted(works) and all(ns > 0 for _, ns in curve)
+    assert [f for f, _ in profile.stream] == [mib << 20 for mib in host_probe.FLUSH_LEVELS_MIB]
+    assert profile.page_fault_ns > 0 and profile.op_floors_ns["conv2d"] > 0
+    fp32 = profile.gemm["float32"][0][1]
+    assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
+    assert fp32[-1][1] > fp32[0][1]
+    assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax"}
+    assert HostProfile.from_json(profile.to_json()) == profile
