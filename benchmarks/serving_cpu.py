@@ -122,17 +122,8 @@ def export(model: torch.nn.Module) -> Any:
 def median_s(step: Callable[[], Any], iters: int, before: Callable[[], Any] = lambda: None,
              warmup: int = 2) -> tuple[float, float]:
     """(median wall seconds, median CPU seconds of this thread) of ``step`` after ``warmup`` runs."""
-    for _ in range(warmup):
-        before()
-        step()
-    wall, cpu = [], []
-    for _ in range(iters):
-        before()
-        c0, t0 = time.thread_time(), time.perf_counter()
-        step()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-    return statistics.median(wall), statistics.median(cpu)
+    from boomfx.serving.host_overhead import median_step_s
+    return median_step_s(step, iters, before, warmup)
 
 
 def keeps_one_logit(model: torch.nn.Module) -> bool:
@@ -152,21 +143,8 @@ def real_prefill(model: torch.nn.Module, p: int, iters: int) -> tuple[float, flo
 
 
 def real_decode(model: torch.nn.Module, b: int, ctx: int, iters: int) -> tuple[float, float]:
-    import transformers as tf
-    cache = tf.DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, VOCAB, (b, ctx - 1)), past_key_values=cache, use_cache=True)
-    ids = torch.randint(0, VOCAB, (b, 1))
-
-    def step() -> None:
-        with torch.no_grad():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            out.logits[:, -1].float().argmax(-1)
-    def back_to_context() -> None:     # transformers 5.x: crop(-n) removes the last n tokens
-        extra = cache.get_seq_length() - (ctx - 1)
-        if extra > 0:
-            cache.crop(-extra)
-    return median_s(step, iters, before=back_to_context)
+    from boomfx.serving.host_overhead import time_decode_step
+    return time_decode_step(model, b, ctx, iters, VOCAB)
 
 
 def real_cache_bytes(model: torch.nn.Module, b: int, tokens: int) -> int:
@@ -215,12 +193,8 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_st
     kept, as before passes/eager_grouped_mm.py), for a before/after comparison."""
     from boomfx.frontend.capture import capture
     from boomfx.core.devices import cpu_spec
-    from boomfx.kernels_db.collect import collect_calls
-    from boomfx.kernels_db.host_overheads import collect_host_costs
-    from boomfx.kernels_db.in_step import collect_in_step
-    from boomfx.kernels_db.measure import protocol_measurer
-    from boomfx.kernels_db.store import Store
     from boomfx.core.program import ProgramOptions
+    from boomfx.serving.collect import collect_serving
     from boomfx.serving.serve import setup
     from boomfx.serving.steps import KV_WRITE_CONCAT
     spec = cpu_spec()
@@ -228,41 +202,23 @@ def collected_setup(model: torch.nn.Module, steps: list[Any], db: str, decode_st
                       options=ProgramOptions(target_kind="cpu", python_locals=not as_exported))
     opts = dict(max_model_len=2047 if decode_step else 2048, max_num_seqs=64, max_num_batched_tokens=2048)
     plain = setup(program, spec, db="none", **opts)
-    calls = [c for st in steps for c in plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st)]
-    t0 = time.perf_counter()
-    measurer = protocol_measurer("cpu")     # thread CPU time with one intra-op thread, else wall time
-    collected = collect_calls(Store(db), calls, "cpu", measurer=measurer)
-    collect_host_costs(Store(db), measurer, compiled=False)
-    # each step's kernels timed where they stand in that step, as `kernels collect --for` does
-    for st in steps:
-        collect_in_step(Store(db), plain.pricer(kv_write=KV_WRITE_CONCAT).kernel_calls(st), measurer)
-    info = {"measured": collected.measured, "present": collected.skipped, "failed": len(collected.failed),
-            "seconds": round(time.perf_counter() - t0, 1), "clock": measurer.cpu_clock}
+    # what `boomfx serve --device cpu --collect --kv-write concat` runs (boomfx/serving/collect.py)
+    # (its own calibration of transformers' Python: calibrate_host_overhead, on the databases' clock)
+    collected = collect_serving(plain.pricer(kv_write=KV_WRITE_CONCAT), steps, Path(db), spec)
+    info = {"measured": collected.measured, "present": collected.present, "failed": collected.failed,
+            "seconds": round(collected.seconds, 1),
+            "clock": "thread" if torch.get_num_threads() == 1 else "wall"}   # kernels_db.measure.protocol_measurer
     return setup(program, spec, db=db, **opts), info
 
 
-CALIBRATION_LAYERS = (1, 3)       # a Llama of 1 and of 3 layers (the benchmark's Llama has 4)
-CALIBRATION_CONTEXT = 32
-
-
-CALIBRATION_ITERS = 21
-
-
 def calibrate_host_overhead(iters: int, tmp: str) -> tuple[Any, list[dict[str, Any]]]:
-    """transformers' Python per module call on this host: (real step - its priced kernels) / module calls,
-    summed over calibration Llamas of 1 and 3 layers (batch 1, 32 tokens of context; not benchmark models)."""
-    from boomfx.serving.steps import KV_WRITE_CONCAT, HostOverhead, Step
-    step = Step((CALIBRATION_CONTEXT,))
-    rows = []
-    for layers in CALIBRATION_LAYERS:
-        model = build("llama", layers)
-        s, _ = collected_setup(model, [step], str(Path(tmp) / f"calib{layers}.sqlite"))
-        pred = s.pricer(kv_write=KV_WRITE_CONCAT).step_time(step).total_ns
-        wall, cpu = real_decode(model, 1, CALIBRATION_CONTEXT, max(iters, CALIBRATION_ITERS))
-        real = (cpu if torch.get_num_threads() == 1 else wall) * 1e9
-        rows.append({"layers": layers, "module_calls": s.model.module_calls, "pred_ns": pred, "real_ns": real,
-                     "gap_ns": real - pred})
-    per_call = sum(r["gap_ns"] for r in rows) / sum(r["module_calls"] for r in rows)
+    """transformers' Python per module call on this host, as ``boomfx serve --collect --kv-write concat``
+    measures it (boomfx/serving/host_overhead.py: calibration Llamas of 1 and 3 layers, not benchmark
+    models), on the clock the databases use."""
+    from boomfx.serving.host_overhead import CALIBRATION_ITERS, measure_module_call_ns
+    from boomfx.serving.steps import HostOverhead
+    clock = "thread" if torch.get_num_threads() == 1 else "wall"
+    per_call, rows = measure_module_call_ns(Path(tmp), max(iters, CALIBRATION_ITERS), clock)
     return HostOverhead(0.0, per_call, "transformers Python per module call, measured here (calibration Llamas)"), rows
 
 

@@ -83,8 +83,12 @@ TP_LINEAR = "tp_linear"
 # torch.distributed's frameworks' host work (kernels_db/framework_overheads.py, measured by `kernels collect
 # --collectives` on a CPU); not part of a plain collection, so not needed for its "measured" label
 FRAMEWORK_EVENTS = (FSDP_UNIT, FSDP_PARAM, TP_LINEAR)
+# transformers' Python per nn.Module call of a decode step (boomfx/serving/host_overhead.py, measured by
+# `boomfx serve --collect --kv-write concat` on a CPU); like the frameworks', not part of a plain collection
+MODULE_CALL = "transformers_module_call"
+OPTIONAL_EVENTS = FRAMEWORK_EVENTS + (MODULE_CALL,)
 EVENTS = (GRAPH_CALL, GRAPH_CALL_PER_INPUT, GRAPH_CALL_COLD, TRAIN_CALLS, TRAIN_CALLS_PER_INPUT, TRAIN_CALLS_COLD,
-          OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE) + FRAMEWORK_EVENTS
+          OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE) + OPTIONAL_EVENTS
 EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager CPU step reads (no graph entries)
 
 # Measured on the development CPU (measure_host_costs, thread CPU time), three runs each: graph_call
@@ -98,11 +102,13 @@ EAGER_EVENTS = (OP_COLD, OP_SWITCH, ALIAS_OP, AUTOGRAD_NODE)   # what an eager C
 DEFAULT_NS: Mapping[str, Mapping[str, float]] = {
     "cuda": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 0.0,
              TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 0.0, OP_COLD: 0.0,
-             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0, FSDP_UNIT: 0.0, FSDP_PARAM: 0.0, TP_LINEAR: 0.0},
+             OP_SWITCH: 0.0, ALIAS_OP: 0.0, AUTOGRAD_NODE: 0.0, FSDP_UNIT: 0.0, FSDP_PARAM: 0.0, TP_LINEAR: 0.0,
+             MODULE_CALL: 0.0},
     "cpu": {GRAPH_CALL: 47_000.0, GRAPH_CALL_PER_INPUT: 350.0, GRAPH_CALL_COLD: 70_000.0,
             TRAIN_CALLS: 148_000.0, TRAIN_CALLS_PER_INPUT: 6_500.0, TRAIN_CALLS_COLD: 150_000.0,
             OP_COLD: 25_000.0, OP_SWITCH: 1_100.0, ALIAS_OP: 2_200.0,
-            AUTOGRAD_NODE: 2_200.0, FSDP_UNIT: 430_000.0, FSDP_PARAM: 180_000.0, TP_LINEAR: 760_000.0},
+            AUTOGRAD_NODE: 2_200.0, FSDP_UNIT: 430_000.0, FSDP_PARAM: 180_000.0, TP_LINEAR: 760_000.0,
+            MODULE_CALL: 0.0},
 }
 _LAYERS = (1, 32)      # calibration depths: 3 and 65 graph inputs
 
@@ -122,6 +128,15 @@ def event_of(key: KernelKey) -> Optional[str]:
     return args[0] if args[0] in EVENTS else None
 
 
+def stored_ns(host_records: Mapping[str, KernelRecord], event: str) -> Optional[float]:
+    """The value a pricer's host rows hold for ``event``, if any (events without a default to fall back
+    to, such as ``MODULE_CALL``)."""
+    for record in host_records.values():
+        if event_of(record.key) == event:
+            return record.median_ns
+    return None
+
+
 @dataclass(frozen=True)
 class HostCosts:
     """The host terms in ns (every event), where they came from, and the L2 size the cold terms scale by."""
@@ -137,7 +152,7 @@ class HostCosts:
         the defaults of ``device_kind`` ("cpu"/"cuda")."""
         found = {event_of(r.key): r.median_ns for r in records if event_of(r.key) is not None}
         defaults = {**DEFAULT_NS["cpu" if device_kind == "cpu" else "cuda"], **(probed or {})}
-        needed = [e for e in EVENTS if e not in FRAMEWORK_EVENTS]
+        needed = [e for e in EVENTS if e not in OPTIONAL_EVENTS]
         source = ("measured" if all(e in found for e in needed) else "partly measured" if found
                   else "this host's probe and defaults" if probed else "default")
         return cls({e: found.get(e, defaults[e]) for e in EVENTS}, source,
@@ -419,7 +434,7 @@ def collect_host_costs(store: Any, measurer: Optional[Measurer] = None, pairs: i
     ones without ``compiled``) and store them; returns the events stored."""
     measurer = measurer if measurer is not None else Measurer("cpu")
     fingerprint = measurer.fingerprint()
-    wanted = [e for e in EVENTS if e not in FRAMEWORK_EVENTS] if compiled else EAGER_EVENTS
+    wanted = [e for e in EVENTS if e not in OPTIONAL_EVENTS] if compiled else EAGER_EVENTS
     with store:
         have = store.key_hashes(fingerprint)
     if all(host_key(e).key_hash in have for e in wanted):

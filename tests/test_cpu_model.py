@@ -6,7 +6,6 @@ import json
 import math
 
 import pytest
-import sympy
 import torch
 
 from boomfx.core.devices import cpu_spec
@@ -17,7 +16,7 @@ from boomfx.kernels_db.host_probe import HostProfile, _rate_at, measure_host_pro
 from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.pricing import host_costs, make_pricer
 from boomfx.passes.costs.registry import OpCall, price_call
-from boomfx.passes.specs import TensorSpec, contiguous_strides
+from test_gpu_model import mm, spec
 
 aten = torch.ops.aten
 
@@ -36,16 +35,6 @@ PROFILE = HostProfile(
     depthwise_conv=((1e6, 1e6), (1e8, 2e7)), page_fault_ns=1_000.0,
     op_floors_ns={"conv2d": 10_000.0},
     host_costs={OP_COLD: 500.0, OP_SWITCH: 300.0, ALIAS_OP: 1_400.0})
-
-
-def spec(*shape: int, dtype=torch.float32) -> TensorSpec:
-    s = tuple(sympy.Integer(x) for x in shape)
-    return TensorSpec(s, contiguous_strides(s), dtype)
-
-
-def mm(m: int, n: int, k: int, dtype=torch.float32) -> OpCall:
-    return OpCall.build(aten.mm.default, (spec(m, k, dtype=dtype), spec(k, n, dtype=dtype)), {},
-                        (spec(m, n, dtype=dtype),))
 
 
 def unary(op, n: int) -> OpCall:

@@ -11,7 +11,7 @@ from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.core.devices import get_device
 from boomfx.analysis.host_time import autograd_nodes
 from boomfx.kernels_db.host_overheads import (ALIAS_OP, AUTOGRAD_NODE, DEFAULT_NS, EAGER_EVENTS, EVENTS,
-                                              FRAMEWORK_EVENTS,
+                                              OPTIONAL_EVENTS,
                                               GRAPH_CALL, GRAPH_CALL_COLD, GRAPH_CALL_PER_INPUT, HOST_OP, OP_COLD,
                                               OP_SWITCH, TRAIN_CALLS, TRAIN_CALLS_COLD,
                                               TRAIN_CALLS_PER_INPUT, HostCosts, collect_host_costs, event_of,
@@ -72,8 +72,9 @@ def test_costs_by_hand(tmp_path):
     with Store(_db(tmp_path, VALUES)) as store:
         records = list(store.records())
     costs = HostCosts.from_records(records, "cpu", l2_bytes=1 << 20)
-    # the framework events (kernels_db/framework_overheads.py) are not in a plain collection: defaults
-    framework = {e: DEFAULT_NS["cpu"][e] for e in FRAMEWORK_EVENTS}
+    # the framework events (kernels_db/framework_overheads.py) and transformers' module calls
+    # (boomfx/serving/host_overhead.py) are not in a plain collection: defaults
+    framework = {e: DEFAULT_NS["cpu"][e] for e in OPTIONAL_EVENTS}
     assert costs.source == "measured" and costs.values == VALUES | framework
     assert costs.entry_ns(False, 5) == 40_000 + 5 * 1_000
     assert costs.entry_ns(False, 5, previous_bytes=512 << 10) == 45_000 + 100_000 / 2
@@ -199,7 +200,7 @@ def test_measured_on_this_cpu_and_stored(tmp_path):
     path = tmp_path / "m.sqlite"
     with Store(path) as store:
         assert collect_host_costs(store, Measurer("cpu"), pairs=5, compiled=False) == list(EAGER_EVENTS)
-        step_events = sorted(e for e in EVENTS if e not in FRAMEWORK_EVENTS)   # framework ones: --collectives
+        step_events = sorted(e for e in EVENTS if e not in OPTIONAL_EVENTS)   # framework ones: --collectives
         assert sorted(collect_host_costs(store, Measurer("cpu"), pairs=5)) == step_events
         assert collect_host_costs(store, Measurer("cpu"), pairs=5) == []          # present: not again
         records = list(store.records())

@@ -22,6 +22,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-write", choices=("paged", "concat"), default=None,
+                   help="how the KV cache is written: paged (the engine's block writes; the default) or concat "
+                        "(transformers' DynamicCache: torch.cat of the whole cache every step, and the attention "
+                        "the model itself calls)")
+    p.add_argument("--collect", action="store_true",
+                   help="first measure, on this machine, every kernel the report's steps price into --db (a path, "
+                        "else the device's user-cache database), then price from it (boomfx/serving/collect.py)")
     p.add_argument("--sliding-window", type=int, default=None, metavar="N",
                    help="window of the sliding layers (all layers when the masks show none)")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
@@ -54,7 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from boomfx.cli.progress import StageProgress
     from boomfx.serving.engine import get_engine
     from boomfx.serving.report import render_text, write_trace
-    from boomfx.serving.serve import build_report, run_workload, setup, step_rows
+    from boomfx.serving.serve import build_report, report_steps, run_workload, setup, step_rows
+    from boomfx.serving.steps import KV_WRITE_CONCAT
     from boomfx.serving.workload import Workload, read_dataset
     if args.request_rate is not None and args.concurrency is not None:
         raise OptionError("give one of --request-rate and --concurrency")
@@ -63,22 +71,40 @@ def run_serve(args: argparse.Namespace) -> int:
     progress.stage("loading and capturing the program")
     program = capture(args.file, options=ProgramOptions(target_kind=device.kind))
     progress.stage("planning the KV cache")
-    s = setup(program, device, get_engine(args.engine), db=args.db, block_size=args.block_size,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-              enforce_eager=args.enforce_eager, sliding_window=args.sliding_window,
-              disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+    options = dict(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                   sliding_window=args.sliding_window,
+                   disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+    # --collect: planned without the database it is about to fill (a path that may not exist yet)
+    s = setup(program, device, get_engine(args.engine), db="none" if args.collect else args.db, **options)
     if not s.plan.fits:
         raise OptionError(f"{args.file} on {device.name}: {s.plan.verdict}")
+    batches, contexts = _sweep_axes(s.config.max_num_seqs, s.config.max_model_len) if args.sweep else (None, None)
+    if args.collect:
+        from boomfx.serving.collect import collect_serving, local_device
+        local_device(device)     # refused before anything is measured
+        path = _collect_path(args.db, device.name)
+        progress.stage("measuring the serving steps' kernels on this machine")
+        collected = collect_serving(s.pricer(kv_write=args.kv_write),
+                                    report_steps(s, args.input_len, args.output_len, batches, contexts), path, device)
+        sys.stderr.write(f"[boomfx] {collected.describe()}\n")
+        if device.kind == "cpu" and (args.kv_write or s.engine.kv_write) == KV_WRITE_CONCAT:
+            from boomfx.kernels_db.measure import Measurer
+            from boomfx.kernels_db.store import Store
+            from boomfx.serving.host_overhead import collect_module_call
+            progress.stage("measuring transformers' Python per module call (calibration Llamas)")
+            per_call = collect_module_call(Store(path), Measurer("cpu"))
+            if per_call is None:
+                sys.stderr.write("[boomfx] transformers is not installed: its Python per module call is not "
+                                 "measured (the steps' host_overhead stays 0)\n")
+        s = setup(program, device, get_engine(args.engine), db=str(path), **options)
     progress.stage("pricing prefill and decode steps")
-    pricer = s.pricer()
+    pricer = s.pricer(kv_write=args.kv_write)
+    rows = step_rows(s, pricer, args.input_len, args.output_len, batches, contexts)
     if args.sweep:
-        batches, contexts = _sweep_axes(s.config.max_num_seqs, s.config.max_model_len)
-        rows = [r for r in step_rows(s, pricer, args.input_len, args.output_len, batches, contexts)
-                if r.kind == "decode"]
-    else:
-        rows = step_rows(s, pricer, args.input_len, args.output_len)
+        rows = [r for r in rows if r.kind == "decode"]
     wl = None
     if args.request_rate is not None or args.concurrency is not None:
         lengths = read_dataset(args.dataset) if args.dataset else ()
@@ -87,11 +113,14 @@ def run_serve(args: argparse.Namespace) -> int:
                             lengths=lengths).check(s.config.max_model_len)
         progress.stage(f"simulating {workload.num_prompts} requests")
         bar = _bar(progress.enabled)
-        wl = run_workload(s, workload, progress=bar)
+        wl = run_workload(s, workload, progress=bar, kv_write=args.kv_write)
         if args.trace:
             write_trace(args.trace, wl)
     progress.done()
     report = build_report(s, device, rows, wl)
+    if args.kv_write is not None and args.kv_write != s.engine.kv_write:
+        report.warnings.append(f"--kv-write {args.kv_write}: the KV cache is written as transformers' DynamicCache "
+                               f"does (torch.cat every step), not by {s.engine.label}'s {s.engine.kv_write} writes")
     if args.json == "-":
         print(report.to_json())
         return 0
@@ -100,6 +129,16 @@ def run_serve(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(report.to_json())
     return 0
+
+
+def _collect_path(db: str, device_name: str) -> "Path":
+    """Where ``--collect`` writes: ``--db PATH``, else the device's user-cache database."""
+    from pathlib import Path
+
+    from boomfx.kernels_db.store import default_db_path
+    if db == "none":
+        raise OptionError("--collect measures into a database: give --db PATH (or leave --db at auto)")
+    return default_db_path(device_name) if db in ("auto", "default") else Path(db)
 
 
 def _bar(enabled: bool):

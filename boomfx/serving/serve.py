@@ -24,7 +24,7 @@ from boomfx.serving.kv_cache import KVSpec, MemoryPlan, plan_memory
 from boomfx.serving.kv_groups import KVGroups, kv_groups
 from boomfx.serving.model import ServingModel, serving_model
 from boomfx.serving.report import ServeReport, StepRow, WorkloadReport, workload_report
-from boomfx.serving.steps import HostOverhead, Step, StepPricer, profile_activation_bytes
+from boomfx.serving.steps import KV_WRITE_CONCAT, HostOverhead, Step, StepPricer, profile_activation_bytes
 from boomfx.serving.tensor_parallel import CollectiveTimes, tp_serving_program
 from boomfx.serving.workload import Workload, simulate_workload, sustainable
 
@@ -58,6 +58,14 @@ class ServingSetup:
 
     def pricer(self, bucket_tokens: int = 1, interpolate: bool = False, kv_write: Optional[str] = None,
                host_overhead: Optional[HostOverhead] = None) -> StepPricer:
+        """Step prices; under the concat rule (a transformers loop) with the database's measured Python
+        per module call (``serving/host_overhead.py``) unless ``host_overhead`` is given."""
+        if host_overhead is None and kv_write == KV_WRITE_CONCAT:
+            from boomfx.kernels_db.host_overheads import MODULE_CALL, stored_ns
+            measured = stored_ns(getattr(self.analysis.pricer, "host_records", {}), MODULE_CALL)
+            if measured is not None:
+                host_overhead = HostOverhead(0.0, measured, "transformers' Python per module call, measured here "
+                                                            "(serve --collect)")
         return StepPricer(self.analysis, self.model, self.engine, self.config, self.kv_dtype,
                           self.kv.kv_heads_per_rank, kv_write=kv_write, bucket_tokens=bucket_tokens,
                           interpolate=interpolate, host_overhead=host_overhead or HostOverhead(),
@@ -156,34 +164,46 @@ def layer_windows(sites: Any, sliding_window: Optional[int]) -> tuple[Optional[i
     return (sliding_window,) * len(seen)
 
 
-def step_rows(s: ServingSetup, pricer: StepPricer, input_len: int, output_len: int,
-              batches: Optional[list[int]] = None, contexts: Optional[list[int]] = None) -> list[StepRow]:
-    """Prefill of one prompt (in chunks of the token budget) and decode steps of several batch sizes."""
-    rows = []
+def report_steps(s: ServingSetup, input_len: int, output_len: int, batches: Optional[list[int]] = None,
+                 contexts: Optional[list[int]] = None) -> list[Step]:
+    """The steps the report prices: a prefill of one prompt (in chunks of the token budget), then decode
+    steps of several batch sizes (``--sweep``: ``batches`` x ``contexts``)."""
+    steps = []
     budget = s.config.max_num_batched_tokens
     done = 0
     while done < input_len:
         chunk = min(budget, input_len - done)
         done += chunk
-        st = pricer.step_time(Step((), ((chunk, done),)))
-        rows.append(StepRow("prefill", 1, chunk, done, st.total_ns, st.cuda_graph,
-                            {k: v.device_ns for k, v in st.parts.items()}))
+        steps.append(Step((), ((chunk, done),)))
     ctx_list = contexts or [min(s.config.max_model_len, input_len + max(1, output_len // 2))]
     for ctx in ctx_list:
         for b in batches or sorted({1, 8, 32, s.config.max_num_seqs}):
-            if b > s.config.max_num_seqs:
-                continue
-            st = pricer.step_time(Step((ctx,) * b))
-            blocks = b * s.request_blocks(ctx)
-            rows.append(StepRow("decode", b, b, ctx, st.total_ns, st.cuda_graph,
-                                {k: v.device_ns for k, v in st.parts.items()}, fits_kv=blocks <= s.plan.num_blocks))
+            if b <= s.config.max_num_seqs:
+                steps.append(Step((ctx,) * b))
+    return steps
+
+
+def step_rows(s: ServingSetup, pricer: StepPricer, input_len: int, output_len: int,
+              batches: Optional[list[int]] = None, contexts: Optional[list[int]] = None) -> list[StepRow]:
+    """The report's steps (``report_steps``), priced."""
+    rows = []
+    for step in report_steps(s, input_len, output_len, batches, contexts):
+        st = pricer.step_time(step)
+        parts = {k: v.device_ns for k, v in st.parts.items()}
+        if step.prefills:
+            chunk, done = step.prefills[0]
+            rows.append(StepRow("prefill", 1, chunk, done, st.total_ns, st.cuda_graph, parts))
+        else:
+            b, ctx = len(step.decode_contexts), step.decode_contexts[0]
+            rows.append(StepRow("decode", b, b, ctx, st.total_ns, st.cuda_graph, parts,
+                                fits_kv=b * s.request_blocks(ctx) <= s.plan.num_blocks))
     return rows
 
 
 def run_workload(s: ServingSetup, workload: Workload, progress: Optional[Callable[[int, int], None]] = None,
-                 find_max_rate: bool = True) -> WorkloadReport:
+                 find_max_rate: bool = True, kv_write: Optional[str] = None) -> WorkloadReport:
     """Simulate ``workload``; in rate mode also bisect for the highest sustainable rate."""
-    pricer = s.pricer(bucket_tokens=s.config.block_size, interpolate=True)
+    pricer = s.pricer(bucket_tokens=s.config.block_size, interpolate=True, kv_write=kv_write)
     groups = s.groups if s.plan.sliding_layers else None     # None: one full-attention group
 
     def timer(step: Step) -> float:
