@@ -77,10 +77,13 @@ class CpuKernelModel:
         if rate:
             ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
         floor = self.profile.op_floors_ns.get(call.op.overloadpacket.__name__, 0.0) - self.profile.dispatch_ns
-        return max(ns, floor) + self.page_faults_ns(outputs)
+        return max(ns, floor) + self.page_faults_ns(call, outputs)
 
-    def page_faults_ns(self, outputs: list) -> float:
-        """Outputs of ``MMAP_ALWAYS_BYTES`` or more are fresh mmaps: every page faults when written."""
+    def page_faults_ns(self, call: OpCall, outputs: list) -> float:
+        """Outputs of ``MMAP_ALWAYS_BYTES`` or more are fresh mmaps: every page faults when written (an
+        in-place or ``out=`` op writes memory it was given: none)."""
+        if any(ret.alias_info is not None for ret in call.op._schema.returns):
+            return 0.0
         fresh = [_numel(spec) * spec.dtype.itemsize for spec in outputs]
         pages = sum(math.ceil(b / PAGE_BYTES) for b in fresh if b >= MMAP_ALWAYS_BYTES)
         return pages * self.profile.page_fault_ns

@@ -82,6 +82,9 @@ def test_outputs_of_fresh_mmaps_pay_their_page_faults():
     below = model(unary(aten.relu.default, small), cpu_spec())
     at = model(unary(aten.relu.default, large), cpu_spec())
     assert at - below == pytest.approx(8192 * 1_000.0, rel=1e-3)   # 8192 pages of 4 KiB, 1 us each
+    # an in-place op writes the memory it was given: no fresh pages
+    inplace = OpCall.build(aten.relu_.default, (spec(large),), {}, (spec(large),))
+    assert model(inplace, cpu_spec()) == pytest.approx(at - 8192 * 1_000.0, rel=1e-3)
 
 
 def test_pointwise_priced_by_the_bandwidth_of_its_working_set():
