@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.export import Dim
@@ -119,13 +119,6 @@ def export(model: torch.nn.Module) -> Any:
 
 # -- real steps ----------------------------------------------------------------------------------------
 
-def median_s(step: Callable[[], Any], iters: int, before: Callable[[], Any] = lambda: None,
-             warmup: int = 2) -> tuple[float, float]:
-    """(median wall seconds, median CPU seconds of this thread) of ``step`` after ``warmup`` runs."""
-    from boomfx.serving.host_overhead import median_step_s
-    return median_step_s(step, iters, before, warmup)
-
-
 def keeps_one_logit(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -139,7 +132,8 @@ def real_prefill(model: torch.nn.Module, p: int, iters: int) -> tuple[float, flo
         with torch.no_grad():
             out = model(input_ids=ids, past_key_values=tf.DynamicCache(config=model.config), use_cache=True, **extra)
             out.logits[:, -1].float().argmax(-1)
-    return median_s(step, iters)
+    from boomfx.serving.host_overhead import median_step_s
+    return median_step_s(step, iters)
 
 
 def real_decode(model: torch.nn.Module, b: int, ctx: int, iters: int) -> tuple[float, float]:

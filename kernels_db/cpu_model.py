@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from boomfx.core.devices import DeviceSpec
-from boomfx.passes.costs.registry import OpCall
+from boomfx.passes.costs.registry import OpCall, price_call
 
 from boomfx.kernels_db.host_probe import MMAP_ALWAYS_BYTES, PAGE_BYTES, HostProfile, _rate_at
 from boomfx.kernels_db.roofline import compute_dtype, op_class
@@ -54,7 +54,6 @@ class CpuKernelModel:
         return self.footprint_bytes
 
     def __call__(self, call: OpCall, device: DeviceSpec) -> Optional[float]:
-        from boomfx.passes.costs.registry import price_call
         try:
             flops, read, written = price_call(call).cost.evaluate()
         except ValueError:

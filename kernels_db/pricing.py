@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from boomfx.kernels_db.host_probe import HostProfile
     from boomfx.kernels_db.host_overheads import HostCosts
 
-__all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "db_label", "set_step_footprint"]
+__all__ = ["AUTO_DB", "NO_DB", "resolve_db_path", "make_pricer", "host_costs", "db_label", "set_step_footprint", "cpu_host_model"]
 
 
 @dataclass
@@ -158,7 +158,7 @@ def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":
     cold starts): the rows the database measured on its host, else (a CPU target) this host's probe
     (``host_probe``), else the defaults for ``device``'s kind."""
     from boomfx.kernels_db.host_overheads import HostCosts
-    model = _cpu_model_of(pricer)
+    model = cpu_host_model(pricer)
     return HostCosts.from_records(list(pricer.host_records.values()), device.kind,
                                   probed=model.profile.host_costs if model is not None else None)
 
@@ -166,12 +166,12 @@ def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":
 def set_step_footprint(pricer: Any, nbytes: Optional[int]) -> None:
     """Tell a CPU pricer's host model (``cpu_model.CpuKernelModel``) the footprint of the step it prices
     next: the cache level its kernels find their operands at. A no-op for other pricers."""
-    model = _cpu_model_of(pricer)
+    model = cpu_host_model(pricer)
     if model is not None:
         model.footprint_bytes = nbytes
 
 
-def _cpu_model_of(pricer: Any) -> Any:
+def cpu_host_model(pricer: Any) -> Any:
     """The ``CpuKernelModel`` a (possibly wrapped) pricer consults, or None."""
     from boomfx.kernels_db.cpu_model import CpuKernelModel
     inner = pricer

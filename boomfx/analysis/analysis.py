@@ -30,7 +30,7 @@ from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
 from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
-from boomfx.kernels_db.pricing import host_costs, make_pricer, set_step_footprint
+from boomfx.kernels_db.pricing import cpu_host_model, host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
 from boomfx.report.model import KernelReport, Report
@@ -103,6 +103,8 @@ class Analysis:
         self._cudagraphs = bool(getattr(program.options, "cudagraphs", False)) and device.kind == "cuda"
         # host time outside the prices (boomfx/analysis/host_time.py): read once, not per evaluated point
         self._host_costs = host_costs(self.pricer, device)
+        # a CPU target priced from this host's probe: its cache level follows each point's footprint
+        self._cpu_model = cpu_host_model(self.pricer)
         compiled = bool(getattr(program.options, "compile", False))
         # eager CPU steps (boomfx/analysis/host_time.py): the aliasing ops dispatched before each kernel, and
         # in training the autograd graph the engine runs
@@ -192,8 +194,8 @@ class Analysis:
         workspace_at: dict[int, int] = {}
         point_prices: dict[str, Any] = {}
         suspects: dict[str, tuple[float, float, str]] = {}   # node -> (rooflines, time_ns, op) of implausible rows
-        if self.device.kind == "cpu":   # the cache level a CPU step's kernels find their operands at (cpu_model.py)
-            set_step_footprint(self.pricer, max(self.liveness.timeline(ev), default=0))
+        if self._cpu_model is not None:   # the cache level the step's kernels find their operands at
+            self._cpu_model.footprint_bytes = max(self.liveness.timeline(ev), default=0)
         if memory_only:
             # no schedule, but each kernel's scratch (a measured workspace, a CPU convolution's blocked
             # copies) is memory all the same: a peak inside a kernel is a peak (--max-batch, --search)
