@@ -150,6 +150,11 @@ class DeviceCalibration:
         return DeviceCalibration(gemm, memory)
 
 
+# the models read, by (file, modification time) of both files (``GpuKernelModel.load``); a model is not
+# edited once read (``without_device`` makes another)
+_LOADED: dict[tuple, "GpuKernelModel"] = {}
+
+
 class GpuKernelModel:
     """Predicts fp32 kernel times from fitted per-device parameters, or generic ones scaled by datasheet."""
 
@@ -168,12 +173,24 @@ class GpuKernelModel:
 
     @staticmethod
     def load(path: Optional[Path | str] = None, lowp_path: Optional[Path | str] = None) -> "GpuKernelModel":
-        """The fp32 model of ``path`` with the low-precision GEMM and attention models of ``lowp_path``."""
+        """The fp32 model of ``path`` with the low-precision GEMM and attention models of ``lowp_path``.
+
+        Kept per pair of files as they are on disk (path and modification time): every CUDA pricer reads
+        it, and a ``--search`` makes one pricer per analysis (128 reads of the same 2 files were 2.8 s)."""
+        from boomfx.kernels_db.tensor_core_gemm import LOWP_CALIBRATION_PATH
+        files = (Path(path or CALIBRATION_PATH), Path(lowp_path or LOWP_CALIBRATION_PATH))
+        key = tuple((str(f.resolve()), f.stat().st_mtime_ns) for f in files)
+        if key not in _LOADED:
+            _LOADED[key] = GpuKernelModel._read(*files)
+        return _LOADED[key]
+
+    @staticmethod
+    def _read(path: Path, lowp_path: Path) -> "GpuKernelModel":
         from boomfx.kernels_db.attention_model import AttentionModel
-        from boomfx.kernels_db.tensor_core_gemm import LOWP_CALIBRATION_PATH, LowpCalibration
-        with open(path or CALIBRATION_PATH) as fh:
+        from boomfx.kernels_db.tensor_core_gemm import LowpCalibration
+        with open(path) as fh:
             model = GpuKernelModel.from_json(json.load(fh))
-        with open(lowp_path or LOWP_CALIBRATION_PATH) as fh:
+        with open(lowp_path) as fh:
             lowp_doc = json.load(fh)
         model.lowp = LowpCalibration.from_json(lowp_doc)
         model.attention = AttentionModel.from_json(lowp_doc)

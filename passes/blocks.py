@@ -60,6 +60,7 @@ import torch.fx
 from boomfx.core.layers import layer_of, layer_pattern, module_stack
 from boomfx.passes.errors import node_error
 from boomfx.passes.opcall import spec_of
+from boomfx.passes.specs import TensorSpec
 from boomfx.core.program import Program
 
 METHOD_MODULES = "modules"
@@ -141,6 +142,8 @@ def _constant(value: Any) -> Any:
         return value
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return ("sym", value.node.expr)
+    if isinstance(value, TensorSpec):   # compared by its fields; printed only for the digest (_digest)
+        return value
     return repr(value)  # dtype, device, layout, memory_format, slice
 
 
@@ -204,7 +207,21 @@ class _Describer:
 
 
 def _digest(key: tuple) -> str:
-    return hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+    """A short digest of ``repr(key)`` (stored in kernel databases: block rows are found by it)."""
+    return hashlib.sha1(_key_repr(key, {}).encode()).hexdigest()[:12]
+
+
+def _key_repr(value: Any, printed: dict[TensorSpec, str]) -> str:
+    """``repr(value)`` for a key, each distinct TensorSpec printed once: a key holds a few hundred
+    distinct specs many thousand times, and printing their symbolic sizes was most of a block pass."""
+    if type(value) is tuple:
+        inner = ", ".join(_key_repr(v, printed) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, TensorSpec):
+        if value not in printed:   # as when keys held the spec's repr (digests in databases stay valid)
+            printed[value] = repr(repr(value))
+        return printed[value]
+    return repr(value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,8 +254,8 @@ class _Refiner:
         nodes = [*ref, *other]
         self.ins: list[list[tuple[int, int]]] = [[] for _ in nodes]
         self.outs: list[list[tuple[int, int]]] = [[] for _ in nodes]
-        labels: dict[str, int] = {}
-        self.labels = [labels.setdefault(repr(desc.label(v)), len(labels)) for v in nodes]
+        labels: dict[tuple, int] = {}
+        self.labels = [labels.setdefault(desc.label(v), len(labels)) for v in nodes]
         for base, side in ((0, ref), (self.n, other)):
             index = {v: base + i for i, v in enumerate(side)}
             for v in side:

@@ -393,3 +393,16 @@ def test_block_reports_time_and_activations(gpt_train: Program) -> None:
     # at least the saved ln_1 input [2, 16, 64] fp32 = 2*16*64*4 = 8192 bytes is an activation
     assert report.activation_bytes_per_instance >= 8192
     assert math.isfinite(report.time_ns_per_instance)
+
+
+def test_signatures_are_stable_across_versions() -> None:
+    """``BlockClass.signature`` finds block rows in kernel databases, so it is a digest of the key as it
+    was first printed (a TensorSpec as its repr string): these are the shipped examples' classes as
+    they were before the key stopped printing specs (2026-12-06); a change here orphans stored rows."""
+    from pathlib import Path
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    expected = {("gpt_tiny.pt2", False): "58f6485d906d", ("gpt_tiny.pt2", True): "1ab98ae2783d",
+                ("llama_tiny.pt2", False): "9e203aa9e726", ("llama_tiny.pt2", True): "5c11b7747133"}
+    for (name, train), signature in expected.items():
+        program = capture(str(examples / name), options=ProgramOptions(train=train))
+        assert [c.signature for c in block_pass(program).classes] == [signature]

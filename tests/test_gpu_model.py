@@ -213,3 +213,26 @@ def test_memory_classes_are_kept_only_where_leave_one_out_says_they_help():
              "t4": p(1.1), "l4": p(1.4), "p4": p(1.25)}
     kept, scores = _memory_by_class(mixed)
     assert scores["elementwise"]["memory_class"] >= scores["elementwise"]["median"] and kept == {}
+
+
+def test_calibration_read_once_per_file_version(tmp_path) -> None:
+    """Every CUDA pricer loads the model (a --search makes one per analysis): the same files give the same
+    model object; a calibration rewritten on disk is read again."""
+    import json
+    import os
+    import shutil
+
+    from boomfx.kernels_db.gpu_model import CALIBRATION_PATH
+    assert GpuKernelModel.load() is GpuKernelModel.load()
+    copy = tmp_path / "cal.json"
+    shutil.copy(CALIBRATION_PATH, copy)
+    first = GpuKernelModel.load(copy)
+    assert GpuKernelModel.load(copy) is first and first is not GpuKernelModel.load()
+    doc = json.loads(copy.read_text())
+    name = next(iter(doc["devices"]))
+    del doc["devices"][name]
+    copy.write_text(json.dumps(doc))
+    later = copy.stat().st_mtime_ns + 1_000_000     # a rewrite within the clock's tick still counts
+    os.utime(copy, ns=(later, later))
+    again = GpuKernelModel.load(copy)
+    assert again is not first and name in first.devices and name not in again.devices

@@ -147,14 +147,18 @@ def test_module_call_collected_once(tmp_path, monkeypatch) -> None:
 
 def test_module_call_measured_on_calibration_llamas() -> None:
     """The real calibration: both Llamas' steps priced from kernels measured here and timed for real; the
-    deeper one traces more module calls; a module call's Python is never free."""
+    deeper one traces more module calls; the per-call cost is their gaps over their calls, never negative.
+    (Its size is a timing, checked by benchmarks/serving_cpu.py: under a loaded test run the two gaps can
+    sum below zero.)"""
     pytest.importorskip("transformers")
     from boomfx.serving.host_overhead import CALIBRATION_LAYERS, measure_module_call_ns
     per_call, rows = measure_module_call_ns(iters=7)
     assert [r["layers"] for r in rows] == list(CALIBRATION_LAYERS)
     assert rows[0]["module_calls"] < rows[1]["module_calls"]
     assert all(r["real_ns"] > 0 and r["pred_ns"] > 0 for r in rows)
-    assert per_call > 0
+    assert all(r["gap_ns"] == pytest.approx(r["real_ns"] - r["pred_ns"]) for r in rows)
+    gaps = sum(r["gap_ns"] for r in rows) / sum(r["module_calls"] for r in rows)
+    assert per_call == pytest.approx(max(gaps, 0.0))
 
 
 def test_cli_collect_concat_charges_the_measured_python(tmp_path, monkeypatch, examples_dir: Path) -> None:
