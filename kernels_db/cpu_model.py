@@ -8,7 +8,8 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
                   elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...
               + pages x page_fault_ns                        outputs of 32 MiB or more (fresh mmaps)
 
-at least the op's probed one-element call (``op_floors_ns``) less the dispatch charged as host time.
+at least the op's probed one-element call (``op_floors_ns``; a convolution's on the path ATen routes it
+to, ``cpu_convolution.py``) less the dispatch charged as host time.
 
 The op's dispatch (``HostProfile.dispatch_ns``) is its host time, added by the CPU schedule. The
 rates are curves, not peaks: a GEMM of F FLOPs runs at the rate the probe's square GEMM of F FLOPs
@@ -28,6 +29,7 @@ import torch
 from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import OpCall, price_call
 
+from boomfx.kernels_db.cpu_convolution import floor_key
 from boomfx.kernels_db.host_probe import MMAP_ALWAYS_BYTES, PAGE_BYTES, HostProfile, _rate_at
 from boomfx.kernels_db.roofline import compute_dtype, op_class
 
@@ -75,8 +77,17 @@ class CpuKernelModel:
         rate = self.profile.special_elements_per_s.get(call.op.overloadpacket.__name__)
         if rate:
             ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
-        floor = self.profile.op_floors_ns.get(call.op.overloadpacket.__name__, 0.0) - self.profile.dispatch_ns
-        return max(ns, floor) + self.page_faults_ns(call, outputs)
+        return max(ns, self.floor_ns(call)) + self.page_faults_ns(call, outputs)
+
+    def floor_ns(self, call: OpCall) -> float:
+        """The op's one-element call less the dispatch charged as its host time; a convolution's on the
+        path ATen routes it to (``cpu_convolution.floor_key``: oneDNN's is ~8x the native one's)."""
+        floors = self.profile.op_floors_ns
+        key = floor_key(call, self.profile.threads)
+        floor = floors.get(key) if key is not None else None
+        if floor is None:
+            floor = floors.get(call.op.overloadpacket.__name__, 0.0)
+        return floor - self.profile.dispatch_ns
 
     def page_faults_ns(self, call: OpCall, outputs: list) -> float:
         """Outputs of ``MMAP_ALWAYS_BYTES`` or more are fresh mmaps: every page faults when written (an

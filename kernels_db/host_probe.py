@@ -26,8 +26,9 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
   ``zeros`` minus refilling the same buffer, per page;
 - **dispatch**: a one-element ``aten.add`` (allocating), the per-op floor of eager dispatch (the host
   time of every op); and the floors of composite ops whose one-element call costs several times that
-  (``OP_FLOORS``: a convolution's oneDNN primitive, batch norm's statistics, padding's fill and copy,
-  SDPA's checks): a call of those ops costs at least its floor.
+  (``OP_FLOORS``: a convolution on each of ATen's two CPU paths, native and oneDNN, forward and
+  backward (``cpu_convolution.py`` says which a call takes), batch norm's statistics, padding's fill and
+  copy, SDPA's checks): a call of those ops costs at least its floor.
 
 A step's kernel finds its operands where the step left them: a tensor is reused after about the step's
 footprint of other bytes was touched (``kernels_db.measure.step_flush_bytes``, the reuse distance the CPU
@@ -57,7 +58,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 PROBE_ENV = "BOOMFX_HOST_PROBE"
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -321,6 +322,21 @@ def _op_floors() -> dict[str, float]:
         "roll": lambda: aten.roll(v1, [1], [0]), "_softmax": lambda: aten._softmax(row, -1, False),
         "clone": lambda: aten.clone(v1), "mean": lambda: aten.mean(row, [-1]), "sum": lambda: aten.sum(row, [-1]),
     }
+    # the oneDNN path of a convolution (kernels_db/cpu_convolution.py: a batch of two takes it) and both
+    # paths' backward; oneDNN's backward runs a primitive per gradient of input and weight
+    x2 = torch.ones(2, 1, 1, 1)
+    grad1, grad2 = torch.ones(1, 1, 1, 1), torch.ones(2, 1, 1, 1)
+
+    def backward(x: torch.Tensor, grad: torch.Tensor, mask: list[bool]) -> object:
+        return aten.convolution_backward(grad, x, w1, [1], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, mask)
+
+    calls.update({
+        "conv2d@onednn": lambda: aten.conv2d(x2, w1),
+        "convolution@onednn": lambda: aten.convolution(x2, w1, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+        "convolution_backward": lambda: backward(x1, grad1, [True, True, True]),
+        "convolution_backward@onednn": lambda: backward(x2, grad2, [True, True, True]),
+        "convolution_backward@onednn_one": lambda: backward(x2, grad2, [False, True, True]),
+    })
     loops = 20
     floors = {}
     for name, fn in calls.items():

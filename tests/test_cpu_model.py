@@ -201,6 +201,9 @@ def test_the_real_probe_measures_this_host():
         assert works == sorted(works) and all(ns > 0 for _, ns in curve)
     assert [f for f, _ in profile.stream] == [mib << 20 for mib in host_probe.FLUSH_LEVELS_MIB]
     assert profile.page_fault_ns > 0 and profile.op_floors_ns["conv2d"] > 0
+    for path in ("conv2d@onednn", "convolution_backward", "convolution_backward@onednn",
+                 "convolution_backward@onednn_one"):      # kernels_db/cpu_convolution.py
+        assert profile.op_floors_ns[path] > 0
     fp32 = profile.gemm["float32"][0][1]
     assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
     assert fp32[-1][1] > fp32[0][1]
