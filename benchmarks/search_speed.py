@@ -189,6 +189,17 @@ def render(payload: dict) -> str:
               "at 512 (203 -> 186 s). A first version took the pipeline floors of TP plans from the "
               "single-device footprint over tp (no per-layer lists carried): 20 more program keys, mostly TP pipelines, were built "
               "and the search at 128 took 205 s; the per-layer lists are carried too since.", "",
+              "Timings move with this VM's load by a third: the code that took 82.6 s at global batch 128 (the "
+              "paragraph above) took 56.0 s at 2026-12-06 21:40 UTC (the same plans, steps and counts). Since "
+              "22:00 the same day the GPU model's calibration is read once (it was read twice per analysis: 2.8 s "
+              "of a profiled search) and the block pass no longer prints symbolic sizes for its keys (~5% of a "
+              "search profiled); the table above is the run after those. Profiled (cProfile, global batch 512), "
+              "what remains: the TP ranks' truncated re-traces (7 traces, ~2.5 s each), one Analysis per rank "
+              "class and probe depth (241 at global batch 512, ~0.16 s each: the block, cost and liveness "
+              "passes), fx's node copies in the rank rewrites (torch 2.13's create_node walks every node's "
+              "arguments with pytree: ~12% of the profile), and pipeline stages' replays; a pipeline plan of "
+              "16 stages and 64 micro-batches costs 11-14 s to build at its two probe depths, and three of them "
+              "lie within 2% of the fifth plan's step.", "",
               "Target (< " + f"{payload['target_s']:.0f}" + " s on 80 layers): " + (
                   "met" if all(r.get("seconds", 1e9) < payload["target_s"] and not r.get("stopped")
                                for r in payload["runs"] if r.get("layers") == 80) else
