@@ -27,10 +27,9 @@ NATIVE = "native"
 
 
 def _ints(value: Any, n: int) -> tuple[int, ...]:
-    if isinstance(value, (list, tuple)):
-        out = tuple(int(v) for v in value)
-        return out if len(out) == n or len(out) != 1 else out * n
-    return (int(value),) * n
+    """A stride/dilation argument as ``n`` ints (a single value, or a one-element list, repeats)."""
+    out = tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+    return out * n if len(out) == 1 else out
 
 
 def _low_precision_on_onednn(dtype: torch.dtype) -> bool:
@@ -96,16 +95,16 @@ def route(call: Any, threads: int) -> Optional[str]:
 
 
 def floor_key(call: Any, threads: int) -> Optional[str]:
-    """The ``HostProfile.op_floors_ns`` entry a convolution call pays (None: not a convolution, or the
-    native forward, whose floor is the op's own name). oneDNN's backward runs one primitive per gradient
-    of input and weight it is asked for."""
+    """The ``HostProfile.op_floors_ns`` entry a convolution call pays (None: not a convolution): the
+    probe's ``conv2d`` and ``convolution`` calls (conv1d/conv3d read ``convolution``'s), ``@onednn`` on
+    that path; oneDNN's backward runs one primitive per gradient of input and weight it is asked for."""
     path = route(call, threads)
     if path is None:
         return None
-    name = call.op.overloadpacket.__name__
     if call.op.overloadpacket in BACKWARD_OPS:
         mask = call.arg("output_mask") or (True, True, True)
         if path == NATIVE:
-            return name
-        return f"{name}@onednn" if mask[0] and mask[1] else f"{name}@onednn_one"
-    return f"{name}@onednn" if path == ONEDNN else None
+            return "convolution_backward"
+        return "convolution_backward@onednn" if mask[0] and mask[1] else "convolution_backward@onednn_one"
+    name = "conv2d" if call.op.overloadpacket is aten.conv2d else "convolution"
+    return f"{name}@onednn" if path == ONEDNN else name

@@ -96,3 +96,7 @@ def test_a_convolution_pays_the_floor_of_its_path():
     # a profile without the oneDNN entries (or any non-convolution op) keeps the op's own floor
     assert CpuKernelModel(PROFILE)(_conv2d(2), cpu_spec()) == pytest.approx(10_000.0 - 1_500.0)
     assert floor_key(OpCall.build(aten.relu.default, (spec(4),), {}, (spec(4),)), 2) is None
+    # a conv1d reads the probe's convolution calls, on its path
+    conv1d = OpCall.build(aten.conv1d.default, (spec(2, 1, 1), spec(1, 1, 1)), {}, (spec(2, 1, 1),))
+    assert floor_key(conv1d, 2) == "convolution@onednn"
+    assert model(conv1d, cpu_spec()) == pytest.approx(42_000.0 - 1_500.0)
