@@ -74,10 +74,19 @@ class CpuKernelModel:
             keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
             ns = max(ns, flops / self.profile.attention_rate(float(keys), backward) * 1e9)
         outputs = call.tensor_outputs()
-        rate = self.profile.special_elements_per_s.get(call.op.overloadpacket.__name__)
+        rate = self.special_rate(call)
         if rate:
             ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
         return max(ns, self.floor_ns(call)) + self.page_faults_ns(call, outputs)
+
+    def special_rate(self, call: OpCall) -> Optional[float]:
+        """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
+        (``approximate="tanh"``) reads its own kernel's rate."""
+        rates = self.profile.special_elements_per_s
+        name = call.op.overloadpacket.__name__
+        if call.arg("approximate") == "tanh" and f"{name}@tanh" in rates:
+            return rates[f"{name}@tanh"]
+        return rates.get(name)
 
     def floor_ns(self, call: OpCall) -> float:
         """The op's one-element call less the dispatch charged as its host time; a convolution's on the

@@ -2,6 +2,7 @@
 off the measured curves, the pricer's tier between the database and the roofline, the probe's cache."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -105,6 +106,19 @@ def test_special_functions_are_bound_by_their_element_rate():
     assert model(unary(aten.exp.default, n), cpu_spec()) == pytest.approx(max(relu, 2.5e5))
 
 
+def test_gelus_tanh_approximation_reads_its_own_kernels_rate():
+    profile = dataclasses.replace(PROFILE, special_elements_per_s={"gelu": 4e9, "gelu@tanh": 1e9})
+    model = CpuKernelModel(profile)
+    n = 1_000_000
+    erf = OpCall.build(aten.gelu.default, (spec(n),), {}, (spec(n),))
+    tanh = OpCall.build(aten.gelu.default, (spec(n),), {"approximate": "tanh"}, (spec(n),))
+    assert model(tanh, cpu_spec()) == pytest.approx(1e6)                  # 1e6 elements at 1e9/s
+    assert model(erf, cpu_spec()) < model(tanh, cpu_spec()) / 2           # the erf kernel's 4e9/s (or bytes)
+    # a profile without the variant: the op's own rate
+    assert CpuKernelModel(dataclasses.replace(PROFILE, special_elements_per_s={"gelu": 1e9}))(
+        erf, cpu_spec()) == pytest.approx(1e6)
+
+
 def sdpa(keys: int, backward: bool = False) -> OpCall:
     q, k = spec(1, 4, keys, 64), spec(1, 4, keys, 64)
     if backward:
@@ -190,6 +204,40 @@ def test_profile_cached_once_per_host_and_remeasured_on_a_new_format(monkeypatch
     assert len(calls) == 2
 
 
+def test_a_probe_taken_on_a_busy_host_is_said_and_taken_again_once_quiet(monkeypatch, tmp_path, capsys):
+    """A probe measured while other tasks waited for the CPUs (PSI above BUSY_PERCENT) measured them, not
+    the host: stderr says so, the cache keeps it while the host stays busy, and the first run on a quiet
+    host measures again and caches that one."""
+    env = {"XDG_CACHE_HOME": str(tmp_path), host_probe.PROBE_ENV: "on"}
+    busy = dataclasses.replace(PROFILE, busy_percent=40.0)
+    quiet = dataclasses.replace(PROFILE, busy_percent=0.1)
+    measured = [busy, quiet]
+    pressure = [40.0]
+    monkeypatch.setattr(host_probe, "measure_host_profile", lambda: measured.pop(0))
+    monkeypatch.setattr(host_probe, "cpu_pressure_percent", lambda: pressure[0])
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == busy and busy.measured_busy and not quiet.measured_busy
+    assert "rates may be low" in capsys.readouterr().err
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == busy and len(measured) == 1       # still busy: kept
+    pressure[0] = 0.0
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == quiet and not measured            # quiet now: measured again
+    assert "measuring it again" in capsys.readouterr().err
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == quiet                             # and cached
+    pressure[0] = None                                                       # no PSI: a cached probe stands
+    monkeypatch.setattr(host_probe, "_LOADED", {})
+    assert host_probe.host_profile(env) == quiet
+
+
+def test_psi_reading():
+    text = "some avg10=29.23 avg60=7.62 avg300=2.43 total=1155110786\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    assert host_probe.psi_some_avg10(text) == pytest.approx(29.23)
+    assert host_probe.psi_some_avg10("full avg10=1.00\n") is None
+    assert host_probe.psi_some_avg10("some total=5\n") is None
+
+
 def test_the_real_probe_measures_this_host():
     """Every curve positive and in increasing work; the largest fp32 GEMM faster per FLOP than the
     smallest (packing and threading amortised) and slower in all (32768 times the FLOPs)."""
@@ -207,5 +255,6 @@ def test_the_real_probe_measures_this_host():
     fp32 = profile.gemm["float32"][0][1]
     assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
     assert fp32[-1][1] > fp32[0][1]
-    assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax"}
+    assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax", "gelu@tanh", "gelu_backward"}
     assert HostProfile.from_json(profile.to_json()) == profile
+    assert profile.busy_percent is None or profile.busy_percent >= 0
