@@ -198,7 +198,13 @@ def test_embedding_reads_gathered_rows_only():
 
 def test_cat_and_pad_and_factories():
     assert price(aten.cat.default, [spec(2, 3), spec(4, 3)], 0, outputs=(spec(6, 3),)) == Cost(0, 72, 72)
-    assert price(aten.constant_pad_nd.default, spec(4, 4), [1, 1], outputs=(spec(4, 6),)) == Cost(0, 64, 96)
+    # a border: the output filled (96 B), then the input copied into its interior (64 B more), as ATen's
+    # constant_pad_nd does; no border (or a crop): one narrowed copy
+    assert price(aten.constant_pad_nd.default, spec(4, 4), [1, 1], outputs=(spec(4, 6),)) == Cost(0, 64, 96 + 64)
+    assert price(aten.constant_pad_nd.default, spec(4, 4), [0, 0], outputs=(spec(4, 4),)) == Cost(0, 64, 64)
+    assert price(aten.constant_pad_nd.default, spec(4, 4), [-1, 2], outputs=(spec(4, 5),)) == Cost(0, 64, 80 + 48)
+    assert price(aten.constant_pad_nd.default, spec(2, 4, 4), [1, 1, -1, 0], outputs=(spec(2, 3, 6),)) == \
+        Cost(0, 128, 144 + 96)
     assert price(aten.zeros.default, [4, 4], outputs=(spec(4, 4),)) == Cost(0, 0, 64)
     assert price(aten.ones_like.default, spec(4, 4), outputs=(spec(4, 4),)) == Cost(0, 0, 64)
     assert price(aten.empty.memory_format, [4, 4], outputs=(spec(4, 4),)) == Cost()

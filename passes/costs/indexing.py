@@ -9,8 +9,9 @@ These kernels do (almost) no arithmetic; their cost is bytes. The rules, by patt
   source-sized region again; accumulating variants do one add per source element.
 - in-place scatters (``index_put_``, ``scatter_add_``...): no copy; only the source-sized region
   is read and written (plus a read of it when accumulating).
-- copy-like (``cat``, ``stack``, ``repeat``, ``expand_copy``, ``constant_pad_nd``, ``tril``...):
-  every input read once at its own size, output written once. 0 FLOPs.
+- copy-like (``cat``, ``stack``, ``repeat``, ``expand_copy``, ``tril``...): every input read once at
+  its own size, output written once. 0 FLOPs. ``constant_pad_nd`` with a border fills its output and then
+  copies the input into it: the output written once and the input's bytes again.
 - factories (``zeros``, ``full``, ``arange``, ``*_like``, ``new_*``): write the output, read
   nothing; ``empty*`` allocates without touching memory: 0 bytes.
 
@@ -131,7 +132,7 @@ def scatter_cost(call: OpCall) -> Cost:
 
 @register_cost(aten.cat, aten.stack, aten.hstack, aten.vstack, aten.split_with_sizes_copy,
                aten.split_copy, aten.unbind_copy, aten.repeat, aten.expand_copy, aten.tile,
-               aten.repeat_interleave, aten.constant_pad_nd, aten.pad, aten.reflection_pad1d,
+               aten.repeat_interleave, aten.reflection_pad1d,
                aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
                aten.replication_pad3d, aten.tril, aten.triu, aten.flip, aten.roll, aten.rot90,
                aten.view_copy, aten.permute_copy, aten.transpose_copy, aten.t_copy, aten.slice_copy,
@@ -147,6 +148,30 @@ def copy_like_cost(call: OpCall) -> Cost:
     if not call.tensor_outputs() and isinstance(call.arg("self"), TensorSpec):  # in-place tril_/triu_
         written = unique_bytes(call.arg("self"))
     return Cost(0, read_all(call), written)
+
+
+@register_cost(aten.constant_pad_nd, aten.pad)
+def constant_pad_cost(call: OpCall) -> Cost:
+    """ATen's ``constant_pad_nd`` (``aten/src/ATen/native/PadNd.cpp``): with any positive pad it fills the
+    whole output, then copies the kept input into its interior (two passes over the output's bytes where
+    the border is thin); with none it is a narrowed copy (read and written once). ``pad`` with another
+    mode is a copy."""
+    x, pads = call.arg("self"), call.arg("pad")
+    mode = call.arg("mode", "constant")
+    if not isinstance(x, TensorSpec) or not isinstance(pads, (list, tuple)) or mode not in (None, "constant"):
+        return copy_like_cost(call)
+    try:
+        grows = any(int(p) > 0 for p in pads)
+        shrink = [min(int(pads[2 * i]), 0) + min(int(pads[2 * i + 1]), 0) for i in range(len(pads) // 2)]
+    except (TypeError, ValueError):       # symbolic pads: as a copy
+        return copy_like_cost(call)
+    if not grows:
+        return copy_like_cost(call)
+    kept = sympy.Integer(x.itemsize)
+    for i, dim in enumerate(x.shape):
+        back = len(x.shape) - 1 - i                      # pads run from the last dimension backwards
+        kept = kept * (dim + shrink[back] if back < len(shrink) else dim)
+    return Cost(0, read_all(call), written_all(call) + kept)
 
 
 # ---------------------------------------------------------------------------------------------
