@@ -200,6 +200,22 @@ def render(payload: dict) -> str:
               "arguments with pytree: ~12% of the profile), and pipeline stages' replays; a pipeline plan of "
               "16 stages and 64 micro-batches costs 11-14 s to build at its two probe depths, and three of them "
               "lie within 2% of the fifth plan's step.", "",
+              "Since 2026-12-07 01:00 UTC (the table above): (1) the search pauses Python's cyclic collector, as "
+              "`boomfx analyze` already did around the whole command (the library path did not; this benchmark "
+              "measures that path): each automatic collection walked every node built so far, 128.9 -> 86.7 s at "
+              "global batch 512 in one A/B, peak RSS 3.5 -> 4.5 GB in that run (2.2 GB for the CLI below); (2) the rank rewrites copy nodes without "
+              "torch 2.13's per-node pytree walk (boomfx/core/fx_copy.py) and a template stage's replay places "
+              "whole actions (pipeline_compose.py); (3) a pipeline stage's memory floor counts what it holds after "
+              "its first backward: its gradients, FSDP's gathered layers (PipelineStage turns resharding after "
+              "backward off) or DDP's buckets, and the micro-batches 1F1B puts in flight again (search_bounds.py): "
+              "at global batch 512, 30 of the 48 probe builds were pipeline plans (pp 2, 4, 8, 16) that the "
+              "liveness check then found over memory; 18 of those are no longer built (48 -> 16 probe builds). "
+              "The same plans are listed with the same numbers. The CLI, `boomfx analyze llama70b_80l.pt2 --train "
+              "--amp bf16 --search --nodes 8 --gpus-per-node 8 --global-batch 512 --seq 2048 --device h100-sxm`, "
+              "took 54.5 s wall (process start to exit, /usr/bin/time; 44.5 s inside the search). What remains at "
+              "512: the TP ranks' re-traces ('time bound'), and three pp=16 plans of 64 micro-batches (6-8 s each; "
+              "two over memory by a margin the floor does not see: each micro-batch's receive buffers, DDP's "
+              "bucket views).", "",
               "Target (< " + f"{payload['target_s']:.0f}" + " s on 80 layers): " + (
                   "met" if all(r.get("seconds", 1e9) < payload["target_s"] and not r.get("stopped")
                                for r in payload["runs"] if r.get("layers") == 80) else

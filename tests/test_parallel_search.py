@@ -60,11 +60,12 @@ def programs(gpt_pt2):
 
 
 def _full(programs, device, plan: Plan, nodes: int = NODES, gpus: int = GPUS, network: str = "ib-ndr",
-          reshard_after_forward: Optional[bool] = None) -> Optional[dict]:
+          reshard_after_forward: Optional[bool] = None, **options) -> Optional[dict]:
     """An independent full evaluation of ``plan``: the ``--parallel`` analysis of it at its per-rank batch
-    (None: a plan whose per-rank programs are not built yet)."""
+    (None: a plan whose per-rank programs are not built yet); ``options``: other ParallelConfig fields."""
     cfg = ParallelConfig(plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp, nodes=nodes, gpus_per_node=gpus,
-                         microbatches=plan.microbatches, network=network, reshard_after_forward=reshard_after_forward)
+                         microbatches=plan.microbatches, network=network, reshard_after_forward=reshard_after_forward,
+                         **options)
     program = programs[plan.checkpoint]
     try:
         dist = DistributedAnalysis(program, cfg, device, AnalyzeOptions(device.name))
@@ -211,6 +212,46 @@ def test_the_floors_hold_for_pipelines_that_reshard_after_forward(programs, trut
         assert full["step_ns"] > truth[plan]["step_ns"], plan
 
 
+def test_a_pipeline_stage_is_floored_after_its_first_backward(programs, truth) -> None:
+    """After a stage's first backward its gradients accumulate and, with FSDP, its layers stay gathered
+    (pp_fsdp.py) while 1F1B refills the micro-batches in flight: the memory floor counts that by hand
+    formula, it is above the floor at the first backward for some plan (so it prunes more), and it stays
+    under the full evaluation, also under FSDP's mixed precision (bf16 gathers, fp32 accumulators)."""
+    search = ParallelSearch(lambda ckpt: programs[ckpt], H100, SearchRequest(NODES, GPUS, GLOBAL_BATCH, SEQ),
+                            AnalyzeOptions(H100.name))
+    plans = [p for p in truth if p.pp > 1 and p.tp == 1]
+    assert any(p.dp_shard > 1 for p in plans) and any(p.dp_shard == 1 for p in plans)
+    above_first_backward = 0
+    for plan in plans:
+        footprint = search.footprint(plan.checkpoint)
+        micro_batch = GLOBAL_BATCH // plan.dp // plan.microbatches
+        state, elems = footprint.layer_state_bytes(), footprint.layer_param_elems()
+        saved = footprint.layer_saved_bytes(micro_batch)
+        ranges = footprint._stage_ranges(plan)
+        inflight = [footprint._inflight(plan, s) for s in range(plan.pp)]
+        held = [f if plan.microbatches > f else f - 1 for f in inflight]
+        # fp32 gradients (4 bytes per element) and, with FSDP, fp32 parameters gathered, with DDP its buckets
+        per_elem = 4 + (4 if plan.dp_shard > 1 or plan.dp_replicate > 1 else 0)
+        after = max(sum(state[lo:hi]) / plan.dp_shard + per_elem * sum(elems[lo:hi]) + held[s] * sum(saved[lo:hi])
+                    for s, (lo, hi) in enumerate(ranges))
+        first = max(sum(state[lo:hi]) / plan.dp_shard + inflight[s] * sum(saved[lo:hi])
+                    for s, (lo, hi) in enumerate(ranges))
+        assert footprint.pipeline_bound_bytes(plan, micro_batch) == int(max(after, first)), plan
+        assert after <= truth[plan]["total_bytes"], plan
+        above_first_backward += after > first
+    assert above_first_backward > 0
+    plans = [p for p in plans if p.dp_shard > 1]
+    mixed = {"fsdp_param_dtype": "bf16", "fsdp_reduce_dtype": "fp32"}
+    request = SearchRequest(NODES, GPUS, GLOBAL_BATCH, SEQ, config_options=mixed)
+    search = ParallelSearch(lambda ckpt: programs[ckpt], H100, request, AnalyzeOptions(H100.name))
+    plan = next(p for p in plans if not p.checkpoint)
+    footprint = search.footprint(False)
+    assert footprint._bytes_per_elem_after_backward(plan) == 2 + 2     # the narrowest the policy allows: bf16 both
+    full = _full(programs, H100, plan, **mixed)
+    assert search.memory_footprint(plan).lower_bound_bytes(plan, GLOBAL_BATCH // plan.dp // plan.microbatches) \
+        <= full["total_bytes"]
+
+
 @pytest.mark.slow      # three data-parallel plans fully evaluated on two nodes (~10 s)
 def test_collectives_decide_the_floor_over_a_slow_network(programs) -> None:
     # 2 nodes x 2 GPUs over 25 GbE: the gradients' and parameters' collectives outlast the compute, and
@@ -251,8 +292,9 @@ def test_a_plan_the_bound_prunes_does_not_fit(programs, truth) -> None:
     capacity = search.footprint(True).lower_bound_bytes(ddp, GLOBAL_BATCH // ddp.dp) - 1
     device = replace(H100, memory_bytes=capacity)
     outcome = _search(programs, device, top=2)
-    pruned = [p for p in truth if search.footprint(p.checkpoint).lower_bound_bytes(p, GLOBAL_BATCH // p.dp)
-              > capacity]
+    # the search's bound takes one micro-batch (ParallelSearch._micro_batch)
+    pruned = [p for p in truth
+              if search.footprint(p.checkpoint).lower_bound_bytes(p, GLOBAL_BATCH // p.dp // p.microbatches) > capacity]
     assert ddp in pruned and outcome.pruned_by_bound >= len(pruned)
     for plan in pruned:
         assert truth[plan]["total_bytes"] > capacity, plan     # the full evaluation agrees: it does not fit

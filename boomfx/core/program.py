@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 import sympy
 import torch.fx
 
+from boomfx.core.fx_copy import copy_graph
 from boomfx.core.losses import LOSSES
 
 # ``Program.derived`` key of a compiled program's eager program (the capture before ``compile_program``):
@@ -187,7 +188,7 @@ class Program:
         """A copy of the graph to rewrite (node names kept) and the map from this graph's nodes to it."""
         graph = torch.fx.Graph()
         val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-        graph.output(graph.graph_copy(self.graph, val_map))
+        graph.output(copy_graph(graph, self.graph, val_map))
         return graph, val_map
 
     def rewritten(self, graph: torch.fx.Graph, **changes: object) -> "Program":

@@ -59,7 +59,8 @@ class DataParallelComm:
         return max(self.by_group.values(), default=0.0)
 
 
-def _smallest(*dtypes: Optional[torch.dtype]) -> torch.dtype:
+def smallest_dtype(*dtypes: Optional[torch.dtype]) -> torch.dtype:
+    """The narrowest of the dtypes given (None: not given): a floor's bytes per element."""
     return min((d for d in dtypes if d is not None), key=lambda d: d.itemsize)
 
 
@@ -79,8 +80,8 @@ def data_parallel_comm(layer_elems: tuple[int, ...], root_elems: int, param_dtyp
     if dp_shard == 1:     # DDP: every gradient, all-reduced
         grads = (sum(units) // pp + root) * param_dtype.itemsize
         return DataParallelComm({"dp_replicate": price(ALL_REDUCE, grads, "dp_replicate", param_dtype)})
-    gather = _smallest(fsdp_param_dtype, param_dtype)
-    reduce = _smallest(fsdp_reduce_dtype, fsdp_param_dtype, param_dtype)
+    gather = smallest_dtype(fsdp_param_dtype, param_dtype)
+    reduce = smallest_dtype(fsdp_reduce_dtype, fsdp_param_dtype, param_dtype)
     gathers_per_layer = 2 if reshards else 1
     if one_unit:
         units, root, gathers_per_layer = [sum(units) + root], 0, 1

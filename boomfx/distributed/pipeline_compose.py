@@ -28,8 +28,9 @@ Known limitations: interleaved 1F1B (its micro-batches run in rounds of ``pp``) 
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import sympy
 
@@ -100,42 +101,51 @@ def replay_stage(program: object, liveness: LivenessInfo, schedule: str, m: int)
 
     order = [(p.kind, p.microbatch, p.virtual_stage) for p in
              stage_orders(schedule, layout.pp, m)[layout.stage]]
-    steps: list[int] = []
-    instance_at: list[Optional[int]] = []
-    pos: dict[tuple[int, Optional[int]], int] = {}
-
-    def place(t: int, instance: Optional[int]) -> None:
-        pos[(t, instance)] = len(steps)
-        steps.append(t)
-        instance_at.append(instance)
-
-    for t in prologue:
-        place(t, None)
+    # a tagged step's replayed position is its action's start plus its index in the template run, so
+    # only the once-a-step nodes keep a position of their own (``once_pos``)
+    run_index = [0] * len(nodes)
+    for run in runs.values():
+        for j, t in enumerate(run):
+            run_index[t] = j
+    steps: list[int] = list(prologue)
+    instance_at: list[Optional[int]] = [None] * len(prologue)
+    once_pos: dict[int, int] = {t: j for j, t in enumerate(prologue)}
+    action_start: dict[tuple[str, int, int], int] = {}
     for kind, i, k in order:
-        run = runs.get((kind, _kind_of(i, m), k))
+        like = _kind_of(i, m)
+        run = runs.get((kind, like, k))
         if run is None:
-            raise ComposeError(f"the template has no action {kind}{_kind_of(i, m)}")
-        for t in run:
-            if tags[t] is not None:
-                place(t, i)
-            elif _kind_of(i, m) == 1:
-                raise ComposeError(f"{nodes[t].name} runs once a step inside a middle micro-batch")
-            else:
-                place(t, None)
+            raise ComposeError(f"the template has no action {kind}{like}")
+        start = len(steps)
+        action_start[(kind, i, k)] = start
+        steps.extend(run)
+        instance_at.extend(i if tags[t] is not None else None for t in run)
+        for j, t in enumerate(run):
+            if tags[t] is None:
+                if like == 1:
+                    raise ComposeError(f"{nodes[t].name} runs once a step inside a middle micro-batch")
+                once_pos[t] = start + j
     for t in epilogue:
-        place(t, None)
+        once_pos[t] = len(steps)
+        steps.append(t)
+        instance_at.append(None)
+
+    def at(t: int, instance: int) -> int:
+        """The replayed step of tagged template step ``t`` run by micro-batch ``instance``."""
+        tag = tags[t]
+        return action_start[(tag[0], instance, tag[2])] + run_index[t]
 
     def once(t: int) -> int:
         """The replayed step of template step ``t`` where a storage made once a step meets it."""
-        if (t, None) in pos:
-            return pos[(t, None)]
+        if t in once_pos:
+            return once_pos[t]
         like = tags[t][1]                   # the template micro-batch: 0 first, 1 between, 2 last
         if like == 1:
             raise ComposeError(f"a once-a-step storage is last used in a middle micro-batch ({nodes[t].name})")
-        return pos[(t, 0 if like == 0 else m - 1)]
+        return at(t, 0 if like == 0 else m - 1)
 
     releases = _releases(layout, order, m)
-    sent_ends = _sent_ends(layout, step_of, tags, pos, releases, order, once, m)
+    sent_ends = _sent_ends(layout, step_of, tags, at, releases, order, once, m)
     merge_scale = sympy.Rational(m, TEMPLATE_MICROBATCHES)
 
     sent = {iv.node for iv in liveness.intervals if iv.node in layout.sent}
@@ -169,17 +179,14 @@ def replay_stage(program: object, liveness: LivenessInfo, schedule: str, m: int)
             elif tags[e] is not None:
                 if tags[e][1] != tags[t][1]:
                     raise ComposeError(f"{iv.node} of one micro-batch is last used by another's {nodes[e].name}")
-                end = pos[(e, i)]
-            elif (e, None) in pos and (owner[e] is None or owner[e][1] == tags[t][1]):
-                end = pos[(e, None)]
+                end = at(e, i)
+            elif e in once_pos and (owner[e] is None or owner[e][1] == tags[t][1]):
+                end = once_pos[e]
             else:
                 raise ComposeError(f"{iv.node} of one micro-batch is last used by another's {nodes[e].name}")
             nbytes = iv.nbytes * merge_scale if iv.node == layout.merge else iv.nbytes
             intervals.append(StorageInterval(len(intervals), iv.node, start, max(end, start), nbytes, iv.category))
-    weights: dict[str, float] = {}
-    for t in steps:
-        name = nodes[t].name
-        weights[name] = weights.get(name, 0.0) + 1.0
+    weights = {nodes[t].name: float(n) for t, n in Counter(steps).items()}
     if layout.merge is not None and layout.merge in weights:
         weights[layout.merge] *= m / TEMPLATE_MICROBATCHES
     replayed = LivenessInfo(tuple(intervals), tuple(nodes[t].name for t in steps))
@@ -193,8 +200,8 @@ def _releases(layout: StageLayout, order: list, m: int) -> dict[tuple[str, int],
     return send_releases(layout.releases, [(kind, i) for kind, i, _ in order], layout.stage, layout.pp, m)
 
 
-def _sent_ends(layout: StageLayout, step_of: Mapping[str, int], tags: list, pos: Mapping, releases: Mapping,
-               order: list, once, m: int) -> dict[tuple[str, int], int]:
+def _sent_ends(layout: StageLayout, step_of: Mapping[str, int], tags: list, position: Callable[[int, int], int],
+               releases: Mapping, order: list, once: Callable[[int], int], m: int) -> dict[tuple[str, int], int]:
     """(sent node, micro-batch) -> the replayed step its storage lives to (module docstring)."""
     out: dict[tuple[str, int], int] = {}
     end_node = layout.action_ends
@@ -205,21 +212,21 @@ def _sent_ends(layout: StageLayout, step_of: Mapping[str, int], tags: list, pos:
         if own is None:
             raise ComposeError(f"the send of {name} is not in the program")
         for i in (i for i in range(m) if _kind_of(i, m) == t_kind):   # the micro-batches that run like it
-            ends = [pos[(own, i)]]
+            ends = [position(own, i)]
             if kind == FORWARD and (BACKWARD, t_kind, k) in layout.backward_ends:   # fwd_cache until its backward
-                ends.append(pos[(step_of[layout.backward_ends[(BACKWARD, t_kind, k)]], i)])
+                ends.append(position(step_of[layout.backward_ends[(BACKWARD, t_kind, k)]], i))
             at = releases.get((kind, i), END)
             if at == END:
                 ends.append(_end_step(layout, step_of, once))
             else:
                 a_kind, a_i, a_k = order[at]
                 anchor = step_of[end_node[(a_kind, _kind_of(a_i, m), a_k)]]
-                ends.append(pos[(anchor, a_i)])
+                ends.append(position(anchor, a_i))
             out[(name, i)] = max(ends)
     return out
 
 
-def _end_step(layout: StageLayout, step_of: Mapping[str, int], once) -> int:
+def _end_step(layout: StageLayout, step_of: Mapping[str, int], once: Callable[[int], int]) -> int:
     """The replayed step of the schedule's end (where END-held sends are dropped)."""
     t = step_of.get(layout.pipeline_end)
     if t is None:          # a rewrite replaced it (FSDP moves scale_grads' divides): the last action's end

@@ -76,6 +76,7 @@ import torch
 import torch.fx
 
 from boomfx.core.errors import OptionError
+from boomfx.core.fx_copy import copy_node
 from boomfx.core.layers import module_path
 from boomfx.core.program import (
     META_ACTION,
@@ -643,7 +644,7 @@ def _stage_program(program: Program, split: _Split, s: int, pp: int, chunks: Seq
         """``nodes`` again with ``env``; a parameter's gradient becomes its ``.grad`` (the first
         micro-batch's) or is added into it in place right away (AccumulateGrad)."""
         for n in nodes:
-            new = graph.node_copy(n, lambda a: env[a] if a in env else static[a])
+            new = copy_node(graph, n, lambda a: env[a] if a in env else static[a])
             if seq_offset and "seq_nr" in new.meta:
                 new.meta["seq_nr"] = new.meta["seq_nr"] + seq_offset
             new.meta[META_CHUNK] = chunk

@@ -54,6 +54,7 @@ import torch
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
 from boomfx.core.devices import DeviceSpec, get_device
 from boomfx.core.errors import OptionError
+from boomfx.core.gc_pause import gc_paused
 from boomfx.core.networks import UnknownNetworkError, get_network
 from boomfx.core.program import ROLE_INPUT, ROLE_PARAM, Program, ProgramOptions
 from boomfx.distributed.accumulation import accumulated_step_ns
@@ -69,7 +70,7 @@ from boomfx.distributed.mixed_precision import torch_dtype
 from boomfx.distributed.plan import DEGREES, ParallelConfig
 from boomfx.distributed.rank_schedule import default_pricer, default_slowdown, schedule_rank
 from boomfx.distributed.search import Plan, SearchSpace, enumerate_plans
-from boomfx.distributed.search_bounds import CarriedFootprint, FootprintBounds, ModelFootprint
+from boomfx.distributed.search_bounds import CarriedFootprint, DataParallelOptions, FootprintBounds, ModelFootprint
 from boomfx.distributed.step_time import topology_of
 from boomfx.frontend.capture import capture, resolve_bindings, to_exported_program
 from boomfx.kernels_db.collective_model import ClusterTopology
@@ -247,7 +248,7 @@ class ParallelSearch:
         analysis = Analysis(program, self.device, self.options, reuse_blocks=self.reuse_blocks)
         self.outcome.evaluations["tp_rank_analyses"] += 1
         return ModelFootprint(analysis, base.batch_symbol, base.fixed, base.outside_bytes, base.pp_schedule,
-                              tp_local=True)
+                              tp_local=True, data_parallel=base.data_parallel)
 
     def footprint(self, checkpoint: bool) -> ModelFootprint:
         if checkpoint not in self._footprints:
@@ -261,7 +262,12 @@ class ParallelSearch:
                 raise OptionError("--search: bind the other dimensions first: " + ", ".join(s.describe() for s in unbound))
             outside = analysis.outside.total_bytes if self.device.kind == "cuda" else 0
             schedule = self.request.config_options.get("pp_schedule", "1f1b")
-            self._footprints[checkpoint] = ModelFootprint(analysis, batch, fixed, outside, schedule)
+            options = self.request.config_options
+            data_parallel = DataParallelOptions(
+                torch_dtype(options.get("fsdp_param_dtype")), torch_dtype(options.get("fsdp_reduce_dtype")),
+                bool(options.get("reshard_after_forward")), bool(options.get("gradient_as_bucket_view")))
+            self._footprints[checkpoint] = ModelFootprint(analysis, batch, fixed, outside, schedule,
+                                                          data_parallel=data_parallel)
             self.outcome.evaluations["single_device_analyses"] += 1
         return self._footprints[checkpoint]
 
@@ -272,6 +278,13 @@ class ParallelSearch:
 
     # -- the stages ----------------------------------------------------------------------------
     def run(self) -> SearchOutcome:
+        """The search (module docstring). Python's cyclic collector is paused for it, as ``boomfx analyze``
+        pauses it (``core/gc_pause.py``): each automatic collection walks every node of the programs built
+        so far, a third of an 80-layer search (benchmarks/results/search_speed.md)."""
+        with gc_paused():
+            return self._run()
+
+    def _run(self) -> SearchOutcome:
         req, out = self.request, self.outcome
         first = self.program(req.checkpoint[0])
         shape = model_shape(first)

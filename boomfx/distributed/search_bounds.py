@@ -35,6 +35,14 @@ With ``pp > 1`` two more floors use the layer each storage and kernel belongs to
   holds what each saved for its backward (``f_s = m`` for GPipe, ``min(pp - s, m)`` for 1F1B, as
   torch.distributed.pipelining's schedules run them), so it holds at least its layers' parameters and
   optimizer state over ``dp_shard x tp`` plus ``f_s`` times its layers' saved activations over ``tp``;
+  and after its first backward (GPipe or 1F1B) every micro-batch's gradients accumulate into its layers'
+  ``.grad`` and, with FSDP (``dp_shard > 1``) not resharding after forward (torchtitan's default with pp),
+  its layers' parameters stay gathered (``PipelineStage`` turns off resharding after backward and
+  gradient sync until the last; ``pp_fsdp.py``) to the end of its last backward (with DDP its
+  gradient buckets are a second copy unless ``.grad`` is their view), while 1F1B runs forwards until ``f_s`` micro-batches are in flight again (GPipe:
+  ``m - 1`` left), so it then also holds its layers' elements over ``tp`` times the gradients' and the
+  gathered parameters' bytes (the narrowest ``MixedPrecisionPolicy`` allows). At 80 layers and global
+  batch 512 this discards the plans of pp = 2, 4 and 8 whose stage programs were built only to not fit;
 - time: stage ``s`` cannot start before micro-batch 1 passed the stages before it, runs ``m`` forwards and
   backwards, and stage 0 cannot end before the last backward passed back, so the step is at least
   ``sum_{r<s} c_r + m c_s`` for every ``s``, ``c_s`` the kernels of stage ``s``'s layers per micro-batch
@@ -56,6 +64,7 @@ import torch.fx as fx
 from boomfx.core.layers import module_path
 from boomfx.core.program import (PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_OPT_STATE,
                                  ROLE_PARAM, Program)
+from boomfx.distributed.comm_floor import smallest_dtype
 from boomfx.distributed.depth_probe import ProbeDepths, carried_peak, phase_peaks
 from boomfx.distributed.graph_edit import owning_layer
 from boomfx.distributed.pipeline_stages import stage_layer_ranges
@@ -77,6 +86,7 @@ class FootprintBounds(ABC):
     tp_local: bool
     outside_bytes: int
     pp_schedule: str
+    data_parallel: "DataParallelOptions"   # the search's FSDP / DDP options every plan shares
 
     # what each footprint gives (ModelFootprint, CarriedFootprint): totals, then per layer of the layer list
     @abstractmethod
@@ -191,17 +201,51 @@ class FootprintBounds(ABC):
         return best
 
     def pipeline_bound_bytes(self, plan: Plan, micro_batch: int) -> int:
-        """The heaviest stage's floor at its first backward (module docstring); 0 without pp or layers."""
+        """The heaviest stage's floor at its first backward and right after it (module docstring); 0 without
+        pp or layers."""
         ranges = self._stage_ranges(plan)
         if plan.pp == 1 or not ranges:
             return 0
         layer_state, saved = self.layer_state_bytes(), self.layer_saved_bytes(micro_batch)
+        per_elem = self._bytes_per_elem_after_backward(plan)
+        elems = self.layer_param_elems() if per_elem else ()
         best = 0.0
         tp = self._tp_split(plan)
         for s, (lo, hi) in enumerate(ranges):
             state = sum(layer_state[lo:hi]) / (plan.dp_shard * tp)
-            best = max(best, state + self._inflight(plan, s) * sum(saved[lo:hi]) / tp)
+            inflight = self._inflight(plan, s)
+            best = max(best, state + inflight * sum(saved[lo:hi]) / tp)
+            if elems:
+                # after the first backward: its gradients (and FSDP's gathered parameters) stay; 1F1B then
+                # runs forwards until ``f_s`` micro-batches are in flight again, GPipe backs out of ``m``
+                held = inflight if plan.microbatches > inflight else inflight - 1
+                best = max(best, state + (sum(elems[lo:hi]) * per_elem + held * sum(saved[lo:hi])) / tp)
         return int(best)
+
+    def _bytes_per_elem_after_backward(self, plan: Plan) -> int:
+        """Bytes per parameter element a GPipe or 1F1B stage holds from its first backward to the end of its
+        last: the accumulated gradient; with FSDP the gathered parameter too, unless the layers reshard
+        after forward (each forward reshards them again, pp_fsdp.py); with DDP its gradient bucket, unless
+        ``.grad`` is the bucket's view (fsdp.ddp_rank_program). 0: not floored so (interleaved schedules)."""
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            return 0
+        param, dp = self.param_dtype(), self.data_parallel
+        if plan.dp_shard == 1:
+            buckets = plan.dp_replicate > 1 and not dp.gradient_as_bucket_view
+            return param.itemsize * (2 if buckets else 1)
+        grad = smallest_dtype(dp.fsdp_reduce_dtype, dp.fsdp_param_dtype, param).itemsize
+        return grad if dp.reshard_after_forward else grad + smallest_dtype(dp.fsdp_param_dtype, param).itemsize
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """The ``ParallelConfig`` options of a search's plans that change what a pipeline stage holds
+    (``FootprintBounds._bytes_per_elem_after_backward``), as ``SearchRequest.config_options`` gives them."""
+
+    fsdp_param_dtype: Optional[torch.dtype] = None
+    fsdp_reduce_dtype: Optional[torch.dtype] = None
+    reshard_after_forward: bool = False      # with pp (torchtitan's default with pp: not)
+    gradient_as_bucket_view: bool = False    # DDP's (torch's default: not)
 
 
 @dataclass
@@ -214,6 +258,7 @@ class ModelFootprint(FootprintBounds):
     outside_bytes: int                              # memory outside the allocator (CUDA: context, cuBLAS)
     pp_schedule: str = "1f1b"
     tp_local: bool = False                          # the analysis is a TP rank's program: its sizes are split already
+    data_parallel: "DataParallelOptions" = field(default_factory=lambda: DataParallelOptions())
     _per_batch: dict[int, dict[str, int]] = field(default_factory=dict)
     _compute: dict[int, float] = field(default_factory=dict)
     _layer_compute: dict[int, list[float]] = field(default_factory=dict)
@@ -385,6 +430,10 @@ class CarriedFootprint(FootprintBounds):
     @property
     def pp_schedule(self) -> str:
         return self.deep.pp_schedule
+
+    @property
+    def data_parallel(self) -> "DataParallelOptions":
+        return self.deep.data_parallel
 
     def _carry(self, shallow: float, deep: float) -> float:
         return self.depths.carry(shallow, deep)

@@ -72,6 +72,7 @@ import torch
 import torch.fx as fx
 
 from boomfx.core.errors import OptionError
+from boomfx.core.fx_copy import copy_graph
 from boomfx.core.layers import find_layer_list, module_path
 from boomfx.core.program import Program
 from boomfx.distributed import tp_ops
@@ -762,7 +763,7 @@ def _sequence_length(graph: fx.Graph, ep: Any) -> fx.Node:
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
-    out = new.graph_copy(graph, {})
+    out = copy_graph(new, graph, {})
     new.output(out)
     for old, fresh in zip(graph.nodes, new.nodes):
         fresh.meta = dict(old.meta)

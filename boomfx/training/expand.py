@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from boomfx.core import fx_copy
 from boomfx.core.layers import clean_module_path, layer_index
 from boomfx.core.program import (
     PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_GRAD, ROLE_OPT_STATE, ROLE_PARAM,
@@ -330,7 +331,7 @@ class _Expander:
         t_tagged: set[fx.Node] = set(self.t_placeholders) | {n for n in self.tags if n in t_all}
 
         def copy_node(old: fx.Node, j: int, arg_fn: Any) -> fx.Node:
-            node = new.node_copy(old, arg_fn)
+            node = fx_copy.copy_node(new, old, arg_fn)
             if "nn_module_stack" in old.meta:
                 node.meta["nn_module_stack"] = self.rename_stack(old.meta["nn_module_stack"], j)
             if old.name in self.phases:
@@ -448,11 +449,11 @@ class _Expander:
         for old in self.nodes:
             if old.op == "placeholder":
                 if old in self.t_placeholders:
-                    env[old] = new.node_copy(old)
+                    env[old] = fx_copy.copy_node(new, old)
                     buffer.append(old)
                     continue
                 flush()
-                env[old] = new.node_copy(old)
+                env[old] = fx_copy.copy_node(new, old)
                 continue
             if old not in opt_region:
                 flush()
@@ -490,7 +491,7 @@ class _Expander:
                     node = new.call_function(old.target, (env[old.args[0]], idx))
                     node.meta = dict(old.meta)
                 else:
-                    node = new.node_copy(old, lambda a: map0(a, old))
+                    node = fx_copy.copy_node(new, old, lambda a: map0(a, old))
                 env[old] = node
                 if old.name in self.phases:
                     phases[node.name] = self.phases[old.name]
@@ -502,9 +503,9 @@ class _Expander:
                 flush()
             if old in self.plans:      # the template: its neighbours above may now be copies
                 plan = iter(self.plans[old])
-                env[old] = new.node_copy(old, lambda a: resolve(next(plan), self.T, a))
+                env[old] = fx_copy.copy_node(new, old, lambda a: resolve(next(plan), self.T, a))
             else:
-                env[old] = new.node_copy(old, lambda a: map0(a, old))
+                env[old] = fx_copy.copy_node(new, old, lambda a: map0(a, old))
             if old in self.sym:
                 by_expr.setdefault(self.sym[old], env[old])
             if old.name in self.phases:

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch.fx as fx
 from torch.export import ExportedProgram
 
+from boomfx.core.fx_copy import copy_node
 from boomfx.core.layers import find_layer_list, layer_index
 from boomfx.training.expand import Unsupported
 
@@ -112,7 +113,7 @@ def truncate(ep: ExportedProgram) -> Optional[Truncated]:
         idx = layer.get(node)
         if idx is not None and idx not in keep_layers:
             continue
-        env[node] = new.node_copy(node, remap)
+        env[node] = copy_node(new, node, remap)
     for node in ep.graph.nodes:      # dropped placeholders must have had only dropped users
         if node.op == "placeholder" and node.name in dropped_inputs:
             if any(u in env for u in node.users):
