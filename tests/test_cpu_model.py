@@ -258,3 +258,20 @@ def test_the_real_probe_measures_this_host():
     assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax", "gelu@tanh", "gelu_backward"}
     assert HostProfile.from_json(profile.to_json()) == profile
     assert profile.busy_percent is None or profile.busy_percent >= 0
+
+
+def test_the_python_apis_pure_pricing_of_a_cpu_target_says_it_is_nominal(monkeypatch):
+    """``boomfx.analyze(..., device="cpu")`` without ``db=`` prices the nominal roofline (a pure function,
+    for regression baselines) and says so in the report; with ``db="none"`` this host's probe prices it
+    (as the CLI's default does) and nothing is said; a GPU target is not concerned."""
+    from boomfx.analysis.analysis import NOMINAL_CPU_WARNING, analyze
+
+    monkeypatch.setattr(host_probe, "host_profile", lambda env=None: PROFILE)
+    model, x = torch.nn.Linear(64, 64), torch.randn(8, 64)
+    nominal = analyze(model, x, device="cpu")
+    probed = analyze(model, x, device="cpu", db="none")
+    assert NOMINAL_CPU_WARNING in nominal.warnings
+    assert NOMINAL_CPU_WARNING not in probed.warnings
+    assert {k.source for k in nominal.kernels} == {"roofline"}
+    assert "model" in {k.source for k in probed.kernels}
+    assert NOMINAL_CPU_WARNING not in analyze(model, x, device="a100-80gb").warnings

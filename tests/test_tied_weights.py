@@ -3,6 +3,7 @@ one storage, one gradient, one optimizer state. The traced step must treat them 
 from __future__ import annotations
 
 import boomfx
+from boomfx.analysis.analysis import NOMINAL_CPU_WARNING
 from boomfx.frontend.capture import capture
 from boomfx.core.program import ProgramOptions
 from boomfx.training.trace import tied_parameters
@@ -37,7 +38,7 @@ def test_tied_parameters_get_one_gradient_and_one_optimizer_state(exported) -> N
     constants = sum(getattr(program.gm, n.target).nbytes for n in program.graph.nodes if n.op == "get_attr")
     assert constants < 64
     assert report.memory.resident_bytes == 3 * param_bytes + 4 * n_params + ids_bytes + constants
-    assert report.warnings == []
+    assert [w for w in report.warnings if w != NOMINAL_CPU_WARNING] == []   # nothing about the tied weights
 
 
 def test_tied_inference_counts_the_weight_once(exported) -> None:

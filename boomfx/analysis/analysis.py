@@ -287,6 +287,12 @@ def _source_name(source: Any) -> str:
     return str(getattr(source, "value", source))
 
 
+NOMINAL_CPU_WARNING = ("CPU target priced by the nominal roofline (db=None: a pure function of the graph and "
+                       "the device, for regression baselines), typically several times off this host's step: "
+                       "pass db='none' (this host's probe) or db='auto' (its database too), as `boomfx analyze "
+                       "--device cpu` does")
+
+
 def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-80gb", train: bool = False,
             optimizer: str = "adamw", amp: Optional[str] = None, checkpoint: bool = False,
             dims: Optional[Mapping[str, int]] = None, batch: Optional[int] = None, seq: Optional[int] = None,
@@ -315,6 +321,10 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
 
     ``source`` is a .pt2 path, an ExportedProgram, an nn.Module (with ``example_inputs``) or a
     GraphModule. Symbolic dims are bound by name or role (``dims={"batch": 8}``) or ``batch``/``seq``.
+    ``db``: None prices a pure function of the graph and the device (regression baselines); on a CPU
+    target that is the nominal roofline, several times off this host's times (``NOMINAL_CPU_WARNING``
+    in ``report.warnings``): ``db="none"`` prices with this host's probe, ``db="auto"`` also with its
+    collected database, as ``boomfx analyze`` does by default.
 
     Example::
 
@@ -337,5 +347,7 @@ def analyze(source: Any, *example_inputs: Any, device: str | DeviceSpec = "a100-
     analysis = Analysis(program, spec, AnalyzeOptions(spec.name, alloc_conf, outside_memory, db, from_db), log)
     bindings = resolve_bindings(program, dims or {}, batch, seq)
     report = analysis.evaluate(bindings).report
+    if spec.kind == "cpu" and db is None:
+        report.warnings.append(NOMINAL_CPU_WARNING)
     report.analysis_seconds = time.perf_counter() - started
     return report
