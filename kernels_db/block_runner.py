@@ -43,6 +43,7 @@ import torch
 import torch.fx
 from torch.fx.node import map_aggregate
 
+from boomfx.core.fx_copy import copy_node
 from boomfx.kernels_db.measure import NS_PER_MS, NS_PER_S, Measurement, summarize
 from boomfx.passes.blocks import BlockClass
 from boomfx.passes.specs import to_sympy
@@ -215,7 +216,7 @@ def extract_block(program: Program, cls: BlockClass, ev: Any, device: Optional[t
         return device if device is not None and isinstance(x, torch.device) else x
 
     for node in order:
-        copy = graph.node_copy(node, lambda a: env[a] if a.name in members else outside(a))
+        copy = copy_node(graph, node, lambda a: env[a] if a.name in members else outside(a))
         if device is not None:
             copy.args = map_aggregate(copy.args, swap_device)
             copy.kwargs = map_aggregate(copy.kwargs, swap_device)

@@ -113,7 +113,7 @@ class HostProfile:
 
     @property
     def measured_busy(self) -> bool:
-        return self.busy_percent is not None and self.busy_percent > BUSY_PERCENT
+        return _busy(self.busy_percent)
 
     def gemm_rate(self, dtype: str, flops: float, footprint_bytes: Optional[float] = None) -> float:
         """FLOP/s of a GEMM of ``flops`` in a step of ``footprint_bytes`` (None: warm; fp32's curves for
@@ -432,9 +432,8 @@ def profile_path(env: Optional[Mapping[str, str]] = None) -> Path:
 _LOADED: dict[Path, HostProfile] = {}
 
 
-def _busy_now() -> bool:
-    pressure = cpu_pressure_percent()
-    return pressure is not None and pressure > BUSY_PERCENT
+def _busy(pressure_percent: Optional[float]) -> bool:
+    return pressure_percent is not None and pressure_percent > BUSY_PERCENT
 
 
 def probing_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
@@ -458,7 +457,7 @@ def host_profile(env: Optional[Mapping[str, str]] = None) -> Optional[HostProfil
             profile = HostProfile.from_json(path.read_text())
         except (ValueError, TypeError, KeyError):
             profile = None
-    if profile is not None and profile.measured_busy and not _busy_now():
+    if profile is not None and profile.measured_busy and not _busy(cpu_pressure_percent()):
         sys.stderr.write(f"[boomfx] the cached CPU probe was taken while this host was busy "
                          f"({profile.busy_percent:.0f}% CPU pressure); measuring it again now that it is quiet\n")
         profile = None

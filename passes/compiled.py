@@ -49,6 +49,7 @@ import sympy
 import torch
 import torch.fx
 
+from boomfx.core.fx_copy import copy_node
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
@@ -330,7 +331,7 @@ def recompute_inlined(program: Program) -> Program:
         for g, users in readers.items():
             first = min(users, key=order.__getitem__)
             with graph.inserting_before(first):
-                copy = graph.node_copy(node, lambda a: a)
+                copy = copy_node(graph, node)
             if node.name in phases:
                 phases[copy.name] = phases[node.name]
             group[copy] = g
@@ -411,7 +412,7 @@ def compile_program(program: Program) -> Program:
             if node.target is operator.getitem and not node.users and node.args[0] not in env:
                 continue        # an unused output of a fused member (a LayerNorm backward's input gradient
                                 # that nothing needs): no buffer, nothing reads it
-            env[node] = new_graph.node_copy(node, lambda n: env[n])
+            env[node] = copy_node(new_graph, node, lambda n: env[n])
             continue
         inside = set(body)
         # a metadata assert reads no data (Inductor drops it): it does not make a member a buffer
@@ -469,7 +470,7 @@ def compile_program(program: Program) -> Program:
                 env[out] = item
                 renamed[out.name] = item.name
         for view in sorted(views_after, key=order.__getitem__):
-            env[view] = new_graph.node_copy(view, lambda n: env[n])
+            env[view] = copy_node(new_graph, view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
     compiled = reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes))

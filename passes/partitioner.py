@@ -10,6 +10,7 @@ import sympy
 import torch
 import torch.fx
 
+from boomfx.core.fx_copy import copy_node
 from boomfx.core.program import Program
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.fusion import CLASS_NONE, fusion_groups, node_class
@@ -173,7 +174,7 @@ def recompute_for_backward(program: Program) -> Program:
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         with graph.inserting_before(first):
             for n in sorted(chain, key=order.__getitem__) + fw_views:
-                copy = graph.node_copy(n, lambda a: env.get(a, a))
+                copy = copy_node(graph, n, lambda a: env.get(a, a))
                 env[n] = copy
                 phases[copy.name] = PHASE_BACKWARD
         for u in bw_users:
@@ -242,7 +243,7 @@ def _recompute_batch_norm_outputs(graph: torch.fx.Graph, phases: dict, phase: An
                 out = call(aten.add.Tensor, out, call(aten.view.default, bias, shape))
             copies: dict[torch.fx.Node, torch.fx.Node] = {y: out}
             for c in sorted(chain, key=order.__getitem__):      # producers before their views
-                copies[c] = graph.node_copy(c, lambda a: copies.get(a, a))
+                copies[c] = copy_node(graph, c, lambda a: copies.get(a, a))
                 copies[c].meta = dict(c.meta)
                 phases[copies[c].name] = PHASE_BACKWARD
         for u in bw_users:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
+from boomfx.core.fx_copy import copy_node
 from boomfx.core.program import META_EAGER, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, Program
 from boomfx.passes.aliasing import output_aliases
 from boomfx.passes.layout import size_hint
@@ -132,7 +133,7 @@ def reorder_for_peak_memory(program: Program) -> Program:
     new_graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in order:
-        env[node] = new_graph.node_copy(node, lambda n: env[n])
+        env[node] = copy_node(new_graph, node, lambda n: env[n])
     return program.rewritten(new_graph)
 
 

@@ -763,10 +763,8 @@ def _sequence_length(graph: fx.Graph, ep: Any) -> fx.Node:
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
-    out = copy_graph(new, graph, {})
-    new.output(out)
-    for old, fresh in zip(graph.nodes, new.nodes):
-        fresh.meta = dict(old.meta)
+    output = new.output(copy_graph(new, graph, {}))      # copy_graph copies every other node's meta
+    output.meta = dict(graph.find_nodes(op="output")[0].meta)
     return new
 
 
