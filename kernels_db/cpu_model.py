@@ -6,7 +6,6 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
                   flops / attention_rate(keys),              fused SDPA forward / backward
                   flops / depthwise_rate(flops),             depthwise convolutions
                   elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...
-              + pages x page_fault_ns                        outputs of 32 MiB or more (fresh mmaps)
 
 at least the op's probed one-element call (``op_floors_ns``; a convolution's on the path ATen routes it
 to, ``cpu_convolution.py``) less the dispatch charged as host time.
@@ -18,10 +17,11 @@ of B bytes reached, both at the cache level the step's footprint leaves its oper
 (``HostProfile`` levels: a tensor is reused after about the step's footprint of other bytes). Known limitations: a GEMM's aspect ratio (a skinny
 ``[tokens, hidden] @ [hidden, 4 hidden]`` packs differently from a square one of the same FLOPs), and
 the in-step effects the database's in-step prices hold (what the kernel before left in the caches).
+The pages an op's fresh outputs fault are the step's, not the op's (they depend on what glibc's heap holds
+then): ``Analysis`` charges them from ``boomfx/memory/glibc_heap.py``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -30,7 +30,7 @@ from boomfx.core.devices import DeviceSpec
 from boomfx.passes.costs.registry import OpCall, price_call
 
 from boomfx.kernels_db.cpu_convolution import floor_key
-from boomfx.kernels_db.host_probe import MMAP_ALWAYS_BYTES, PAGE_BYTES, HostProfile, _rate_at
+from boomfx.kernels_db.host_probe import HostProfile, _rate_at
 from boomfx.kernels_db.roofline import compute_dtype, op_class
 
 aten = torch.ops.aten
@@ -77,7 +77,7 @@ class CpuKernelModel:
         rate = self.special_rate(call)
         if rate:
             ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
-        return max(ns, self.floor_ns(call)) + self.page_faults_ns(call, outputs)
+        return max(ns, self.floor_ns(call))
 
     def special_rate(self, call: OpCall) -> Optional[float]:
         """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
@@ -97,15 +97,6 @@ class CpuKernelModel:
         if floor is None:
             floor = floors.get(call.op.overloadpacket.__name__, 0.0)
         return floor - self.profile.dispatch_ns
-
-    def page_faults_ns(self, call: OpCall, outputs: list) -> float:
-        """Outputs of ``MMAP_ALWAYS_BYTES`` or more are fresh mmaps: every page faults when written (an
-        in-place or ``out=`` op writes memory it was given: none)."""
-        if any(ret.alias_info is not None for ret in call.op._schema.returns):
-            return 0.0
-        fresh = [_numel(spec) * spec.dtype.itemsize for spec in outputs]
-        pages = sum(math.ceil(b / PAGE_BYTES) for b in fresh if b >= MMAP_ALWAYS_BYTES)
-        return pages * self.profile.page_fault_ns
 
 
 def _dim(spec: object, i: int) -> int:

@@ -5,6 +5,7 @@ point, so sweeps and max-batch searches never re-trace.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -30,15 +31,19 @@ from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
 from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
+from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.pricing import cpu_host_model, host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
 from boomfx.report.model import KernelReport, Report
 from boomfx.analysis.build_report import block_reports, build_report
-from boomfx.analysis.memory_events import memory_report
+from boomfx.analysis.memory_events import heap_fault_pages, memory_report
 from boomfx.simulate.timeline import ScheduledKernel, Timeline, simulate
 
 aten = torch.ops.aten
+# prices timed on the host with fresh outputs per call: they paid the faults of always-mapped allocations
+_MEASURED_ALONE = frozenset(s.value for s in (PriceSource.MEASURED, PriceSource.MEASURED_IN_STEP,
+                                              PriceSource.BLOCK_MEASURED, PriceSource.INTERPOLATED))
 _HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
 
 
@@ -179,6 +184,31 @@ class Analysis:
                 names.setdefault(self._reps.get(node.name, node.name))
         return list(names)
 
+    def _charge_page_faults(self, ev: Evaluator, kernels: list[KernelReport], scheduled: list[ScheduledKernel],
+                            kernel_steps: list[int], workspace_at: Mapping[int, int]) -> tuple[float, float]:
+        """A CPU step priced from this host's probe: each kernel also pays the pages of the outputs and scratch
+        glibc maps afresh for it at steady state (``memory_events.heap_fault_pages``), at the probe's cost of a
+        fault; a price measured alone with fresh outputs paid those glibc maps at any threshold. Returns
+        (the step's charged fault time, the upper estimate of heap pages refaulted after trims: not charged)."""
+        if self._cpu_model is None:
+            return 0.0, 0.0
+        pages = heap_fault_pages(self.liveness, ev, workspace_at)
+        fault_ns = self._cpu_model.profile.page_fault_ns
+        charged = regrown = 0.0
+        for i, step in enumerate(kernel_steps):
+            faults = pages.get(step)
+            if faults is None:
+                continue
+            regrown += faults.regrown * fault_ns
+            mapped = faults.mapped - (faults.always_mapped if kernels[i].source in _MEASURED_ALONE else 0)
+            if mapped <= 0:
+                continue
+            ns = mapped * fault_ns
+            kernels[i].time_ns += ns
+            scheduled[i] = dataclasses.replace(scheduled[i], device_ns=scheduled[i].device_ns + ns)
+            charged += ns
+        return charged, regrown
+
     # -- one point -----------------------------------------------------------------------------
     def evaluate(self, bindings: Mapping[sympy.Symbol, int], record_trace: bool = False,
                  memory_only: bool = False, replay_allocator: bool = True,
@@ -194,6 +224,7 @@ class Analysis:
         workspace_at: dict[int, int] = {}
         point_prices: dict[str, Any] = {}
         suspects: dict[str, tuple[float, float, str]] = {}   # node -> (rooflines, time_ns, op) of implausible rows
+        kernel_steps: list[int] = []                          # the step index of each of ``kernels``
         if self._cpu_model is not None:   # the cache level the step's kernels find their operands at
             self._cpu_model.footprint_bytes = max(self.liveness.timeline(ev), default=0)
         if memory_only:
@@ -223,12 +254,15 @@ class Analysis:
                 if self.device.kind == "cpu" and not getattr(price, "host_in_time", False):
                     device_ns += price.host_ns      # the CPU issues and runs each op on one thread
                 scheduled.append(ScheduledKernel(node.name, price.host_ns, device_ns, 0, sync))
+                kernel_steps.append(step)
                 workspace_at[step] = self._workspace(node.name, price)
                 kernels.append(KernelReport(
                     node=node.name, op=str(nc.call.op), module=self._node_module[node.name],
                     phase=self.program.phase_of(node), flops=flops, bytes_moved=moved, time_ns=price.time_ns,
                     host_ns=price.host_ns, start_ns=0.0, source=_source_name(price.source), modelled=nc.priced.modelled,
                     workspace_bytes=workspace_at[step], block=self.blocks.instance_of(node.name)))
+        page_faults_ns, refault_ns = (self._charge_page_faults(ev, kernels, scheduled, kernel_steps, workspace_at)
+                                      if kernels else (0.0, 0.0))
         # the schedule beyond the prices, in one place (boomfx/analysis/step_schedule.py)
         costs = self._host_costs
         opts = self.program.options
@@ -253,6 +287,8 @@ class Analysis:
         report.time.graph_entry_ns = step.graph_entry_ns
         report.time.cold_start_ns = step.cold_start_ns
         report.time.eager_dispatch_ns = step.eager_dispatch_ns
+        report.time.page_faults_ns = page_faults_ns
+        report.time.heap_refault_upper_ns = refault_ns
         added = entries or step.cold_start_ns or step.eager_dispatch_ns
         report.time.host_costs_source = costs.source if added else ""
         report.warnings.extend(self.program.warnings)

@@ -8,10 +8,11 @@ storages whose last use it was.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.memory.config import AllocatorConfig
+from boomfx.memory.glibc_heap import MMAP_THRESHOLD_MAX, HeapEvent, steady_step_faults
 from boomfx.memory.outside import OutsideMemory
 from boomfx.memory.replay import AllocEvent, ReplayResult, replay
 from boomfx.passes.compiled import CUDAGRAPH_POOL_STREAM  # --cudagraphs: the graph's private pool
@@ -50,6 +51,69 @@ def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[in
         else:
             events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
     return events
+
+
+class HeapFaults(NamedTuple):
+    """One step's page faults in glibc's heap. ``mapped``: allocations no free heap memory could hold,
+    mapped afresh (as many whatever else the process allocates); ``always_mapped``: of those, the ones
+    glibc maps at any threshold (a kernel measured alone with fresh outputs paid them too); ``regrown``:
+    heap pages a trim had returned. Trims need the top of the heap free; the runtime's own small
+    allocations (tensor metadata, autograd nodes, Python objects) often sit there, so real steps refaulted
+    0-1.3x ``regrown``, median 0.6x (25 steps, ``benchmarks/results/cpu_page_faults.md``): an estimate, not
+    charged."""
+
+    mapped: int
+    always_mapped: int
+    regrown: int
+
+
+_NO_FAULTS = HeapFaults(0, 0, 0)
+
+
+def heap_fault_pages(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int],
+                     warmup_steps: int = 2) -> dict[int, HeapFaults]:
+    """Page faults of an eager CPU step in glibc's heap (``boomfx/memory/glibc_heap.py``) at steady state,
+    per step index, without the runtime's own small allocations (see ``HeapFaults``).
+
+    Events as PyTorch's CPU allocator makes them: resident storages first; per step the node's outputs,
+    its scratch (a oneDNN convolution's blocked copies, allocated after its output and freed before it
+    returns), then the frees of storages whose last use it was."""
+    resident = [ev(iv.nbytes) for iv in liveness.intervals if iv.resident]
+    by_step: dict[int, list] = {}
+    for step, kind, iv in liveness.events():
+        by_step.setdefault(step, []).append((kind, iv))
+    events: list[HeapEvent] = []
+    owner: list[int] = []
+    sizes: dict[int, int] = {}
+    for step in range(len(liveness.order)):
+        calls = by_step.get(step, ())
+        for kind, iv in calls:
+            if kind == "alloc":
+                sizes[iv.storage_id] = ev(iv.nbytes)
+                events.append(HeapEvent("alloc", iv.storage_id, sizes[iv.storage_id]))
+                owner.append(step)
+        scratch = workspace_at.get(step, 0)
+        if scratch:
+            scratch_id = -1 - step
+            sizes[scratch_id] = scratch
+            events += [HeapEvent("alloc", scratch_id, scratch), HeapEvent("free", scratch_id)]
+            owner += [step, step]
+        for kind, iv in calls:
+            if kind == "free":
+                events.append(HeapEvent("free", iv.storage_id))
+                owner.append(step)
+    pages: dict[int, HeapFaults] = {}
+    for event, step, faults in zip(events, owner, steady_step_faults(resident, events, warmup_steps)):
+        if not faults.pages:
+            continue
+        mapped, always, regrown = pages.get(step, _NO_FAULTS)
+        if faults.mapped:
+            mapped += faults.pages
+            always += faults.pages if sizes[event.alloc_id] >= MMAP_THRESHOLD_MAX else 0
+        else:
+            regrown += faults.pages
+        pages[step] = HeapFaults(mapped, always, regrown)
+    return pages
 
 
 def memory_report(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int], device: DeviceSpec,

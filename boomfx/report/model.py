@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from boomfx.kernels_db.price import PriceSource
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 
 # Where a time figure came from, best first (the one vocabulary: kernels_db/price.py)
 SOURCES = tuple(source.value for source in PriceSource)
@@ -110,6 +110,9 @@ class TimeReport:
     cold_start_ns: float = 0.0                # CPU targets: host code run from caches a kernel evicted
     eager_dispatch_ns: float = 0.0            # eager CPU targets: op switches, aliasing ops, autograd engine
     host_costs_source: str = ""               # of the two above: "measured", "partly measured" or "default"
+    page_faults_ns: float = 0.0               # CPU targets: pages glibc maps afresh for the step (in kernel times)
+    heap_refault_upper_ns: float = 0.0        # CPU targets: heap pages refaulted after glibc's trims, at most
+                                              # (not in total_ns: the runtime's small allocations often prevent them)
 
 
 @dataclass
