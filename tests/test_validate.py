@@ -200,3 +200,26 @@ def test_a_compiled_real_step_starts_from_a_fresh_dynamo(monkeypatch):
     events.clear()
     build_step(torch.nn.Linear(4, 3), (x,), {}, train=True, compile=False)
     assert events == []
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_validate_compares_the_charged_page_faults_with_the_process_counter(one_thread) -> None:
+    """A 40 MiB output is above glibc's largest mmap threshold: the real step maps it afresh and faults each
+    of its pages, every step (getrusage), and the prediction charges exactly those pages (the heap model's
+    64-byte aligned request: the chunk of request + 64 + 32, its header, in pages)."""
+    from boomfx.memory.glibc_heap import MIN_CHUNK, PAGE_BYTES, chunk_bytes
+    from boomfx.validate.render import render_validation
+
+    nbytes = 40 << 20
+    ep = torch.export.export(_Doubled(), (torch.randn(nbytes // 4),))
+    r = validate(ep, db="none", repeats=5, warmup=2)
+    pages = -(-(chunk_bytes(chunk_bytes(nbytes) + 64 + MIN_CHUNK) + 8) // PAGE_BYTES)
+    assert r.predicted_fault_pages == pytest.approx(pages)
+    assert r.predicted_refault_pages == 0.0
+    assert r.measured_faults_per_step == pytest.approx(pages, rel=0.02)   # a few pages of Python's own
+    text = render_validation(r)
+    assert "page faults per step" in text and "none (this host's probe)" in text

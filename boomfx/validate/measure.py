@@ -29,6 +29,7 @@ class MeasuredTime:
     # time other processes ran (the one-thread protocol of benchmarks/cpu_accuracy.py); with more it
     # misses the worker threads' work
     thread_median_ns: float = 0.0
+    faults_per_step: float = 0.0        # the process's minor page faults per timed step, mean (getrusage)
 
     @property
     def spread(self) -> float:
@@ -68,19 +69,29 @@ def _sync(device: torch.device) -> None:
 
 
 def time_step(step: Callable[[], None], repeats: int, warmup: int, device: torch.device) -> MeasuredTime:
-    """Median wall-clock time of ``repeats`` steps after ``warmup`` steps."""
+    """Median wall-clock time of ``repeats`` steps after ``warmup`` steps, and their mean minor page faults."""
     for _ in range(warmup):
         step()
     _sync(device)
-    samples, thread = [], []
+    samples, thread, faults = [], [], []
     for _ in range(repeats):
-        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        f0, c0, t0 = _minor_faults(), time.thread_time_ns(), time.perf_counter_ns()
         step()
         _sync(device)
         samples.append(float(time.perf_counter_ns() - t0))
         thread.append(float(time.thread_time_ns() - c0))
+        faults.append(_minor_faults() - f0)
     return MeasuredTime(statistics.median(samples), tuple(samples), torch.get_num_threads(),
-                        statistics.median(thread))
+                        statistics.median(thread), statistics.mean(faults))
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (0 where ``resource`` is missing: not Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def peak_memory(step: Callable[[], None], device: torch.device) -> MeasuredMemory:

@@ -12,6 +12,11 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
+def _without_db(r: ValidationResult) -> str:
+    """What priced the prediction without a database: this host's probe (its model) or the roofline."""
+    return "none (this host's probe)" if "model" in r.price_sources else "none (roofline)"
+
+
 def render_validation(r: ValidationResult, top: int = 8) -> str:
     dims = ", ".join(f"{k}={v}" for k, v in r.bindings.items()) or "static shapes"
     reduced = " (lowered to fit this machine)" if r.bindings_reduced else ""
@@ -19,7 +24,7 @@ def render_validation(r: ValidationResult, top: int = 8) -> str:
     load = ", ".join(f"{x:.2f}" for x in r.load_average)
     lines = [
         f"boomfx validate: {r.source} on {r.device}, {r.mode}" + (f" ({opts})" if opts else ""),
-        f"  sizes: {dims}{reduced}; {r.threads} thread(s); database: {r.db or 'none (roofline)'}; "
+        f"  sizes: {dims}{reduced}; {r.threads} thread(s); database: {r.db or _without_db(r)}; "
         f"load average {load}",
         "",
         f"  {'':28s}{'predicted':>14s}{'measured':>14s}{'error':>9s}",
@@ -30,6 +35,10 @@ def render_validation(r: ValidationResult, top: int = 8) -> str:
         f"  {'resident before the step':28s}{fmt_bytes(r.predicted_resident_bytes):>14s}"
         f"{fmt_bytes(r.measured_resident_bytes):>14s}",
     ]
+    if r.predicted_fault_pages or r.predicted_refault_pages or r.measured_faults_per_step:
+        predicted = f"{r.predicted_fault_pages:.0f}"
+        lines.append(f"  {'page faults per step':28s}{predicted:>14s}{r.measured_faults_per_step:>14.0f}"
+                     f"   (predicted: charged; about {r.predicted_refault_pages:.0f} more reported, not charged)")
     if r.measured_reserved_above_start_bytes is not None:
         lines.append(f"  {'reserved above start':28s}{'':>14s}{fmt_bytes(r.measured_reserved_above_start_bytes):>14s}")
     shown = r.largest_differences(top)

@@ -57,6 +57,11 @@ class ValidationResult:
     measured_thread_time_ns: float = 0.0   # this thread's CPU time (meaningful with one thread)
     calibration: Optional[dict[str, Any]] = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # CPU targets priced from this host's probe: the pages the prediction charges (glibc maps them afresh)
+    # and those it only reports (heap pages a trim returns), against the process's minor faults per step
+    predicted_fault_pages: float = 0.0
+    predicted_refault_pages: float = 0.0
+    measured_faults_per_step: float = 0.0
 
     @property
     def time_error(self) -> float:

@@ -149,11 +149,23 @@ def _validate(source: Any, train: bool, optimizer: str, amp: Optional[str], comp
         ops=ops, profiled_step_ns=prof.step_ns, measured_outside_ns=prof.outside_ns,
         predicted_outside_ns=max(0.0, report.time.total_ns - kernel_ns),
         db=_db_label(db, spec), price_sources=sources, load_average=os.getloadavg(),
-        measured_thread_time_ns=timed.thread_median_ns, notes=tuple(notes))
+        measured_thread_time_ns=timed.thread_median_ns, notes=tuple(notes),
+        **_fault_pages(analysis, report), measured_faults_per_step=timed.faults_per_step)
     if calibrate:
         from boomfx.validate.calibration import store_calibration
         result = store_calibration(result, analysis, db)
     return result
+
+
+def _fault_pages(analysis: Any, report: Any) -> dict[str, float]:
+    """The page faults a CPU prediction charges and reports, in pages (none without this host's probe)."""
+    from boomfx.kernels_db.pricing import cpu_host_model
+    model = cpu_host_model(analysis.pricer)
+    if model is None or not model.profile.page_fault_ns:
+        return {}
+    per_page = model.profile.page_fault_ns
+    return {"predicted_fault_pages": report.time.page_faults_ns / per_page,
+            "predicted_refault_pages": report.time.heap_refault_upper_ns / per_page}
 
 
 def _local_device(name: str) -> torch.device:
