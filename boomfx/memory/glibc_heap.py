@@ -99,7 +99,7 @@ class GlibcHeap:
         self._tcache: dict[int, list[int]] = {}        # size -> chunks the thread cache holds
         self._has_fast = False
         self.last_mapped = False                       # whether the last allocation got a mapping of its own
-        self._live: dict[Hashable, _Chunk] = {}             # allocation id -> chunk
+        self._live: dict[Hashable, _Chunk] = {}        # allocation id -> chunk
         self.faults = 0                                # pages faulted in all
         self.trims = 0
 
@@ -128,7 +128,8 @@ class GlibcHeap:
     def memalign(self, alloc_id: Hashable, request: int, alignment: int = 64) -> int:
         """``posix_memalign`` (PyTorch's CPU allocator, 64-byte alignment): a chunk of the request plus
         the alignment and a minimum chunk, its misaligned lead and its spare tail given back as chunks
-        of their own (small ones go to the fast bins, which coalesce only at the next large request)."""
+        of their own (small ones to the thread cache, else the fast bins, which coalesce only at the next
+        large request)."""
         nb = chunk_bytes(request)
         addr, size = self._int_malloc(chunk_bytes(nb + alignment + MIN_CHUNK))
         if addr < 0:
@@ -297,8 +298,8 @@ def steady_step_faults(resident: Sequence[int], step: Sequence[HeapEvent], warmu
 def replay_in_glibc(resident: Iterable[int], step: Sequence[HeapEvent], warmup_steps: int = 3,
                     alignment: Optional[int] = 64) -> int:
     """The minor faults the last of ``warmup_steps + 1`` steps of ``step`` takes in this process's real
-    glibc (``malloc``, a write to every byte, ``free``): the truth ``steady_step_faults`` is tested
-    against. Run it in a fresh process: the thresholds only rise."""
+    glibc (``posix_memalign``, or ``malloc`` with ``alignment=None``; a write to every byte; ``free``): the
+    truth ``steady_step_faults`` is tested against. Run it in a fresh process: the thresholds only rise."""
     import ctypes
     import resource
 
@@ -316,6 +317,7 @@ def replay_in_glibc(resident: Iterable[int], step: Sequence[HeapEvent], warmup_s
             return libc.malloc(nbytes)
         libc.posix_memalign(ctypes.byref(out), alignment, nbytes)
         return out.value
+
     # everything Python needs in the loop is made first: a dict or list growing there is a malloc of its own
     ids = {alloc_id: i for i, alloc_id in enumerate(dict.fromkeys(e.alloc_id for e in step))}
     calls = [(event.kind == "alloc", ids[event.alloc_id], event.nbytes) for event in step]
