@@ -11,7 +11,7 @@ wall-clock steps after 3 warm-ups at torch's default threads and counting the mi
 (``getrusage``); one more with glibc's dynamic behaviour off (``MALLOC_MMAP_THRESHOLD_`` 2 GiB,
 ``MALLOC_TRIM_THRESHOLD_`` 16 GiB: no fault after warm-up); and ``boomfx.analyze(..., device="cpu",
 db="none")`` in the first process: its step time, the faults it charges (outputs glibc maps afresh) and
-the heap refaults it only reports (pages a trim returned, ``time.heap_refault_upper_ns``), both in pages.
+the heap refaults it only reports (pages a trim returned, ``time.heap_refault_estimate_ns``), both in pages.
 The fault counts of one configuration move between processes and steps (what else the process allocated
 decides whether a trim happens): the mean over all steps is what a step costs on average.
 
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -98,7 +99,7 @@ if predict:
     fault_ns = host_profile().page_fault_ns
     out.update(predicted_ms=report.time.total_ns / 1e6, page_fault_ns=fault_ns,
                charged_pages=report.time.page_faults_ns / fault_ns,
-               refault_pages=report.time.heap_refault_upper_ns / fault_ns)
+               refault_pages=report.time.heap_refault_estimate_ns / fault_ns)
 print(json.dumps(out))
 """
 
@@ -132,23 +133,15 @@ if sys.argv[3] == "1":
     report = boomfx.analyze(ep, device="cpu", train=train, dims=dims, db="none")
     fault_ns = host_profile().page_fault_ns
     out.update(charged_pages=report.time.page_faults_ns / fault_ns,
-               refault_pages=report.time.heap_refault_upper_ns / fault_ns, predicted_ms=report.time.total_ns / 1e6)
+               refault_pages=report.time.heap_refault_estimate_ns / fault_ns, predicted_ms=report.time.total_ns / 1e6)
 print(json.dumps(out))
 """
 
 
-def _run_broad(name: str, mode: str, predict: bool) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _BROAD_ONE.replace("STEPS", str(STEPS)), name, mode,
-                           "1" if predict else "0"], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _run(kind: str, batch: int, size: int, width: int, mode: str, predict: bool, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _ONE.replace("STEPS", str(STEPS)), kind, str(batch), str(size),
-                           str(width), mode, "1" if predict else "0"], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **env}, timeout=900)
+def _child(script: str, *args: object, env: Optional[dict] = None) -> dict:
+    """The JSON line a fresh process running ``script`` with ``args`` prints (its error's last line if it fails)."""
+    proc = subprocess.run([sys.executable, "-c", script.replace("STEPS", str(STEPS)), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=900)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -160,21 +153,17 @@ def main() -> int:
     rows = []
     for name, kind, batch, size, width in CONFIGS:
         for mode in ("inference", "train"):
-            runs = [_run(kind, batch, size, width, mode, i == 0, {}) for i in range(PROCESSES)]
+            runs = [_child(_ONE, kind, batch, size, width, mode, int(i == 0)) for i in range(PROCESSES)]
             default = _summary(runs)
-            steady = _summary([_run(kind, batch, size, width, mode, False, NO_DYNAMIC_MALLOC)])
+            steady = _summary([_child(_ONE, kind, batch, size, width, mode, 0, env=NO_DYNAMIC_MALLOC)])
             row = {"config": name, "mode": mode, "default": default, "no_dynamic_malloc": steady}
             rows.append(row)
             print(name, mode, default, steady, flush=True)
     broad = []
     for name in BROAD:
         for mode in ("inference", "train"):
-            runs = [_run_broad(name, mode, i == 0) for i in range(PROCESSES)]
-            errors = [r["error"] for r in runs if "error" in r]
-            counts = [c for r in runs if "error" not in r for c in r["faults"]]
-            row = {"model": name, "mode": mode, "error": errors[0]} if errors else {
-                "model": name, "mode": mode, "faults_per_step": statistics.mean(counts), "faults_min": min(counts),
-                "faults_max": max(counts), **{k: v for k, v in runs[0].items() if k != "faults"}}
+            runs = [_child(_BROAD_ONE, name, mode, int(i == 0)) for i in range(PROCESSES)]
+            row = {"model": name, "mode": mode, **_summary(runs)}
             broad.append(row)
             print(name, mode, row, flush=True)
     payload = {"started": started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -186,14 +175,16 @@ def main() -> int:
 
 
 def _summary(runs: list[dict]) -> dict:
-    """Median step and mean faults over every step of every process; the first process's prediction."""
+    """Median step (where timed) and mean faults over every step of every process; the first process's
+    prediction."""
     errors = [r["error"] for r in runs if "error" in r]
     if errors:
         return {"error": errors[0]}
-    times = [t for r in runs for t in r["times_ms"]]
     counts = [c for r in runs for c in r["faults"]]
-    out = {"real_ms": statistics.median(times), "faults_per_step": statistics.mean(counts),
-           "faults_min": min(counts), "faults_max": max(counts), "processes": len(runs)}
+    out = {"faults_per_step": statistics.mean(counts), "faults_min": min(counts), "faults_max": max(counts),
+           "processes": len(runs)}
+    if "times_ms" in runs[0]:
+        out["real_ms"] = statistics.median(t for r in runs for t in r["times_ms"])
     out.update({k: v for k, v in runs[0].items() if k not in ("times_ms", "faults")})
     return out
 
@@ -231,7 +222,7 @@ def render(payload: dict) -> str:
     lines += ["", "Fault cost (real over real without dynamic malloc), mean by kind: " + "; ".join(
         f"{kind} {mode}: {sum(v) / len(v) * 100:+.0f}%" for (kind, mode), v in costs.items()) + ". The step "
         "time charges only the faults of outputs glibc maps afresh; the refaults after trims are reported "
-        "(`time.heap_refault_upper_ns`, a line of the text report), not charged: the runtime's own small "
+        "(`time.heap_refault_estimate_ns`, a line of the text report), not charged: the runtime's own small "
         "allocations, which a graph does not show, decide whether a trim happens."]
     lines += ["", "## The small models of benchmarks/cpu_accuracy.py", "",
               "Built, exported and stepped as `cpu_accuracy.py --protocol nodb` does (its CLI protocol: torch's "

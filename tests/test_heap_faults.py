@@ -49,7 +49,7 @@ def test_an_output_glibc_maps_afresh_is_charged_every_step(probe):
     (again,) = analysis.evaluate({}).report.kernels          # sets the cache level the prices below assume
     bare = analysis.price_node(again.node, analysis.evaluator({}))
     assert again.time_ns == pytest.approx(bare.time_ns + expected)   # the model's price holds no faults itself
-    assert report.time.heap_refault_upper_ns == 0.0
+    assert report.time.heap_refault_estimate_ns == 0.0
     assert "page faults: " in render_text(report)
 
 
@@ -93,15 +93,15 @@ def test_heap_refaults_are_reported_not_charged(probe):
     activation_pages = 8 * 64 * 56 * 56 * 4 // PAGE_BYTES
     assert regrown >= activation_pages                    # at least one activation's pages come back each step
     assert sum(f.mapped for f in faults.values()) == 0 and report.time.page_faults_ns == 0.0
-    assert report.time.heap_refault_upper_ns == pytest.approx(regrown * PROFILE.page_fault_ns)
+    assert report.time.heap_refault_estimate_ns == pytest.approx(regrown * PROFILE.page_fault_ns)
     # the text report mentions them (and the environment that avoids them) from 5% of the step on
-    report.time.total_ns = 10 * report.time.heap_refault_upper_ns
+    report.time.total_ns = 10 * report.time.heap_refault_estimate_ns
     assert NO_REFAULT_ENV in render_text(report)
-    report.time.total_ns = 100 * report.time.heap_refault_upper_ns
+    report.time.total_ns = 100 * report.time.heap_refault_estimate_ns
     assert NO_REFAULT_ENV not in render_text(report)
 
 
 def test_targets_without_this_hosts_probe_charge_nothing(probe):
     for device, db in (("cpu", None), ("a100-80gb", "none")):
         report = boomfx.analyze(Doubled(), torch.randn(FLOATS), device=device, db=db)
-        assert report.time.page_faults_ns == 0.0 and report.time.heap_refault_upper_ns == 0.0
+        assert report.time.page_faults_ns == 0.0 and report.time.heap_refault_estimate_ns == 0.0

@@ -31,7 +31,7 @@ from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
 from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
-from boomfx.kernels_db.price import PriceSource
+from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.kernels_db.pricing import cpu_host_model, host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
                             ProgramOptions)
@@ -42,8 +42,7 @@ from boomfx.simulate.timeline import ScheduledKernel, Timeline, simulate
 
 aten = torch.ops.aten
 # prices timed on the host with fresh outputs per call: they paid the faults of always-mapped allocations
-_MEASURED_ALONE = frozenset(s.value for s in (PriceSource.MEASURED, PriceSource.MEASURED_IN_STEP,
-                                              PriceSource.BLOCK_MEASURED, PriceSource.INTERPOLATED))
+_MEASURED_ALONE = frozenset(s.value for s in (*DATABASE_SOURCES, PriceSource.BLOCK_MEASURED))
 _HOST_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.masked_select, aten._unique2}
 
 
@@ -189,7 +188,7 @@ class Analysis:
         """A CPU step priced from this host's probe: each kernel also pays the pages of the outputs and scratch
         glibc maps afresh for it at steady state (``memory_events.heap_fault_pages``), at the probe's cost of a
         fault; a price measured alone with fresh outputs paid those glibc maps at any threshold. Returns
-        (the step's charged fault time, the upper estimate of heap pages refaulted after trims: not charged)."""
+        (the step's charged fault time, the estimated time of heap pages refaulted after trims: not charged)."""
         if self._cpu_model is None:
             return 0.0, 0.0
         pages = heap_fault_pages(self.liveness, ev, workspace_at)
@@ -288,7 +287,7 @@ class Analysis:
         report.time.cold_start_ns = step.cold_start_ns
         report.time.eager_dispatch_ns = step.eager_dispatch_ns
         report.time.page_faults_ns = page_faults_ns
-        report.time.heap_refault_upper_ns = refault_ns
+        report.time.heap_refault_estimate_ns = refault_ns
         added = entries or step.cold_start_ns or step.eager_dispatch_ns
         report.time.host_costs_source = costs.source if added else ""
         report.warnings.extend(self.program.warnings)

@@ -3,12 +3,13 @@ through the caching-allocator model (CUDA targets), and summarised as the Report
 
 Order of events: resident storages first (parameters, buffers, optimizer state), then allocations that
 go through the allocator but live outside the graph (the cuBLAS workspace, boomfx/memory/outside.py),
-then per step the node's outputs, its kernel workspace (allocated and freed at once), and the frees of
-storages whose last use it was.
+then per step the node's outputs, its kernel workspace once (allocated and freed at once), and the frees of
+storages whose last use it was (``step_calls``, the one order both allocator models replay: the caching
+allocator's for CUDA, glibc's heap for a CPU step's page faults).
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 from boomfx.core.devices import DeviceSpec
 from boomfx.memory.config import AllocatorConfig
@@ -23,6 +24,22 @@ from boomfx.report.model import AllocatorReport, MemoryReport
 _UNBOUNDED_BYTES = 1 << 62   # a device too large to run out: what the step would need
 
 
+def step_calls(liveness: LivenessInfo, workspace_at: Mapping[int, int]) -> Iterator[tuple[int, str, Any]]:
+    """A step's allocator calls in execution order, for every allocator model: per step
+    ``(step, "alloc", interval)`` for the node's outputs, ``(step, "scratch", bytes)`` for its kernel
+    workspace, once (allocated and freed at once), then ``(step, "free", interval)`` for the storages whose
+    last use it was. Resident storages are not included."""
+    by_step: dict[int, list] = {}
+    for step, kind, iv in liveness.events():
+        by_step.setdefault(step, []).append((kind, iv))
+    for step in range(len(liveness.order)):
+        calls = by_step.get(step, ())
+        yield from ((step, kind, iv) for kind, iv in calls if kind == "alloc")
+        if workspace_at.get(step, 0):
+            yield step, "scratch", workspace_at[step]
+        yield from ((step, kind, iv) for kind, iv in calls if kind == "free")
+
+
 def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[int, int], outside: OutsideMemory,
                  node_module: Mapping[str, str], cudagraphs: bool) -> list[AllocEvent]:
     """The allocator events of one step at ``ev``'s sizes (see module doc for their order)."""
@@ -35,21 +52,17 @@ def alloc_events(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mapping[in
     for label, size in outside.allocator_sizes():
         events.append(AllocEvent("alloc", next_id, size, 0, label, (("", 0, label),)))
         next_id += 1
-    last_step = -1
-    for step, kind, iv in liveness.events():
-        if step != last_step:
-            last_step = step
-        frames = ((node_module.get(iv.node, ""), 0, iv.node),)
-        pool = CUDAGRAPH_POOL_STREAM if cudagraphs else 0   # --cudagraphs: private pool
-        if kind == "alloc":
-            events.append(AllocEvent("alloc", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
-            ws = workspace_at.get(step, 0)
-            if ws and iv.node == liveness.order[step]:
-                events.append(AllocEvent("alloc", next_id, ws, 0, iv.node + ":workspace", frames))
-                events.append(AllocEvent("free", next_id, ws, 0, iv.node + ":workspace", frames))
-                next_id += 1
+    pool = CUDAGRAPH_POOL_STREAM if cudagraphs else 0   # --cudagraphs: private pool
+    for step, kind, call in step_calls(liveness, workspace_at):
+        if kind == "scratch":
+            node = liveness.order[step]
+            frames = ((node_module.get(node, ""), 0, node),)
+            events.append(AllocEvent("alloc", next_id, call, 0, node + ":workspace", frames))
+            events.append(AllocEvent("free", next_id, call, 0, node + ":workspace", frames))
+            next_id += 1
         else:
-            events.append(AllocEvent("free", iv.storage_id, ev(iv.nbytes), pool, iv.node, frames))
+            frames = ((node_module.get(call.node, ""), 0, call.node),)
+            events.append(AllocEvent(kind, call.storage_id, ev(call.nbytes), pool, call.node, frames))
     return events
 
 
@@ -75,33 +88,24 @@ def heap_fault_pages(liveness: LivenessInfo, ev: Evaluator, workspace_at: Mappin
     """Page faults of an eager CPU step in glibc's heap (``boomfx/memory/glibc_heap.py``) at steady state,
     per step index, without the runtime's own small allocations (see ``HeapFaults``).
 
-    Events as PyTorch's CPU allocator makes them: resident storages first; per step the node's outputs,
-    its scratch (a oneDNN convolution's blocked copies, allocated after its output and freed before it
-    returns), then the frees of storages whose last use it was."""
+    Events as PyTorch's CPU allocator makes them: resident storages first, then ``step_calls`` (a oneDNN
+    convolution's scratch, its blocked copies, is allocated after its output and freed before it returns)."""
     resident = [ev(iv.nbytes) for iv in liveness.intervals if iv.resident]
-    by_step: dict[int, list] = {}
-    for step, kind, iv in liveness.events():
-        by_step.setdefault(step, []).append((kind, iv))
     events: list[HeapEvent] = []
     owner: list[int] = []
     sizes: dict[int, int] = {}
-    for step in range(len(liveness.order)):
-        calls = by_step.get(step, ())
-        for kind, iv in calls:
-            if kind == "alloc":
-                sizes[iv.storage_id] = ev(iv.nbytes)
-                events.append(HeapEvent("alloc", iv.storage_id, sizes[iv.storage_id]))
-                owner.append(step)
-        scratch = workspace_at.get(step, 0)
-        if scratch:
-            scratch_id = -1 - step
-            sizes[scratch_id] = scratch
-            events += [HeapEvent("alloc", scratch_id, scratch), HeapEvent("free", scratch_id)]
+    for step, kind, call in step_calls(liveness, workspace_at):
+        if kind == "scratch":
+            sizes[-1 - step] = call
+            events += [HeapEvent("alloc", -1 - step, call), HeapEvent("free", -1 - step)]
             owner += [step, step]
-        for kind, iv in calls:
-            if kind == "free":
-                events.append(HeapEvent("free", iv.storage_id))
-                owner.append(step)
+        elif kind == "alloc":
+            sizes[call.storage_id] = ev(call.nbytes)
+            events.append(HeapEvent("alloc", call.storage_id, sizes[call.storage_id]))
+            owner.append(step)
+        else:
+            events.append(HeapEvent("free", call.storage_id))
+            owner.append(step)
     pages: dict[int, HeapFaults] = {}
     for event, step, faults in zip(events, owner, steady_step_faults(resident, events, warmup_steps)):
         if not faults.pages:

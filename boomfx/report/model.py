@@ -111,7 +111,7 @@ class TimeReport:
     eager_dispatch_ns: float = 0.0            # eager CPU targets: op switches, aliasing ops, autograd engine
     host_costs_source: str = ""               # of the two above: "measured", "partly measured" or "default"
     page_faults_ns: float = 0.0               # CPU targets: pages glibc maps afresh for the step (in kernel times)
-    heap_refault_upper_ns: float = 0.0        # CPU targets: heap pages refaulted after glibc's trims, at most
+    heap_refault_estimate_ns: float = 0.0     # CPU targets: heap pages refaulted after glibc's trims, estimated
                                               # (not in total_ns: the runtime's small allocations often prevent them)
 
 

@@ -92,8 +92,8 @@ def render_text(report: Report, top: int = 8, kernels: Optional[int] = None) -> 
                    f"ops, the autograd engine; {t.host_costs_source})")
     if t.page_faults_ns:
         out.append(f"  page faults: {fmt_time(t.page_faults_ns)} (outputs glibc maps afresh every step)")
-    if t.heap_refault_upper_ns >= REFAULT_NOTE_SHARE * t.total_ns > 0:
-        out.append(f"  not included: about {fmt_time(t.heap_refault_upper_ns)} of page faults where glibc trims "
+    if t.heap_refault_estimate_ns >= REFAULT_NOTE_SHARE * t.total_ns > 0:
+        out.append(f"  not included: about {fmt_time(t.heap_refault_estimate_ns)} of page faults where glibc trims "
                    "its heap under the step's activations and takes the pages back, by a replay of the step's "
                    "allocations; real steps took 0-1.3x that (median 0.6x), as the runtime's own small "
                    f"allocations let glibc trim; {NO_REFAULT_ENV} in the environment avoids them")

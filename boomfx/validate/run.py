@@ -165,7 +165,7 @@ def _fault_pages(analysis: Any, report: Any) -> dict[str, float]:
         return {}
     per_page = model.profile.page_fault_ns
     return {"predicted_fault_pages": report.time.page_faults_ns / per_page,
-            "predicted_refault_pages": report.time.heap_refault_upper_ns / per_page}
+            "predicted_refault_pages": report.time.heap_refault_estimate_ns / per_page}
 
 
 def _local_device(name: str) -> torch.device:
