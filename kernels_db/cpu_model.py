@@ -4,8 +4,10 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
     time_ns = max(bytes / stream_rate(bytes, footprint),     every op
                   flops / gemm_rate(dtype, flops, footprint),  matmul / conv classes
                   flops / attention_rate(keys),              fused SDPA forward / backward
+                  (ATen's math path, a CPU attention with dropout: its matmuls, softmax and draws in turn)
                   flops / depthwise_rate(flops),             depthwise convolutions
-                  elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...
+                  elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...,
+                                                             and random draws (dropout, randn, ...)
 
 at least the op's probed one-element call (``op_floors_ns``; a convolution's on the path ATen routes it
 to, ``cpu_convolution.py``) less the dispatch charged as host time.
@@ -69,6 +71,8 @@ class CpuKernelModel:
         elif flops > 0 and klass in COMPUTE_CLASSES:
             dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
             ns = max(ns, flops / self.profile.gemm_rate(dtype, float(flops), footprint) * 1e9)
+        elif flops > 0 and klass == "attention" and call.context.get("sdpa_backend") == "math":
+            return max(self._math_attention_ns(call, flops, ns), self.floor_ns(call))
         elif flops > 0 and klass == "attention":
             backward = call.op.overloadpacket in _ATTENTION_BACKWARD
             keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
@@ -79,11 +83,30 @@ class CpuKernelModel:
             ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
         return max(ns, self.floor_ns(call))
 
+    def _math_attention_ns(self, call: OpCall, flops: int, bytes_ns: float) -> float:
+        """SDPA on ATen's math path (a CPU attention with dropout): its kernels run one after another, the
+        two batched matmuls at the GEMM rate, the softmax over the ``[BH, L, S]`` scores at its rate or
+        the path's bytes, and the dropout's draws over the scores at the random-number rate."""
+        q, k = call.arg("query"), call.arg("key")
+        scores = _numel(q) // max(_dim(q, -1), 1) * _dim(k, -2)
+        dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
+        rates = self.profile.special_elements_per_s
+        ns = flops / self.profile.gemm_rate(dtype, flops / 2.0, self.footprint_bytes) * 1e9
+        softmax = rates.get("_softmax")
+        ns += max(bytes_ns, scores / softmax * 1e9 if softmax else 0.0)
+        dropout = rates.get("bernoulli_")
+        if (call.arg("dropout_p") or 0) > 0 and dropout:
+            ns += scores / dropout * 1e9
+        return ns
+
     def special_rate(self, call: OpCall) -> Optional[float]:
         """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
-        (``approximate="tanh"``) reads its own kernel's rate."""
+        (``approximate="tanh"``) reads its own kernel's rate. A dropout in eval mode (``train=False``)
+        draws nothing: ATen returns its input (or a copy), priced by its bytes."""
         rates = self.profile.special_elements_per_s
         name = call.op.overloadpacket.__name__
+        if name in _DROPOUTS and call.arg("train") is False:
+            return None
         if call.arg("approximate") == "tanh" and f"{name}@tanh" in rates:
             return rates[f"{name}@tanh"]
         return rates.get(name)
@@ -97,6 +120,8 @@ class CpuKernelModel:
         if floor is None:
             floor = floors.get(call.op.overloadpacket.__name__, 0.0)
         return floor - self.profile.dispatch_ns
+
+_DROPOUTS = frozenset({"dropout", "native_dropout"})
 
 
 def _dim(spec: object, i: int) -> int:

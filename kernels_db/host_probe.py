@@ -19,6 +19,10 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
   curve (its working set hits the cache level that size fits);
 - **special-function rates**: elements per second of ``exp``, ``tanh``, ``gelu``, ``silu``, softmax,
   ...: on a CPU these are bound by the vector units, not memory;
+- **random-number rates**: elements per second of dropout, ``bernoulli_``, ``randn``, ``rand``,
+  ``randint``, ``randperm``: ATen's CPU generator draws them one at a time under its lock (2-5 ns an
+  element here at any thread count, 10-60x a pointwise op's bytes), so a training step's dropouts cost
+  more than the matmuls around them on a small model;
 - **page faults**: PyTorch's CPU tensors come from glibc's malloc, which serves a block of 32 MiB or
   more (``DEFAULT_MMAP_THRESHOLD_MAX``; smaller thresholds rise to the largest block freed) with a
   fresh ``mmap`` every time: each of its pages faults on first write (~1 us per 4 KiB page on the
@@ -65,7 +69,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +88,10 @@ FLOOR_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_
                  "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
                  "max_pool2d_with_indices": "max_pool2d", "_adaptive_avg_pool2d": "adaptive_avg_pool2d",
                  "_scaled_dot_product_flash_attention_for_cpu": "scaled_dot_product_attention"}
+# the same random kernels under their other aten names (functional, in-place, ``_like``)
+RANDOM_ALIASES = {"bernoulli": "bernoulli_", "randn_like": "randn", "normal": "normal_",
+                  "normal_functional": "normal_", "rand_like": "rand", "uniform": "rand", "uniform_": "rand",
+                  "randint_like": "randint"}
 _MIN_KERNEL_NS = 1.0
 Curve = tuple[tuple[float, float], ...]     # ((work, kernel ns), ...) by increasing work
 Levels = tuple[tuple[int, Curve], ...]      # ((flush bytes, curve), ...) by increasing flush
@@ -275,8 +283,31 @@ def _special_rates(dispatch: float) -> dict[str, float]:
     image = x.view(16, 64, 32, 32)
     scale, shift = torch.ones(64), torch.zeros(64)
     rates = {name: SPECIAL_ELEMENTS / (_kernel_ns(_median_ns(fn, 15), dispatch) / 1e9) for name, fn in calls.items()}
+    rates.update(_random_rates(dispatch))
     # the same kernels under the names the training export and the decompositions use
     for alias, name in SPECIAL_ALIASES.items():
+        rates[alias] = rates[name]
+    return rates
+
+
+def _random_rates(dispatch: float) -> dict[str, float]:
+    """Elements/s of the ops that draw random numbers, counted as ``CpuKernelModel.special_rate`` counts an
+    op's work (the elements of all its tensor outputs: ``native_dropout``'s output and mask are 2 N), over
+    ``SPECIAL_ELEMENTS``; the kernels' other names share their rate (``RANDOM_ALIASES``)."""
+    aten = torch.ops.aten
+    n = SPECIAL_ELEMENTS
+    x = torch.randn(n)
+    mask = x > 0
+    calls: dict[str, tuple[int, Callable[[], object]]] = {
+        "bernoulli_": (n, lambda: torch.empty(n).bernoulli_(0.9)),
+        "dropout": (n, lambda: aten.dropout(x, 0.1, True)),
+        "native_dropout": (2 * n, lambda: aten.native_dropout(x, 0.1, True)),
+        "native_dropout_backward": (n, lambda: aten.native_dropout_backward(x, mask, 1.0 / 0.9)),
+        "randn": (n, lambda: torch.randn(n)), "normal_": (n, lambda: x.normal_()),
+        "rand": (n, lambda: torch.rand(n)), "randint": (n, lambda: torch.randint(0, 1000, (n,))),
+        "randperm": (n, lambda: torch.randperm(n))}
+    rates = {name: elements / (_kernel_ns(_median_ns(fn, 7), dispatch) / 1e9) for name, (elements, fn) in calls.items()}
+    for alias, name in RANDOM_ALIASES.items():
         rates[alias] = rates[name]
     return rates
 

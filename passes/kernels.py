@@ -82,7 +82,11 @@ def sdpa_backend_for(node: torch.fx.Node, device: DeviceSpec) -> str:
     head_dim = q.shape[-1] if isinstance(q, torch.Tensor) else 64
     has_mask = len(node.args) > 3 and node.args[3] is not None or node.kwargs.get("attn_mask") is not None
     if device.kind == "cpu":
-        # CPU: the fused flash kernel handles fp32/bf16/fp16 without an arbitrary mask requirement
+        # CPU: the fused flash kernel handles fp32/bf16/fp16 without an arbitrary mask requirement, but
+        # not dropout (sdp_utils_cpp's check_for_dropout): a training-mode attention runs the math path
+        dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        if isinstance(dropout, (int, float)) and dropout > 0:
+            return "math"
         return "flash" if dtype in (torch.float32, torch.bfloat16, torch.float16) else "math"
     low_precision = dtype in (torch.float16, torch.bfloat16)
     try:

@@ -108,6 +108,69 @@ def test_gelus_tanh_approximation_reads_its_own_kernels_rate():
         erf, cpu_spec()) == pytest.approx(1e6)
 
 
+def test_random_draws_are_bound_by_the_generators_rate():
+    """Dropout, bernoulli_ and randn draw one number per element from ATen's CPU generator (2-5 ns each on
+    the VM, at any thread count): priced at their probed rate over their outputs' elements, not by their
+    bytes. A dropout in eval mode draws nothing and is priced by its bytes."""
+    rates = {"bernoulli_": 2e8, "dropout": 2e8, "native_dropout": 4e8, "randn": 5e8}
+    model = CpuKernelModel(dataclasses.replace(PROFILE, special_elements_per_s=rates))
+    n = 1_000_000
+    draws = OpCall.build(aten.bernoulli_.float, (spec(n), 0.9), {}, (spec(n),))
+    assert model(draws, cpu_spec()) == pytest.approx(n / 2e8 * 1e9)                       # 5 ms
+    native = OpCall.build(aten.native_dropout.default, (spec(n), 0.1, True), {},
+                          (spec(n), spec(n, dtype=torch.bool)))
+    assert model(native, cpu_spec()) == pytest.approx(2 * n / 4e8 * 1e9)                  # output + mask
+    randn = OpCall.build(aten.randn.default, ([n],), {}, (spec(n),))
+    assert model(randn, cpu_spec()) == pytest.approx(n / 5e8 * 1e9)
+    training = OpCall.build(aten.dropout.default, (spec(n), 0.1, True), {}, (spec(n),))
+    evaluation = OpCall.build(aten.dropout.default, (spec(n), 0.1, False), {}, (spec(n),))
+    assert model(training, cpu_spec()) == pytest.approx(n / 2e8 * 1e9)
+    assert model(evaluation, cpu_spec()) == pytest.approx(model(unary(aten.relu.default, n), cpu_spec()))
+
+
+def test_attention_with_dropout_takes_the_math_path_on_a_cpu():
+    """ATen's CPU flash kernel refuses dropout (sdp_utils_cpp's check_for_dropout): a training-mode SDPA runs
+    the math path, priced as its kernels in turn: the two batched matmuls at the GEMM rate, the softmax over
+    the scores, the dropout's draws over them."""
+    from boomfx.core.devices import get_device
+    from boomfx.passes.kernels import sdpa_backend_for
+
+    class Attention(torch.nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.p = p
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+
+    qkv = tuple(torch.randn(2, 4, 64, 32) for _ in range(3))
+    for p, cpu_backend in ((0.1, "math"), (0.0, "flash")):
+        graph = torch.export.export(Attention(p), qkv).graph
+        node = next(n for n in graph.nodes if "scaled_dot_product" in str(n.target))
+        assert sdpa_backend_for(node, cpu_spec()) == cpu_backend
+        assert sdpa_backend_for(node, get_device("h100-sxm")) != "math"      # a GPU's fused kernels take dropout
+
+    rates = {"_softmax": 1e9, "bernoulli_": 1e8}
+    model = CpuKernelModel(dataclasses.replace(PROFILE, special_elements_per_s=rates))
+    bh, length, e = 8, 256, 64
+    q = spec(2, 4, length, e)
+    call = OpCall.build(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.1), {}, (q,),
+                        {"sdpa_backend": "math"})
+    scores = bh * length * length
+    flops = 2 * 2 * bh * length * length * e                       # q @ k^T and p @ v
+    gemm_ns = flops / PROFILE.gemm_rate("float32", flops / 2) * 1e9
+    read, written = (int(x) for x in price_call(call).cost.evaluate()[1:])
+    bytes_ns = (read + written) / PROFILE.stream_rate(read + written) * 1e9
+    expected = gemm_ns + max(bytes_ns, scores / 1e9 * 1e9) + scores / 1e8 * 1e9
+    assert model(call, cpu_spec()) == pytest.approx(expected)
+    # the math path without dropout (an arbitrary mask on another backend's device) draws nothing
+    no_dropout = OpCall.build(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.0), {}, (q,),
+                              {"sdpa_backend": "math"})
+    read, written = (int(x) for x in price_call(no_dropout).cost.evaluate()[1:])
+    bytes_ns = (read + written) / PROFILE.stream_rate(read + written) * 1e9
+    assert model(no_dropout, cpu_spec()) == pytest.approx(gemm_ns + max(bytes_ns, scores / 1e9 * 1e9))
+
+
 def sdpa(keys: int, backward: bool = False) -> OpCall:
     q, k = spec(1, 4, keys, 64), spec(1, 4, keys, 64)
     if backward:
@@ -244,7 +307,14 @@ def test_the_real_probe_measures_this_host():
     fp32 = profile.gemm["float32"][0][1]
     assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
     assert fp32[-1][1] > fp32[0][1]
-    assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax", "gelu@tanh", "gelu_backward"}
+    assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax", "gelu@tanh", "gelu_backward",
+                                                   "bernoulli_", "bernoulli", "dropout", "native_dropout",
+                                                   "randn", "randn_like", "rand", "uniform_", "randperm"}
+    # ATen's CPU generator draws one number at a time: a dropout is far slower per element than an add of the
+    # same size reading and writing its 12 bytes per element (the pointwise curve, warm)
+    moved, ns = profile.stream[0][1][-1]
+    add_elements_per_s = moved / 12 / (ns / 1e9)
+    assert profile.special_elements_per_s["dropout"] < add_elements_per_s / 3
     assert HostProfile.from_json(profile.to_json()) == profile
     assert profile.busy_percent is None or profile.busy_percent >= 0
 
