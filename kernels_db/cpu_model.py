@@ -6,8 +6,9 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
                   flops / attention_rate(keys),              fused SDPA forward / backward
                   (ATen's math path, a CPU attention with dropout: its matmuls, softmax and draws in turn)
                   flops / depthwise_rate(flops),             depthwise convolutions
-                  elements / special_rate[op])               exp, tanh, gelu, silu, softmax, ...,
+                  elements / special_rate[op],               exp, tanh, gelu, silu, softmax, ...,
                                                              and random draws (dropout, randn, ...)
+                  steps x ns_per_step + flops / lstm_rate)   oneDNN's LSTM layer (its own probe)
 
 at least the op's probed one-element call (``op_floors_ns``; a convolution's on the path ATen routes it
 to, ``cpu_convolution.py``) less the dispatch charged as host time.
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 
 from boomfx.core.devices import DeviceSpec
+from boomfx.passes.costs.recurrent import lstm_layer_dims
 from boomfx.passes.costs.registry import OpCall, price_call
 
 from boomfx.kernels_db.cpu_convolution import floor_key
@@ -77,6 +79,8 @@ class CpuKernelModel:
             backward = call.op.overloadpacket in _ATTENTION_BACKWARD
             keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
             ns = max(ns, flops / self.profile.attention_rate(float(keys), backward) * 1e9)
+        if call.op.overloadpacket in _FUSED_LSTM:
+            return max(ns, self._lstm_layer_ns(call), self.floor_ns(call))
         outputs = call.tensor_outputs()
         rate = self.special_rate(call)
         if rate:
@@ -98,6 +102,29 @@ class CpuKernelModel:
         if (call.arg("dropout_p") or 0) > 0 and dropout:
             ns += scores / dropout * 1e9
         return ns
+
+    def _lstm_layer_ns(self, call: OpCall) -> float:
+        """oneDNN's LSTM layer at the probe's cost per step plus its FLOPs at the probe's rate for the pass
+        (``HostProfile.lstm_layer``: inference, training forward, backward). A profile without it: the input
+        projection as one GEMM over every step, one small recurrent GEMM per step (each at the GEMM curve's
+        rate of its FLOPs) and the gates at the sigmoid's element rate, the backward twice the products."""
+        steps, batch, width, hidden = (int(v) for v in lstm_layer_dims(call))
+        backward = call.op.overloadpacket is aten.mkldnn_rnn_layer_backward
+        flops, _, _ = price_call(call).cost.evaluate()
+        measured = self.profile.lstm_layer.get(
+            "backward" if backward else "forward_train" if call.arg("train") else "forward")
+        if measured is not None:
+            per_step, rate = measured
+            return steps * per_step + flops / rate * 1e9
+        dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
+        footprint = self.footprint_bytes
+        projection = 2.0 * steps * batch * width * 4 * hidden
+        recurrent = 2.0 * batch * hidden * 4 * hidden
+        products = (projection / self.profile.gemm_rate(dtype, projection, footprint)
+                    + steps * recurrent / self.profile.gemm_rate(dtype, recurrent, footprint)) * 1e9
+        gates = self.profile.special_elements_per_s.get("sigmoid")
+        cell = 5.0 * steps * batch * hidden / gates * 1e9 if gates else 0.0
+        return products * (2 if backward else 1) + cell
 
     def special_rate(self, call: OpCall) -> Optional[float]:
         """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
@@ -122,6 +149,7 @@ class CpuKernelModel:
         return floor - self.profile.dispatch_ns
 
 _DROPOUTS = frozenset({"dropout", "native_dropout"})
+_FUSED_LSTM = frozenset({aten.mkldnn_rnn_layer, aten.mkldnn_rnn_layer_backward})
 
 
 def _dim(spec: object, i: int) -> int:

@@ -23,6 +23,9 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
   ``randint``, ``randperm``: ATen's CPU generator draws them one at a time under its lock (2-5 ns an
   element here at any thread count, 10-60x a pointwise op's bytes), so a training step's dropouts cost
   more than the matmuls around them on a small model;
+- **oneDNN's LSTM layer**: per pass (inference, training forward, backward) its cost per step and its
+  FLOP rate, solved from a small and a large call (it runs its per-step GEMMs faster than a ``torch.mm``
+  of their size: weights packed once, no dispatch between steps);
 - **page faults**: PyTorch's CPU tensors come from glibc's malloc, which serves a block of 32 MiB or
   more (``DEFAULT_MMAP_THRESHOLD_MAX``; smaller thresholds rise to the largest block freed) with a
   fresh ``mmap`` every time: each of its pages faults on first write (~1 us per 4 KiB page on the
@@ -69,7 +72,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +84,8 @@ SPECIAL_ELEMENTS = 1 << 20    # 4 MiB of fp32
 ATTN_BH = 8
 ATTN_SEQS = (32, 128, 512, 1024)
 DEPTHWISE_CHANNELS = (32, 128, 512)      # [8, C, 28, 28] * [C, 1, 3, 3], groups=C
+LSTM_SMALL = (64, 1, 32)                 # (steps, batch, input = hidden width) of the LSTM layer probes
+LSTM_LARGE = (16, 64, 256)
 SPECIAL_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
                    "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
                    "max_pool2d_with_indices": "max_pool2d", "_safe_softmax": "_softmax"}
@@ -116,6 +121,8 @@ class HostProfile:
     page_fault_ns: float                 # per 4 KiB page of a fresh mmap, on first write
     op_floors_ns: Mapping[str, float]    # aten op name -> its one-element call (dispatch included)
     host_costs: Mapping[str, float] = field(default_factory=dict)   # host_overheads.EAGER_EVENTS -> ns
+    # oneDNN's LSTM layer: pass ("forward", "forward_train", "backward") -> (ns per step, FLOP/s)
+    lstm_layer: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     measured_at: str = ""
     busy_percent: Optional[float] = None   # the host's CPU pressure while measured (cpu_pressure_percent)
 
@@ -161,6 +168,7 @@ class HostProfile:
         d["stream"] = _levels(d["stream"])
         for name in ("attention", "attention_backward", "depthwise_conv"):
             d[name] = _curve(d[name])
+        d["lstm_layer"] = {k: (float(step), float(rate)) for k, (step, rate) in d.get("lstm_layer", {}).items()}
         return cls(**d)
 
 
@@ -346,6 +354,48 @@ def _depthwise_curve(dispatch: float) -> Curve:
     return tuple(points)
 
 
+def _lstm_layer_rates(dispatch: float) -> dict[str, tuple[float, float]]:
+    """oneDNN's LSTM layer (``mkldnn_rnn_layer``, what eager runs per ``nn.LSTM`` layer on a CPU) as ``ns =
+    steps x ns_per_step + FLOPs / rate``, solved from two calls per pass: ``LSTM_SMALL`` (its per-step
+    cost shows) and ``LSTM_LARGE`` (its rate shows); FLOPs as ``passes/costs/recurrent.py`` counts them.
+    Passes: inference, the training forward (``train=True``: it writes the workspace its backward reads),
+    the backward (autograd's, inputs' and weights' gradients)."""
+    from boomfx.passes.costs.recurrent import CELL_FLOPS_PER_UNIT, LSTM_GATES
+    aten = torch.ops.aten
+    samples: dict[str, list[tuple[int, float, float]]] = {"forward": [], "forward_train": [], "backward": []}
+    for steps, batch, width in (LSTM_SMALL, LSTM_LARGE):
+        gates = LSTM_GATES * width
+        x = torch.randn(steps, batch, width, requires_grad=True)
+        weights = [torch.randn(gates, width, requires_grad=True) * 0.1, torch.randn(gates, width) * 0.1,
+                   torch.randn(gates), torch.randn(gates)]
+        state = torch.zeros(1, batch, width)
+        products = 2.0 * steps * batch * 2 * width * gates
+        cell = CELL_FLOPS_PER_UNIT * steps * batch * width
+
+        def layer(train: bool) -> tuple:
+            return aten.mkldnn_rnn_layer(x, *weights, state, state, False, [], 2, width, 1, True, False, False, train)
+
+        with torch.no_grad():
+            samples["forward"].append((steps, products + cell, _kernel_ns(_median_ns(lambda: layer(False), 7),
+                                                                           dispatch)))
+        samples["forward_train"].append((steps, products + cell, _kernel_ns(_median_ns(lambda: layer(True), 7),
+                                                                             dispatch)))
+        y = layer(True)[0]
+        grad = torch.ones_like(y)
+        leaves = [x, weights[0]]
+        ns = _median_ns(lambda: torch.autograd.grad(y, leaves, grad, retain_graph=True), 7)
+        samples["backward"].append((steps, 2 * products + cell, _kernel_ns(ns, dispatch)))
+    rates = {}
+    for name, ((t0, f0, ns0), (t1, f1, ns1)) in samples.items():
+        # ns = t * step + f / rate, two equations; a negative solution means noise: no per-step term
+        per_flop = (ns1 * t0 - ns0 * t1) / (f1 * t0 - f0 * t1)
+        step = (ns0 - f0 * per_flop) / t0
+        if per_flop <= 0 or step < 0:
+            step, per_flop = 0.0, ns1 / f1
+        rates[name] = (step, 1e9 / per_flop)
+    return rates
+
+
 def _op_floors() -> dict[str, float]:
     """The one-element (or smallest legal) call of each composite op whose fixed cost exceeds a pointwise
     op's dispatch, through the aten op as eager code calls it."""
@@ -446,6 +496,7 @@ def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
         {name: _gemm_levels(dt, dispatch, flushes) for name, dt in GEMM_DTYPES.items()},
         _stream_levels(dispatch, flushes), _special_rates(dispatch), _attention_rates(dispatch, False),
         _attention_rates(dispatch, True), _depthwise_curve(dispatch), _page_fault_ns(), _op_floors(), costs,
+        _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {},
         time.strftime("%Y-%m-%d %H:%M:%S"))
     readings = [p for p in (before, cpu_pressure_percent()) if p is not None]
     return replace(profile, busy_percent=max(readings)) if readings else profile

@@ -312,6 +312,9 @@ def test_the_real_probe_measures_this_host():
                                                    "randn", "randn_like", "rand", "uniform_", "randperm"}
     # ATen's CPU generator draws one number at a time: a dropout is far slower per element than an add of the
     # same size reading and writing its 12 bytes per element (the pointwise curve, warm)
+    if torch.backends.mkldnn.is_available():   # oneDNN's LSTM layer per pass: a cost per step and a FLOP rate
+        assert set(profile.lstm_layer) == {"forward", "forward_train", "backward"}
+        assert all(step >= 0 and rate > 0 for step, rate in profile.lstm_layer.values())
     moved, ns = profile.stream[0][1][-1]
     add_elements_per_s = moved / 12 / (ns / 1e9)
     assert profile.special_elements_per_s["dropout"] < add_elements_per_s / 3

@@ -124,10 +124,11 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     label = str(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
     roles = export_roles(ep)
     symbols = symbols_of(ep, roles)
-    if not options.train and not options.amp:   # (the export kept: tensor-parallel serving shards it)
+    if not options.train and not options.amp and not has_recurrent_layers(ep):
+        # (the export kept: tensor-parallel serving shards it)
         return Program(ep.graph_module, symbols, roles, options, param_names=export_param_names(ep), source=label,
                        export=ep)
-    refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp")
+    refuse_retrace_of_stand_ins(ep, "--train" if options.train else "--amp" if options.amp else "a recurrent layer")
     # transformers' eager attention calls (trace_step): kept once per export graph, so found again there at once
     eager_attention = traces_eager_attention(options) and eager_attention_export(ep, symbols, roles) is not ep
     key = trace_key(archive_key(ep), options, eager_attention)
@@ -141,6 +142,15 @@ def _capture(source: Any, *example_inputs: Any, options: ProgramOptions = Progra
     if options.train:   # the per-rank tensor-parallel rewrite re-traces it (boomfx/distributed)
         program = dataclasses.replace(program, export=ep)
     return program
+
+
+def has_recurrent_layers(ep: ExportedProgram) -> bool:
+    """An export holding ``aten.lstm``/``gru``/``rnn_*`` calls: one node for a whole recurrent layer stack,
+    which eager PyTorch runs as oneDNN's LSTM primitive per layer or ATen's loop of per-step cell ops.
+    Re-traced (an inference step too), they become those kernels (torch's decompositions, as eager picks
+    them: ``training/recurrent.py``), priced and allocated one by one like every other kernel."""
+    from boomfx.training.recurrent import RNN_OPS
+    return any(node.target in RNN_OPS for node in ep.graph.nodes)
 
 
 def trace_step(ep: Any, options: ProgramOptions) -> Any:

@@ -37,6 +37,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
+from boomfx.training.recurrent import RNN_OPS, run_recurrent
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import clean_module_path, find_layer_list, layer_instance, stack_paths
 
@@ -246,6 +247,8 @@ class GraphRunner:
             if is_inactive_dropout(node):
                 # ATen returns the input itself; the Python decomposition the re-trace would use clones it
                 return args[0]
+            if target in RNN_OPS:     # the kernels eager runs for the layer stack (training/recurrent.py)
+                return run_recurrent(target, args, kwargs)
             if target in SIZE_READING_CPP_KERNELS:
                 # their C++ kernels read sizes as ints and would fix the batch symbol to its example
                 # size (MobileNetV2/EfficientNet TF padding, Swin's window padding): run torch's

@@ -22,12 +22,18 @@ Fixed ops:
   (``meta_histc``) refuses integer input on the CPU device boomfx traces on, as the CPU kernel does. Its
   output is ``[bins]`` of the input's dtype.
 
+- ``aten.mkldnn_rnn_layer`` in training (``train=True`` under autograd): oneDNN's LSTM saves a workspace for its backward
+  (about 16 x steps x batch x hidden x 4 bytes in fp32, with oneDNN's own padding), which torch's meta
+  function returns empty. Its size is read off a real call at the trace's example sizes (tiny random
+  tensors, once per shape) and scaled with steps x batch (linear within 1-2% here).
+
 Known limitations: only the ops above; any other meta failure still raises. The registration is
 process-wide while the context is open (torch keeps fake implementations in one table).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,9 +70,44 @@ def _histc(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return torch.empty([bins], dtype=values["self"].dtype, device=values["self"].device)
 
 
+def _onednn_lstm_layer(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    values = dict(zip((a.name for a in op._schema.arguments), args))
+    values.update(kwargs)
+    if not values["train"] or not torch.is_grad_enabled():
+        return NotImplemented      # no workspace (ATen keeps none without autograd): torch's meta function is right
+    x, hidden = values["input"], int(values["hidden_size"])
+    steps, batch = (x.size(1), x.size(0)) if values["batch_first"] else (x.size(0), x.size(1))
+    per_row = _workspace_bytes(_hint(steps), _hint(batch), int(x.size(-1)), hidden, x.dtype)
+    shape = (batch, steps, hidden) if values["batch_first"] else (steps, batch, hidden)
+    with fake_mode:
+        new = x.new_empty
+        return (new(shape), new((1, batch, hidden)), new((1, batch, hidden)),
+                new((per_row * steps * batch,), dtype=torch.uint8))
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace_bytes(steps: int, batch: int, width: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes per (step, batch row) of oneDNN's LSTM training workspace, from one real call at these sizes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), torch.enable_grad():  # real tensors, outside the fake mode and make_fx
+        gates = 4 * hidden
+        x = torch.zeros(steps, batch, width, dtype=dtype)
+        weights = (torch.zeros(gates, width, dtype=dtype), torch.zeros(gates, hidden, dtype=dtype),
+                   torch.zeros(gates, dtype=dtype), torch.zeros(gates, dtype=dtype))
+        state = torch.zeros(1, batch, hidden, dtype=dtype)
+        workspace = aten.mkldnn_rnn_layer(x, *weights, state, state, False, [], 2, hidden, 1, True, False, False,
+                                          True)[3]
+    return -(-workspace.numel() * workspace.element_size() // (steps * batch))
+
+
 _FIXES = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
     aten.histc.default: _histc,
+    aten.mkldnn_rnn_layer.default: _onednn_lstm_layer,
 }
 
 

@@ -2,7 +2,7 @@
 import importlib
 
 FAMILIES = ("matmul", "conv", "attention", "pointwise", "reduction", "norms", "indexing", "views",
-            "optimizer", "collectives", "pooling", "grouped_mm")
+            "optimizer", "collectives", "pooling", "grouped_mm", "recurrent")
 _loaded = False
 
 
