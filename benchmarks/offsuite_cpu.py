@@ -3,7 +3,8 @@
 Hand-written ``nn.Module`` models (an LSTM language model, a bidirectional GRU classifier, a Conv1d audio
 net, a small U-Net with GroupNorm and transposed convolutions, ``nn.TransformerEncoder`` with its default
 dropout, an MLP-Mixer, a DLRM-like model with ``EmbeddingBag``, a convolutional VAE), exported in training
-mode (their dropouts and batch norms active, as a training step runs them) with a dynamic batch, and each
+mode (their dropouts and batch norms active, as a training step runs them) with a dynamic batch, and GPT-2
+and BERT with transformers' default dropouts (small configs), and each
 step predicted and run for real by ``boomfx.validate`` at torch's default thread count, wall clock, the
 CLI's defaults (no kernel database: this host's probe). Writes ``benchmarks/results/offsuite_cpu.{json,md}``.
 
@@ -114,6 +115,24 @@ def cases():
     yield "mixer", Mixer(), (torch.randn(16, 3, 64, 64),), ({0: B},)
     yield "dlrm", DLRMish(), (torch.randn(64, 13), torch.randint(0, 20000, (64, 8, 4))), ({0: B}, {0: B})
     yield "vae", ConvVAE(), (torch.randn(16, 3, 64, 64),), ({0: B},)
+    yield from _transformers_cases(B)
+
+
+def _transformers_cases(batch: torch.export.Dim):
+    """GPT-2 and BERT as people fine-tune them: small configs with transformers' default dropouts (0.1)."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return
+    ids = torch.randint(0, 4096, (4, 128))
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=4096, n_positions=512,
+                                            bos_token_id=0, eos_token_id=0, use_cache=False))
+    bert = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=4,
+                                            intermediate_size=1024, vocab_size=4096))
+    for name, model in (("gpt2-dropout", gpt2), ("bert-dropout", bert)):
+        model.train()
+        yield name, model, (ids,), ({0: batch},)
+
 
 def run(models: list[str], repeats: int, directory: str) -> list[dict]:
     import boomfx
@@ -126,7 +145,7 @@ def run(models: list[str], repeats: int, directory: str) -> list[dict]:
         for train in (False, True):
             try:
                 r = boomfx.validate(path, train=train, db="none", repeats=repeats,
-                                    loss="mean" if train else "auto")
+                                    loss="mean" if train and "dropout" not in name else "auto")
             except Exception as exc:        # a failure is a result here: reported, not hidden
                 rows.append({"model": name, "mode": "train" if train else "inference", "error": f"{type(exc).__name__}: {exc}"[:300]})
                 continue

@@ -129,3 +129,55 @@ def test_contiguous_depthwise_large_kernel_backward_one_thread(shape) -> None:
     finally:
         torch.set_num_threads(before)
     assert abs(predicted - real) <= 0.12 * max(real, predicted) + SLACK_BYTES, (shape, predicted, real)
+
+
+# 1-d and transposed convolutions, at shapes other than the ones their rules were read from:
+# (name, input shape, weight shape, stride, padding, transposed, output padding)
+ONE_D_AND_TRANSPOSED = [
+    ("conv1d", (6, 24, 1500), (48, 24, 5), [1], [2], False, [0]),
+    ("conv1d-s2", (4, 48, 3000), (32, 48, 9), [2], [4], False, [0]),   # backward: see KNOWN_GAPS
+    ("transposed2d", (8, 96, 12, 12), (96, 48, 4, 4), [2, 2], [1, 1], True, [0, 0]),
+    ("transposed1d", (4, 48, 700), (48, 24, 4), [2], [1], True, [0]),
+]
+
+
+# the strided dense 1-d backward holds 1.4 MB more than the rule (kernels_db/cpu_scratch.py says so): strict, so a
+# rule that comes to model it says it here
+KNOWN_GAPS = {("conv1d-s2", True)}
+
+
+@pytest.mark.parametrize("case", ONE_D_AND_TRANSPOSED, ids=[c[0] for c in ONE_D_AND_TRANSPOSED])
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_one_d_and_transposed_convolution_scratch_matches_profiler(case, backward, request) -> None:
+    """A 1-d convolution runs as the 2-d one on ``[N, C, 1, L]``; a transposed one (oneDNN's deconvolution)
+    holds two blocked copies of its output forward, the input's and the gradient's plain copies backward."""
+    name, x_shape, w_shape, stride, pad, transposed, out_pad = case
+    if (name, backward) in KNOWN_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="strided dense 1-d backward: not modelled"))
+    x, w = torch.randn(*x_shape), torch.randn(*w_shape)
+    dilation = [1] * len(stride)
+    conv_args = (stride, pad, dilation, transposed, out_pad, 1)
+    y = aten.convolution(x, w, None, *conv_args)
+    named = {"stride": stride, "padding": pad, "dilation": dilation, "transposed": transposed,
+             "output_padding": out_pad, "groups": 1}
+    if not backward:
+        def run() -> None:
+            aten.convolution(x, w, None, *conv_args)
+        returned = y.numel() * 4
+        call = OpCall(aten.convolution.default, {"input": _spec(x), "weight": _spec(w), "bias": None, **named},
+                      (_spec(y),))
+    else:
+        go, mask = torch.randn(y.shape), [True, True, False]
+
+        def run() -> None:
+            aten.convolution_backward(go, x, w, None, *conv_args, mask)
+        returned = (x.numel() + w.numel()) * 4
+        call = OpCall(aten.convolution_backward.default, {"grad_output": _spec(go), "input": _spec(x),
+                                                          "weight": _spec(w), "bias_sizes": None,
+                                                          **named, "output_mask": mask},
+                      (_spec(x), _spec(w), None))
+    run()
+    real = profiler_peak_bytes(run) - returned
+    predicted = convolution_scratch_bytes(call)
+    assert real > 0
+    assert abs(predicted - real) <= TOLERANCE * max(real, predicted) + SLACK_BYTES, (case, backward, predicted, real)

@@ -3,7 +3,9 @@
 These kernels do (almost) no arithmetic; their cost is bytes. The rules, by pattern:
 
 - gather-like (``embedding``, ``index``, ``index_select``, ``gather``): read the indices and only
-  the *gathered* elements (``out.numel`` of them), write the output. 0 FLOPs.
+  the *gathered* elements (``out.numel`` of them), write the output. 0 FLOPs. ``embedding_bag`` gathers
+  ``indices.numel`` rows and pools them into bags (one add per gathered element); its dense backward
+  zero-fills the whole table's gradient and adds each gathered row's gradient into it.
 - scatter-like out of place (``scatter``, ``index_put``, ``index_add``, ``slice_scatter``...):
   copy ``self`` into the output (read self, write out), then read indices + source and write the
   source-sized region again; accumulating variants do one add per source element.
@@ -74,6 +76,30 @@ def embedding_backward_cost(call: OpCall) -> Cost:
     g, out = call.arg("grad_output"), first_output(call)
     touched = g.numel * out.itemsize
     return Cost(g.numel, bytes_of([g, call.arg("indices")]) + touched, unique_bytes(out) + touched)
+
+
+@register_cost(aten.embedding_bag, aten._embedding_bag, aten._embedding_bag_forward_only)
+def embedding_bag_cost(call: OpCall) -> Cost:
+    """Pool ``indices.numel`` rows of ``weight`` into bags: reads the indices, offsets, per-sample weights and
+    the gathered rows (never the whole table), ``rows x D`` FLOPs (twice with per-sample weights); writes
+    the pooled output and the bookkeeping outputs (``offset2bag``, ``bag_size``, ``max_indices``)."""
+    weight, indices = call.arg("weight"), call.arg("indices")
+    per_sample = call.arg("per_sample_weights")
+    rows = indices.numel * weight.shape[-1]
+    read = bytes_of([indices, call.arg("offsets"), per_sample]) + rows * weight.itemsize
+    return Cost(rows * (2 if isinstance(per_sample, TensorSpec) else 1), read, written_all(call))
+
+
+@register_cost(aten._embedding_bag_backward, aten._embedding_bag_dense_backward)
+def embedding_bag_backward_cost(call: OpCall) -> Cost:
+    """The dense weight gradient: the whole ``[num_weights, D]`` table zero-filled (written), then each
+    index's bag gradient row added into its row (read-modify-write of ``indices.numel x D`` elements,
+    reading the incoming gradient and the bookkeeping tensors)."""
+    grad, indices, out = call.arg("grad"), call.arg("indices"), first_output(call)
+    touched = indices.numel * grad.shape[-1] * out.itemsize
+    bookkeeping = bytes_of([indices, call.arg("offset2bag"), call.arg("bag_size"), call.arg("per_sample_weights")])
+    return Cost(indices.numel * grad.shape[-1], unique_bytes(grad) + bookkeeping + touched,
+                unique_bytes(out) + touched)
 
 
 # ---------------------------------------------------------------------------------------------
