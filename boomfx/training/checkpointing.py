@@ -38,6 +38,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
 from boomfx.training.recurrent import RNN_OPS, run_recurrent
+from boomfx.training.resize import RESIZE_OPS, run_resize
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import clean_module_path, find_layer_list, layer_instance, stack_paths
 
@@ -249,6 +250,8 @@ class GraphRunner:
                 return args[0]
             if target in RNN_OPS:     # the kernels eager runs for the layer stack (training/recurrent.py)
                 return run_recurrent(target, args, kwargs)
+            if target in RESIZE_OPS:  # interpolation's one kernel, its size on SymInts (training/resize.py)
+                return run_resize(target, args, kwargs)
             if target in SIZE_READING_CPP_KERNELS:
                 # their C++ kernels read sizes as ints and would fix the batch symbol to its example
                 # size (MobileNetV2/EfficientNet TF padding, Swin's window padding): run torch's

@@ -27,6 +27,12 @@ Fixed ops:
   function returns empty. Its size is read off a real call at the trace's example sizes (tiny random
   tensors, once per shape) and scaled with steps x batch (linear within 1-2% here).
 
+- ``aten.upsample_{nearest,linear,bilinear,bicubic,trilinear}{1,2,3}d`` and their backwards
+  (``F.interpolate``, ``nn.Upsample``): their meta functions read the input's sizes as ints, fixing a symbolic
+  batch to the example's (``--train`` refused every model with an interpolation). The output is the input's
+  leading dimensions and the requested spatial size (the backward: ``input_size``), in the input's memory
+  format, as the kernels allocate it.
+
 Known limitations: only the ops above; any other meta failure still raises. The registration is
 process-wide while the context is open (torch keeps fake implementations in one table).
 """
@@ -104,10 +110,31 @@ def _workspace_bytes(steps: int, batch: int, width: int, hidden: int, dtype: tor
     return -(-workspace.numel() * workspace.element_size() // (steps * batch))
 
 
+def _upsample(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    values = dict(zip((a.name for a in op._schema.arguments), args))
+    values.update(kwargs)
+    if "grad_output" in values:       # the backward: a gradient of the input's size
+        like, shape = values["grad_output"], list(values["input_size"])
+    else:
+        like = values["self"]
+        shape = [*like.shape[:2], *values["output_size"]]
+    channels_last = like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) \
+        and not like.is_contiguous()
+    with fake_mode:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+
+
+_UPSAMPLES = [getattr(aten, f"upsample_{kind}{d}d{suffix}").default
+              for kind, dims in (("nearest", (1, 2, 3)), ("linear", (1,)), ("bilinear", (2,)), ("bicubic", (2,)),
+                                 ("trilinear", (3,)))
+              for d in dims for suffix in ("", "_backward")]
+
 _FIXES = {
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
     aten.histc.default: _histc,
     aten.mkldnn_rnn_layer.default: _onednn_lstm_layer,
+    **{op: _upsample for op in _UPSAMPLES},
 }
 
 

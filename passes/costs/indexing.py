@@ -11,6 +11,9 @@ These kernels do (almost) no arithmetic; their cost is bytes. The rules, by patt
   source-sized region again; accumulating variants do one add per source element.
 - in-place scatters (``index_put_``, ``scatter_add_``...): no copy; only the source-sized region
   is read and written (plus a read of it when accumulating).
+- resizes: nearest upsampling is copy-like; the interpolating ones (linear family, bicubic) read the input
+  once and do ``2 x taps`` FLOPs per output element; every backward zero-fills the input's gradient and
+  accumulates the output's into it.
 - copy-like (``cat``, ``stack``, ``repeat``, ``expand_copy``, ``tril``...): every input read once at
   its own size, output written once. 0 FLOPs. ``constant_pad_nd`` with a border fills its output and then
   copies the input into it: the output written once and the input's bytes again.
@@ -152,6 +155,15 @@ def scatter_cost(call: OpCall) -> Cost:
     return Cost(flops, read, written)
 
 
+@register_cost(aten.select_backward, aten.slice_backward, aten.diagonal_backward)
+def view_backward_cost(call: OpCall) -> Cost:
+    """A view's gradient (autograd's ``select_backward``, ``slice_backward``, ``diagonal_backward``): a
+    zero-filled tensor of the input's sizes (written) with the incoming gradient copied into the viewed
+    region (read, written)."""
+    grad, out = call.arg("grad_output"), first_output(call)
+    return Cost(0, unique_bytes(grad), unique_bytes(out) + unique_bytes(grad))
+
+
 # ---------------------------------------------------------------------------------------------
 # Copies: concatenation, repetition, padding, masking
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +186,34 @@ def copy_like_cost(call: OpCall) -> Cost:
     if not call.tensor_outputs() and isinstance(call.arg("self"), TensorSpec):  # in-place tril_/triu_
         written = unique_bytes(call.arg("self"))
     return Cost(0, read_all(call), written)
+
+
+# interpolating resizes: input taps per output element (each a multiply-add)
+_INTERPOLATION_TAPS = {"upsample_linear1d": 2, "upsample_bilinear2d": 4, "upsample_trilinear3d": 8,
+                       "upsample_bicubic2d": 16, "_upsample_bilinear2d_aa": 4}
+
+
+@register_cost(aten.upsample_linear1d, aten.upsample_bilinear2d, aten.upsample_trilinear3d, aten.upsample_bicubic2d,
+               aten._upsample_bilinear2d_aa)
+def interpolate_cost(call: OpCall) -> Cost:
+    """``F.interpolate`` (linear family, bicubic): the input read once (its taps overlap), the output written
+    once, ``taps x 2`` FLOPs per output element (2^d taps for (bi/tri)linear, 16 for bicubic)."""
+    taps = _INTERPOLATION_TAPS[call.op.overloadpacket.__name__]
+    out = first_output(call)
+    return Cost(2 * taps * out.numel, read_all(call), written_all(call))
+
+
+@register_cost(aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+               aten.upsample_linear1d_backward, aten.upsample_bilinear2d_backward, aten.upsample_trilinear3d_backward,
+               aten.upsample_bicubic2d_backward)
+def interpolate_backward_cost(call: OpCall) -> Cost:
+    """The input's gradient zero-filled, then each output gradient element added into its taps (nearest: 1):
+    reads the incoming gradient and read-modify-writes the input's gradient, ``taps x 2`` FLOPs per
+    incoming element."""
+    name = call.op.overloadpacket.__name__.removesuffix("_backward")
+    taps = _INTERPOLATION_TAPS.get(name, 1)
+    grad, out = call.arg("grad_output"), first_output(call)
+    return Cost(2 * taps * grad.numel, unique_bytes(grad) + unique_bytes(out), 2 * unique_bytes(out))
 
 
 @register_cost(aten.constant_pad_nd, aten.pad)
