@@ -37,7 +37,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from boomfx.passes.aliasing import is_inactive_dropout
 from boomfx.training import amp as amp_policy
-from boomfx.training.recurrent import RNN_OPS, run_recurrent
+from boomfx.training.recurrent import RNN_OPS, output_feeds_matmul, run_recurrent
 from boomfx.training.resize import RESIZE_OPS, run_resize
 from boomfx.core.errors import OptionError
 from boomfx.core.layers import clean_module_path, find_layer_list, layer_instance, stack_paths
@@ -179,7 +179,14 @@ def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:
 # is caught by training/trace.py's check that no size symbol was fixed. baddbmm: its meta function
 # expands a broadcast ``self`` (Bloom's ALiBi bias, [batch x heads, 1, seq]) through the int-only
 # ``expand`` kernel, an error without the Python dispatcher.
-SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default, aten.baddbmm.default}
+# im2col (F.unfold) and the real FFTs read sizes as ints too (the FFTs' C++ kernels resize their outputs
+# in place, which a fake tensor refuses).
+SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default, aten.baddbmm.default,
+                            aten.im2col.default, aten.fft_rfft.default, aten.fft_irfft.default}
+# C++ composites that refuse symbolic sizes outright ("SymIntArrayRef expected to contain only concrete
+# integers"): run as torch's Python decomposition of the same ops (affine_grid_generator: F.affine_grid's
+# linspace, stack and matmul, as the C++ composite computes it).
+DECOMPOSED_COMPOSITES = {aten.affine_grid_generator.default}
 
 
 class GraphRunner:
@@ -249,9 +256,12 @@ class GraphRunner:
                 # ATen returns the input itself; the Python decomposition the re-trace would use clones it
                 return args[0]
             if target in RNN_OPS:     # the kernels eager runs for the layer stack (training/recurrent.py)
-                return run_recurrent(target, args, kwargs)
+                return run_recurrent(target, args, kwargs, output_feeds_matmul(node))
             if target in RESIZE_OPS:  # interpolation's one kernel, its size on SymInts (training/resize.py)
                 return run_resize(target, args, kwargs)
+            if target in DECOMPOSED_COMPOSITES:
+                from torch._decomp import decomposition_table
+                return decomposition_table[target](*args, **kwargs)
             if target in SIZE_READING_CPP_KERNELS:
                 # their C++ kernels read sizes as ints and would fix the batch symbol to its example
                 # size (MobileNetV2/EfficientNet TF padding, Swin's window padding): run torch's

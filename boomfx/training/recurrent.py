@@ -15,6 +15,7 @@ training workspace its real size, which the meta function leaves empty.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -27,21 +28,28 @@ ONEDNN_LSTM_MODE = 2        # ideep::rnn_kind::LSTM
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def run_recurrent(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+def run_recurrent(target: Any, args: Sequence[Any], kwargs: dict[str, Any], feeds_matmul: bool = False) -> Any:
     """The layer stack as eager runs it (module docstring); ``args`` as the export node's.
 
-    A ``batch_first`` output is returned contiguous: eager returns a transposed view, and a ``linear`` on it
-    (the usual next layer) folds into one ``mm`` after copying it; on symbolic sizes the traced ``matmul``
-    cannot prove the fold and takes ``bmm`` with an out-of-place bias ``add`` (a second logits-sized
-    tensor at the peak). The copy here is the one eager's fold makes."""
+    A ``batch_first`` output that a ``linear``/``matmul`` reads (``feeds_matmul``) is returned contiguous:
+    eager returns a transposed view, and the matmul folds it into one ``mm`` after copying it; on symbolic
+    sizes the traced ``matmul`` cannot prove the fold and takes ``bmm`` with an out-of-place bias ``add``
+    (a second logits-sized tensor at the peak). The copy here is the one eager's fold makes."""
     if target is aten.lstm.input and _onednn_lstm(args):
         outputs = _lstm_onednn(*args, **kwargs)
     else:
         with enable_python_dispatcher():
             outputs = target(*args, **kwargs)
-    if args[8]:      # batch_first (the last argument of every recurrent op's ``.input`` overload)
+    if args[8] and feeds_matmul:     # batch_first (the last argument of every ``.input`` overload)
         outputs = (outputs[0].contiguous(), *outputs[1:])
     return outputs
+
+
+def output_feeds_matmul(node: Any) -> bool:
+    """Whether a recurrent node's output sequence (``getitem 0``) is read by a ``linear``/``matmul``."""
+    sequences = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    return any(getattr(v.target, "overloadpacket", None) in (aten.linear, aten.matmul)
+               for u in sequences for v in u.users)
 
 
 def _onednn_lstm(args: Sequence[Any]) -> bool:

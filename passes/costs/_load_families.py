@@ -2,7 +2,7 @@
 import importlib
 
 FAMILIES = ("matmul", "conv", "attention", "pointwise", "reduction", "norms", "indexing", "views",
-            "optimizer", "collectives", "pooling", "grouped_mm", "recurrent")
+            "optimizer", "collectives", "pooling", "grouped_mm", "recurrent", "spectral")
 _loaded = False
 
 

@@ -246,7 +246,8 @@ def constant_pad_cost(call: OpCall) -> Cost:
 
 @register_cost(aten.zeros, aten.ones, aten.full, aten.arange, aten.linspace, aten.logspace, aten.eye,
                aten.zeros_like, aten.ones_like, aten.full_like, aten.new_zeros, aten.new_ones,
-               aten.new_full, aten.scalar_tensor)
+               aten.new_full, aten.scalar_tensor, aten.hann_window, aten.hamming_window, aten.blackman_window,
+               aten.bartlett_window, aten.kaiser_window)
 def factory_cost(call: OpCall) -> Cost:
     """Writes its output; reads nothing (a ``*_like``/``new_*`` uses only the template's metadata)."""
     return Cost(0, 0, written_all(call))

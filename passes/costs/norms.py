@@ -128,7 +128,8 @@ def rms_norm_backward_cost(call: OpCall) -> Cost:
 # Batch norm and group norm: statistics pass + transform pass
 # ---------------------------------------------------------------------------------------------
 
-_ALWAYS_TRAINING = frozenset({aten._batch_norm_with_update, aten.native_group_norm, aten.group_norm})
+_ALWAYS_TRAINING = frozenset({aten._batch_norm_with_update, aten.native_group_norm, aten.group_norm,
+                              aten.instance_norm})       # instance norm's statistics are always the input's
 _NEVER_TRAINING = frozenset({aten._native_batch_norm_legit_no_training, aten._batch_norm_no_update})
 # Ops that update running_mean/var in place (their new values are not among the outputs).
 _MUTATES_RUNNING_STATS = frozenset({aten.native_batch_norm, aten._native_batch_norm_legit, aten.batch_norm,
@@ -147,7 +148,7 @@ def _training(call: OpCall) -> bool:
 @register_cost(aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
                aten._native_batch_norm_legit_no_training, aten.cudnn_batch_norm, aten.miopen_batch_norm,
                aten.batch_norm, aten._batch_norm_with_update, aten._batch_norm_no_update,
-               aten.native_group_norm, aten.group_norm)
+               aten.native_group_norm, aten.group_norm, aten.instance_norm)
 def batch_norm_cost(call: OpCall) -> Cost:
     """Training: stats pass (3/elem, reads input) + transform pass (4/elem, reads input again).
     Eval: transform pass only, with the running statistics."""
