@@ -214,6 +214,16 @@ def test_embedding_bag_reads_gathered_rows_only_and_its_backward_writes_the_tabl
                             20000 * 64 * F32 + rows)
 
 
+def test_glu_and_embedding_renorm():
+    """GLU halves its input: a * sigmoid(b) per output element (sigmoid's FLOPs + 1), the whole input read;
+    Embedding(max_norm) renormalises only the looked-up rows, in place."""
+    from boomfx.passes.costs.pointwise import SIGMOID_FLOPS
+    glu = price(aten.glu.default, spec(4, 64), -1, outputs=(spec(4, 32),))
+    assert glu == Cost(128 * (SIGMOID_FLOPS + 1), 256 * F32, 128 * F32)
+    renorm = price(aten.embedding_renorm_.default, spec(100, 16), spec(12, dtype=torch.int64), 1.0, 2.0)
+    assert renorm == Cost(3 * 12 * 16, 12 * I64 + 12 * 16 * F32, 12 * 16 * F32)
+
+
 def test_cat_and_pad_and_factories():
     assert price(aten.cat.default, [spec(2, 3), spec(4, 3)], 0, outputs=(spec(6, 3),)) == Cost(0, 72, 72)
     # a border: the output filled (96 B), then the input copied into its interior (64 B more), as ATen's

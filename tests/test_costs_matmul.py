@@ -145,3 +145,16 @@ def test_mlp_training_step_agrees_with_flop_counter():
     assert fc.get_total_flops() == 6144 + 8192
     graph = make_fx(step)(x).graph
     assert family_flops(graph, MATMUL_PACKETS) == fc.get_total_flops() + 160  # + bias adds of addmm
+
+
+def test_bilinear_and_its_trilinear_kernel_by_hand():
+    """nn.Bilinear, y[n, o] = x1[n] W[o] x2[n] + b[o]: 2 N O I1 I2 for the contraction with W, 2 N O I2 for the
+    one with x2, + N O for the bias; its kernel, _trilinear, as 2 FLOPs per point of its product space."""
+    x1, x2, w, b, out = spec(4, 16), spec(4, 12), spec(8, 16, 12), spec(8), spec(4, 8)
+    bilinear = price_call(OpCall.build(torch.ops.aten.bilinear.default, (x1, x2, w, b), {}, (out,))).cost
+    assert bilinear.flops == 2 * 4 * 8 * 16 * 12 + 2 * 4 * 8 * 12 + 32
+    # _trilinear as ATen calls it for bilinear: i1 [4, 16] -> [4, 1, 16, 1], W [8, 16, 12] -> [1, 8, 16, 12],
+    # i2 [4, 12] -> [4, 1, 1, 12], summed over dims 2 and 3: out [4, 8] x 16 x 12 points
+    tri = price_call(OpCall.build(torch.ops.aten._trilinear.default,
+                                  (x1, w, x2, [1, 3], [0], [1, 2], [2, 3]), {}, (out,))).cost
+    assert tri.flops == 2 * 32 * 16 * 12

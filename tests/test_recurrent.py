@@ -161,3 +161,52 @@ def test_a_symbolic_batch_stays_symbolic():
         small, large = (analysis.evaluate(resolve_bindings(program, {}, batch, None)).report for batch in (4, 8))
         assert large.memory.peak_live_bytes > small.memory.peak_live_bytes
         assert large.time.total_ns > small.time.total_ns
+
+
+def test_the_cell_loops_ops_are_marked_as_atens_own_loop():
+    """A GRU's per-step cell ops (forward, and their backward in training) carry META_NATIVE_LOOP: ATen's C++
+    loop issues them, not Python; the layers around the GRU do not."""
+    from boomfx.core.program import META_NATIVE_LOOP
+    ep, _ = _export("gru")
+    for train in (False, True):
+        program = capture(ep, options=ProgramOptions(train, "adamw" if train else "none", target_kind="cpu",
+                                                     loss="mean"))
+        nodes = [n for n in program.gm.graph.nodes if n.op == "call_function"]
+        sigmoids = [n for n in nodes if n.target is aten.sigmoid.default]
+        assert len(sigmoids) == 2 * STEPS * 2 * 2 and all(n.meta.get(META_NATIVE_LOOP) for n in sigmoids)
+        fc = [n for n in nodes if "fc" in str(n.meta.get("nn_module_stack", {}))
+              and program.phase_of(n) == "forward"]
+        assert fc and not any(n.meta.get(META_NATIVE_LOOP) for n in fc)
+        if train:
+            backward = [n for n in nodes if n.target is aten.sigmoid_backward.default]
+            assert len(backward) == len(sigmoids) and all(n.meta.get(META_NATIVE_LOOP) for n in backward)
+
+
+def test_a_native_loops_kernels_pay_no_python_switch():
+    """with_eager_dispatch: a kernel after another of the same C++ loop pays no op switch (Python's); the first
+    of the loop, after a Python-issued kernel, does; aliasing ops inside the loop are not counted."""
+    from types import SimpleNamespace
+
+    from boomfx.analysis.host_time import host_ops_before, with_eager_dispatch
+    from boomfx.core.program import META_NATIVE_LOOP
+    from boomfx.simulate.timeline import ScheduledKernel
+
+    class Costs:
+        def switch_ns(self, bytes_before, ns, measured):
+            return 1_000.0
+
+        def alias_ns(self, ops):
+            return 500.0 * ops
+
+    kernels = [SimpleNamespace(node=name, source="model", bytes_moved=64, time_ns=2_000.0)
+               for name in ("linear", "cell_a", "cell_b", "cell_c", "head")]
+    scheduled = [ScheduledKernel(name=k.node, host_ns=0.0, device_ns=2_000.0) for k in kernels]
+    _, added = with_eager_dispatch(kernels, scheduled, Costs(), [0] * 5, native_loop={"cell_a", "cell_b", "cell_c"})
+    assert added == [1_000.0, 1_000.0, 0.0, 0.0, 1_000.0]
+
+    def node(name, view=False, native=False):
+        meta = {META_NATIVE_LOOP: True} if native else {}
+        return SimpleNamespace(op="call_function", name=name, meta=meta,
+                               target=aten.view.default if view else aten.add.Tensor)
+    graph = [node("a"), node("v1", view=True), node("v2", view=True, native=True), node("b")]
+    assert host_ops_before(graph, {"a", "b"}) == {"a": 0, "b": 1}

@@ -30,7 +30,7 @@ from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.opcall import bind_call
 from boomfx.passes.shapes import cost_pass
 from boomfx.kernels_db.plausibility import SLOW_FACTOR, suspect_price_ratio, suspect_rows_warning
-from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before
+from boomfx.analysis.host_time import autograd_nodes, framework_ns, host_ops_before, native_loop_nodes
 from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.kernels_db.pricing import cpu_host_model, host_costs, make_pricer
 from boomfx.core.program import (ROLE_BUFFER, ROLE_INPUT, ROLE_PARAM, Program,
@@ -114,6 +114,7 @@ class Analysis:
         # in training the autograd graph the engine runs
         eager_cpu = device.kind == "cpu" and not compiled
         self._host_ops = host_ops_before(self._nodes, self.costs.by_node) if eager_cpu else {}
+        self._native_loop = native_loop_nodes(self._nodes) if eager_cpu else set()
         train = bool(getattr(program.options, "train", False))
         self._autograd_nodes = autograd_nodes(program) if eager_cpu and train else 0
         # torch.distributed's frameworks in a rank program: FSDP2's hooks per unit, DTensor's per parallel linear
@@ -270,7 +271,8 @@ class Analysis:
                              cudagraphs=self._cudagraphs, graph_inputs=self._graph_inputs,
                              host_ops=[self._host_ops.get(k.node, 0) for k in kernels],
                              autograd_nodes=self._autograd_nodes,
-                             framework_ns=[self._framework_ns.get(k.node, 0.0) for k in kernels])
+                             framework_ns=[self._framework_ns.get(k.node, 0.0) for k in kernels],
+                             native_loop=self._native_loop)
         kernels, scheduled, entries = step.kernels, step.scheduled, step.entries
         timeline = simulate(scheduled, synchronous=self.device.kind == "cpu")
         spans = [s for i, s in enumerate(timeline.spans) if i not in entries]

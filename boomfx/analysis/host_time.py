@@ -15,6 +15,9 @@ Three terms, priced by ``kernels_db/host_overheads.py`` (measured rows of the da
   (``autograd_nodes``), spread over the backward's kernels; a rank program the distributed frameworks'
   own host work (``framework_ns``: FSDP2's hooks per unit, DTensor's per tensor-parallel linear;
   kernels_db/framework_overheads.py).
+  Kernels and views ATen's own C++ loops issue (a GRU's per-step cell ops and their backward,
+  ``META_NATIVE_LOOP``) pay no switch and no aliasing-op cost: no Python runs between them, and the loop
+  body's few ops stay hot.
 - **graph entries** (``--compile``): dynamo's guards and AOTAutograd's wrappers before the forward's first
   kernel, and the backward graph's call and gradient hand-over before the backward's first kernel, as
   host-only entries (no kernel, no report row). On a CPU target they follow the step's last kernel (the
@@ -27,7 +30,8 @@ from typing import Any, Callable, Container, Optional, Sequence
 
 import torch
 
-from boomfx.core.program import META_FSDP_UNIT, META_TP_LINEAR, PHASE_BACKWARD, PHASE_FORWARD, PHASE_RECOMPUTE, ROLE_PARAM
+from boomfx.core.program import (META_FSDP_UNIT, META_NATIVE_LOOP, META_TP_LINEAR, PHASE_BACKWARD, PHASE_FORWARD,
+                                 PHASE_RECOMPUTE, ROLE_PARAM)
 from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
 from boomfx.simulate.timeline import ScheduledKernel
 
@@ -86,9 +90,16 @@ def _counted_before(nodes: Sequence[Any], priced: Container[str], counted: Calla
 
 
 def host_ops_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
-    """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly) run between the
-    kernel before it and itself."""
-    return _counted_before(nodes, priced, lambda node: node.name not in priced and _dispatched(node))
+    """For each priced node, how many aliasing aten ops (unpriced, dispatched eagerly from Python) run between
+    the kernel before it and itself (those ATen's own C++ loops issue, ``META_NATIVE_LOOP``, cost no Python)."""
+    return _counted_before(nodes, priced, lambda node: node.name not in priced and _dispatched(node)
+                           and not node.meta.get(META_NATIVE_LOOP))
+
+
+def native_loop_nodes(nodes: Sequence[Any]) -> set[str]:
+    """The nodes ATen's own C++ loops issue (a recurrent layer's per-step cell ops): no op switch through
+    Python between them."""
+    return {node.name for node in nodes if node.meta.get(META_NATIVE_LOOP)}
 
 
 def tp_linears_before(nodes: Sequence[Any], priced: Container[str]) -> dict[str, int]:
@@ -146,16 +157,18 @@ def framework_ns(nodes: Sequence[Any], priced: Container[str], costs: Any) -> di
 
 
 def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
-                        host_ops: Sequence[int], framework: Optional[Sequence[float]] = None
-                        ) -> tuple[list[ScheduledKernel], list[float]]:
+                        host_ops: Sequence[int], framework: Optional[Sequence[float]] = None,
+                        native_loop: Container[str] = ()) -> tuple[list[ScheduledKernel], list[float]]:
     """``scheduled`` with each eager kernel's switch and the aliasing ops before it (``host_ops``, aligned
     with ``kernels``) added to its time on the CPU thread, and the distributed frameworks' host work charged
-    to it (``framework``, ns, aligned too); what was added to each."""
+    to it (``framework``, ns, aligned too); what was added to each. A kernel ATen's C++ loop issues
+    (``native_loop``, node names) after another of that loop pays no switch: the switch is Python's."""
     out: list[ScheduledKernel] = []
     added: list[float] = []
     framework = framework or [0.0] * len(kernels)
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
-        switch = (0.0 if kernel.source == _IN_STEP else
+        in_loop = kernel.node in native_loop and i > 0 and kernels[i - 1].node in native_loop
+        switch = (0.0 if kernel.source == _IN_STEP or in_loop else
                   costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED))
         extra = switch + costs.alias_ns(host_ops[i]) + framework[i]
         added.append(extra)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Container, Mapping, Optional
 
 import sympy
 
@@ -50,11 +50,12 @@ def schedule_step(kernels: list[KernelReport], scheduled: list[ScheduledKernel],
                   db: Optional[str], bindings: Mapping[sympy.Symbol, int], costs: HostCosts, cpu: bool,
                   compiled: bool, train: bool, cudagraphs: bool, graph_inputs: int,
                   host_ops: Optional[list[int]] = None, autograd_nodes: int = 0,
-                  framework_ns: Optional[list[float]] = None) -> StepSchedule:
+                  framework_ns: Optional[list[float]] = None, native_loop: Container[str] = ()) -> StepSchedule:
     """Apply the four mechanisms of the module doc to the priced step; ``host_ops``: per kernel, the
     aliasing ops before it (``host_time.host_ops_before``; eager CPU steps); ``autograd_nodes``: the graph
     an eager training step's autograd builds (``host_time.autograd_nodes``); ``framework_ns``: per kernel, the
-    distributed frameworks' host work charged to it (``host_time.framework_ns``)."""
+    distributed frameworks' host work charged to it (``host_time.framework_ns``); ``native_loop``: the nodes
+    ATen's C++ loops issue (``host_time.native_loop_nodes``)."""
     if cudagraphs:
         scheduled = [dataclasses.replace(sk, host_ns=CUDAGRAPH_REPLAY_HOST_NS if i == 0 else 0.0)
                      for i, sk in enumerate(scheduled)]
@@ -64,7 +65,7 @@ def schedule_step(kernels: list[KernelReport], scheduled: list[ScheduledKernel],
         scheduled, added = with_cold_starts(kernels, scheduled, costs, compiled)
         if not compiled:
             scheduled, dispatch = with_eager_dispatch(kernels, scheduled, costs, host_ops or [0] * len(kernels),
-                                                      framework_ns)
+                                                      framework_ns, native_loop)
             scheduled, engine = with_autograd(kernels, scheduled, costs, autograd_nodes)
             dispatch = [a + b for a, b in zip(dispatch, engine)]
     kernels, scheduled = apply_block_measurements(analysis, db, bindings, kernels, scheduled)

@@ -40,6 +40,9 @@ META_FSDP_UNIT = "boomfx.fsdp_unit"
 # Node meta: on the all-reduce DTensor issues for a tensor-parallel linear (boomfx/distributed/tp_ops.py): one
 # parallel linear's DTensor host work (its forward, backward and parameters' optimizer step)
 META_TP_LINEAR = "boomfx.tp_linear"
+# Node meta: a kernel or view ATen's C++ issues in a loop of its own (a recurrent layer's per-step cell ops,
+# boomfx/training/recurrent.py): no Python between them, so none of eager Python's per-op host costs
+META_NATIVE_LOOP = "boomfx.native_loop"
 # Node meta: per output of a compiled kernel, the (node name, output index) whose storage Inductor's wrapper
 # hands it from its pool of dead buffers (passes/buffer_reuse.py), or None for a fresh allocation
 META_BUFFER_REUSE = "boomfx.buffer_reuse"

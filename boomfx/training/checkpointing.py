@@ -180,9 +180,11 @@ def _only_skippable_between(a: fx.Node, b: fx.Node) -> bool:
 # expands a broadcast ``self`` (Bloom's ALiBi bias, [batch x heads, 1, seq]) through the int-only
 # ``expand`` kernel, an error without the Python dispatcher.
 # im2col (F.unfold) and the real FFTs read sizes as ints too (the FFTs' C++ kernels resize their outputs
-# in place, which a fake tensor refuses).
+# in place, which a fake tensor refuses); nn.Bilinear's C++ composite trips an internal assert of torch's
+# argument parser on fake tensors (it runs as _trilinear, as eager does).
 SIZE_READING_CPP_KERNELS = {aten.pad.default, aten.constant_pad_nd.default, aten.baddbmm.default,
-                            aten.im2col.default, aten.fft_rfft.default, aten.fft_irfft.default}
+                            aten.im2col.default, aten.fft_rfft.default, aten.fft_irfft.default,
+                            aten.bilinear.default}
 # C++ composites that refuse symbolic sizes outright ("SymIntArrayRef expected to contain only concrete
 # integers"): run as torch's Python decomposition of the same ops (affine_grid_generator: F.affine_grid's
 # linspace, stack and matmul, as the C++ composite computes it).

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 
+from boomfx.core.program import META_NATIVE_LOOP
+
 aten = torch.ops.aten
 
 RNN_OPS = {aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input}
@@ -38,11 +40,23 @@ def run_recurrent(target: Any, args: Sequence[Any], kwargs: dict[str, Any], feed
     if target is aten.lstm.input and _onednn_lstm(args):
         outputs = _lstm_onednn(*args, **kwargs)
     else:
+        graph = _traced_graph()
+        before = len(graph.nodes) if graph is not None else 0
         with enable_python_dispatcher():
             outputs = target(*args, **kwargs)
+        if graph is not None:      # ATen's C++ loop issues these per step, not Python (META_NATIVE_LOOP)
+            for node in list(graph.nodes)[before:]:
+                node.meta[META_NATIVE_LOOP] = True
     if args[8] and feeds_matmul:     # batch_first (the last argument of every ``.input`` overload)
         outputs = (outputs[0].contiguous(), *outputs[1:])
     return outputs
+
+
+def _traced_graph() -> Any:
+    """The graph make_fx is recording into (None outside a trace)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    mode = get_proxy_mode()
+    return mode.tracer.graph if mode is not None else None
 
 
 def output_feeds_matmul(node: Any) -> bool:

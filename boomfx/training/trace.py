@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from boomfx.training import amp as amp_policy
 from boomfx.training.checkpointing import SIZE_READING_CPP_KERNELS, GraphRunner, Segment, checkpoint_segments
 from boomfx.core.program import (
-    PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD,
+    META_NATIVE_LOOP, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD,
     ROLE_INPUT, ROLE_LABEL, ROLE_OPT_STATE, ROLE_PARAM,
 )
 from boomfx.core.errors import UnsupportedError
@@ -583,16 +583,25 @@ def _drop_profiler_nodes(graph: fx.Graph) -> None:
 
 def _copy_module_stacks(graph: fx.Graph, phases: dict[str, str]) -> None:
     """Backward nodes inherit ``nn_module_stack`` from the forward node with the same ``seq_nr``
-    (autograd's sequence number), as aot_autograd's ``copy_fwd_metadata_to_bw_nodes`` does."""
+    (autograd's sequence number), as aot_autograd's ``copy_fwd_metadata_to_bw_nodes`` does, and
+    ``META_NATIVE_LOOP``: the backward of a C++ loop's step repeats the same few ops every step too."""
     by_seq: dict[int, Any] = {}
+    native: set[int] = set()
     for node in graph.nodes:
-        if phases.get(node.name) == PHASE_FORWARD and "seq_nr" in node.meta and "nn_module_stack" in node.meta:
-            by_seq.setdefault(node.meta["seq_nr"], node.meta["nn_module_stack"])
+        if phases.get(node.name) == PHASE_FORWARD and "seq_nr" in node.meta:
+            if "nn_module_stack" in node.meta:
+                by_seq.setdefault(node.meta["seq_nr"], node.meta["nn_module_stack"])
+            if node.meta.get(META_NATIVE_LOOP):
+                native.add(node.meta["seq_nr"])
     for node in graph.nodes:
-        if phases.get(node.name) == PHASE_BACKWARD and "nn_module_stack" not in node.meta:
+        if phases.get(node.name) != PHASE_BACKWARD:
+            continue
+        if "nn_module_stack" not in node.meta:
             stack = by_seq.get(node.meta.get("seq_nr", -1))
             if stack is not None:
                 node.meta["nn_module_stack"] = dict(stack)
+        if node.meta.get("seq_nr", -1) in native:
+            node.meta[META_NATIVE_LOOP] = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,6 +155,15 @@ def scatter_cost(call: OpCall) -> Cost:
     return Cost(flops, read, written)
 
 
+@register_cost(aten.embedding_renorm_)
+def embedding_renorm_cost(call: OpCall) -> Cost:
+    """``nn.Embedding(max_norm=...)``: each looked-up row's norm computed (read) and the row rescaled in place
+    when over the limit (written, at most once per index): 3 FLOPs per element for the norm and scale."""
+    weight, indices = call.arg("self"), call.arg("indices")
+    rows = indices.numel * weight.shape[-1] * weight.itemsize
+    return Cost(3 * indices.numel * weight.shape[-1], _index_bytes(indices) + rows, rows)
+
+
 @register_cost(aten.select_backward, aten.slice_backward, aten.diagonal_backward)
 def view_backward_cost(call: OpCall) -> Cost:
     """A view's gradient (autograd's ``select_backward``, ``slice_backward``, ``diagonal_backward``): a

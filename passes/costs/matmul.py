@@ -166,3 +166,33 @@ def einsum_cost(call: OpCall) -> Cost:
         flops = flops + (2 if summed else 1) * _prod(union, sizes)
         current = "".join(sorted(kept))
     return Cost(flops, bytes_of(operands), unique_bytes(out_spec))
+
+
+@register_cost(aten.bilinear)
+def bilinear_cost(call: OpCall) -> Cost:
+    """``nn.Bilinear``: ``y[n, o] = x1[n] W[o] x2[n] + b[o]``: ``2 * N * O * I1 * I2`` FLOPs (ATen contracts
+    ``x1`` with ``W`` first, then with ``x2``: ``2 N O I1 I2 + 2 N O I2``, the second term counted too) and
+    the bias; each operand read once, the output written."""
+    x1, x2, w, out = call.arg("input1"), call.arg("input2"), call.arg("weight"), first_output(call)
+    rows = x1.numel / x1.shape[-1]
+    flops = 2 * rows * w.shape[0] * w.shape[1] * w.shape[2] + 2 * rows * w.shape[0] * w.shape[2]
+    if call.arg("bias") is not None:
+        flops = flops + out.numel
+    return Cost(flops, read_all(call), written_all(call))
+
+
+@register_cost(aten._trilinear)
+def trilinear_cost(call: OpCall) -> Cost:
+    """``_trilinear`` (``bilinear``'s kernel and its gradients): ``sum over sumdim of i1 * i2 * i3``, each
+    input broadcast with size-1 dimensions at its ``expand`` positions: 2 FLOPs per point of the product
+    space (the output's elements times the summed dimensions' sizes)."""
+    expanded = []
+    for name, where in (("i1", "expand1"), ("i2", "expand2"), ("i3", "expand3")):
+        shape = list(call.arg(name).shape)
+        for d in sorted(int(e) for e in call.arg(where)):
+            shape.insert(d, sympy.Integer(1))
+        expanded.append(shape)
+    summed = sympy.Integer(1)
+    for d in call.arg("sumdim"):
+        summed = summed * sympy.Max(*(shape[int(d)] for shape in expanded))
+    return Cost(2 * first_output(call).numel * summed, read_all(call), written_all(call))

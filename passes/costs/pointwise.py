@@ -169,6 +169,8 @@ FLOPS_PER_ELEMENT: dict[Any, int] = {
     aten.relu: 1, aten.threshold: 1, aten.threshold_backward: 1,
     aten.hardtanh: 2, aten.hardtanh_backward: 2, aten.leaky_relu: 2, aten.leaky_relu_backward: 2,
     aten.prelu: 2, aten._prelu_kernel: 2, aten._prelu_kernel_backward: 3,   # compare, mul (grads: + the weight's)
+    aten.glu: SIGMOID_FLOPS + 1,  # a * sigmoid(b), per output element (the input is twice the output)
+    aten.glu_backward: 2 * (SIGMOID_FLOPS + 2),  # per input element: both halves' gradients
     aten.sigmoid: SIGMOID_FLOPS, aten.silu: SILU_FLOPS, aten.logit: 3,
     aten.elu: 4,                  # compare, exp, sub, mul (x2 scales folded)
     aten.softplus: 4,             # mul beta, exp, log1p, div; threshold compare folded
