@@ -31,6 +31,14 @@ def test_fourier_and_sampling_costs_by_hand():
     c2c = price(aten._fft_c2c.default, spec(8, 32, dtype=torch.complex64), [1], 0, True,
                 outputs=(spec(8, 32, dtype=torch.complex64),))
     assert c2c.flops == pytest.approx(8 * 5 * 32 * 5)
+    # stft of 2 signals, n_fft 16, 9 frames: per frame a real transform of 16 (2.5 x 16 x 4) + the window (16),
+    # each frame's 16 samples read; the same frames counted from the deprecated real output [2, 9, 9, 2]
+    signal, window = spec(2, 128), spec(16)
+    for out in (spec(2, 9, 9, dtype=torch.complex64), spec(2, 9, 9, 2)):
+        stft = price(aten.stft.default, signal, 16, 16, 16, window, False, True, out.dtype.is_complex,
+                     outputs=(out,))
+        assert stft.flops == pytest.approx(2 * 9 * (2.5 * 16 * 4 + 16))
+        assert stft.bytes_read == 2 * 9 * 16 * 4 + 16 * 4
     # bilinear grid sampling of [2, 3, 16, 16] at an 8 x 8 grid: 4 taps x 2 FLOPs per output, 10 per location
     image, grid, out = spec(2, 3, 16, 16), spec(2, 8, 8, 2), spec(2, 3, 8, 8)
     sample = price(aten.grid_sampler_2d.default, image, grid, 0, 0, False, outputs=(out,))

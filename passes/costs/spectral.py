@@ -75,7 +75,8 @@ def stft_cost(call: OpCall) -> Cost:
     """Step 2: frames x (a real transform of ``n_fft`` + the window's multiply)."""
     x, out = call.arg("self"), first_output(call)
     n_fft = call.arg("n_fft")
-    frames = out.shape[-1] if not out.dtype.is_complex or out.ndim == x.ndim + 1 else out.shape[-2]
+    # complex output [..., freq, frames]; the deprecated real form [..., freq, frames, 2]
+    frames = out.shape[-1] if out.dtype.is_complex else out.shape[-2]
     batch = x.numel / x.shape[-1]
     flops = batch * frames * (REAL_FFT_FLOPS * n_fft * _log2(n_fft) + n_fft)
     read = batch * frames * n_fft * x.itemsize + bytes_of([call.arg("window")])
