@@ -80,7 +80,7 @@ class CpuKernelModel:
             keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
             ns = max(ns, flops / self.profile.attention_rate(float(keys), backward) * 1e9)
         if call.op.overloadpacket in _FUSED_LSTM:
-            return max(ns, self._lstm_layer_ns(call), self.floor_ns(call))
+            return max(ns, self._lstm_layer_ns(call, flops), self.floor_ns(call))
         outputs = call.tensor_outputs()
         rate = self.special_rate(call)
         if rate:
@@ -103,14 +103,13 @@ class CpuKernelModel:
             ns += scores / dropout * 1e9
         return ns
 
-    def _lstm_layer_ns(self, call: OpCall) -> float:
+    def _lstm_layer_ns(self, call: OpCall, flops: int) -> float:
         """oneDNN's LSTM layer at the probe's cost per step plus its FLOPs at the probe's rate for the pass
         (``HostProfile.lstm_layer``: inference, training forward, backward). A profile without it: the input
         projection as one GEMM over every step, one small recurrent GEMM per step (each at the GEMM curve's
         rate of its FLOPs) and the gates at the sigmoid's element rate, the backward twice the products."""
         steps, batch, width, hidden = (int(v) for v in lstm_layer_dims(call))
         backward = call.op.overloadpacket is aten.mkldnn_rnn_layer_backward
-        flops, _, _ = price_call(call).cost.evaluate()
         measured = self.profile.lstm_layer.get(
             "backward" if backward else "forward_train" if call.arg("train") else "forward")
         if measured is not None:

@@ -76,6 +76,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from boomfx.passes.specs import TensorSpec
+
 aten = torch.ops.aten
 CHANNEL_BLOCK = 16       # channels of a blocked copy are padded to this (40 -> 48 measured: nChw16c)
 DEPTHWISE_WGRAD_SCRATCH_PER_WEIGHT = 257   # x weight bytes (see the module docstring)
@@ -169,7 +171,6 @@ def _as_image(spec: Any) -> Any:
     kernels: ``view1d_as_2d``); other specs unchanged."""
     if spec is None or len(spec.shape) != 3:
         return spec
-    from boomfx.passes.specs import TensorSpec
     shape, stride = tuple(spec.shape), tuple(spec.stride)
     return TensorSpec((*shape[:2], 1, shape[2]), (*stride[:2], stride[2] * shape[2], stride[2]), spec.dtype)
 

@@ -33,6 +33,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx import traceback as fx_traceback
 
+from torch._decomp import decomposition_table
 from torch._dispatch.python import enable_python_dispatcher
 
 from boomfx.passes.aliasing import is_inactive_dropout
@@ -262,7 +263,6 @@ class GraphRunner:
             if target in RESIZE_OPS:  # interpolation's one kernel, its size on SymInts (training/resize.py)
                 return run_resize(target, args, kwargs)
             if target in DECOMPOSED_COMPOSITES:
-                from torch._decomp import decomposition_table
                 return decomposition_table[target](*args, **kwargs)
             if target in SIZE_READING_CPP_KERNELS:
                 # their C++ kernels read sizes as ints and would fix the batch symbol to its example

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,10 +52,15 @@ aten = torch.ops.aten
 _BIAS_ALIGN_ELEMENTS = 16   # mem-efficient attention pads the bias gradient's last dim to 16 elements
 
 
-def _efficient_attention_backward(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    bound = op._schema.arguments
-    values = dict(zip((a.name for a in bound), args))
+def named_args(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """An op call's arguments by schema name (positional ones named, keyword ones as given)."""
+    values = dict(zip((a.name for a in op._schema.arguments), args))
     values.update(kwargs)
+    return values
+
+
+def _efficient_attention_backward(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    values = named_args(op, args, kwargs)
     mask = list(values["grad_input_mask"])
     bias = values["attn_bias"]
     if bias is None or not mask[3]:
@@ -70,8 +75,7 @@ def _efficient_attention_backward(fake_mode: Any, op: Any, *args: Any, **kwargs:
 
 
 def _histc(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    values = dict(zip((a.name for a in op._schema.arguments), args))
-    values.update(kwargs)
+    values = named_args(op, args, kwargs)
     bins = values.get("bins", 100)
     with fake_mode:
         return torch.empty([bins], dtype=values["self"].dtype, device=values["self"].device)
@@ -82,8 +86,7 @@ WORKSPACE_PROBE_BATCH = 8
 
 
 def _onednn_lstm_layer(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    values = dict(zip((a.name for a in op._schema.arguments), args))
-    values.update(kwargs)
+    values = named_args(op, args, kwargs)
     if not values["train"] or not torch.is_grad_enabled():
         return NotImplemented      # no workspace (ATen keeps none without autograd): torch's meta function is right
     x, hidden = values["input"], int(values["hidden_size"])
@@ -119,8 +122,7 @@ def _workspace_bytes(steps: int, batch: int, width: int, hidden: int, dtype: tor
 
 
 def _upsample(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    values = dict(zip((a.name for a in op._schema.arguments), args))
-    values.update(kwargs)
+    values = named_args(op, args, kwargs)
     if "grad_output" in values:       # the backward: a gradient of the input's size
         like, shape = values["grad_output"], list(values["input_size"])
     else:
@@ -129,8 +131,8 @@ def _upsample(fake_mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     channels_last = like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) \
         and not like.is_contiguous()
     with fake_mode:
-        out = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+        return torch.empty(shape, dtype=like.dtype, device=like.device,
+                           memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 _UPSAMPLES = [getattr(aten, f"upsample_{kind}{d}d{suffix}").default

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from boomfx.training.fake_kernels import named_args
+
 aten = torch.ops.aten
 
 # .vec overload -> (.default overload, takes align_corners)
@@ -32,9 +34,7 @@ RESIZE_OPS = {
 def run_resize(target: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``target`` (a ``.vec`` overload of ``RESIZE_OPS``) as its ``.default`` call."""
     default, has_align = RESIZE_OPS[target]
-    names = [a.name for a in target._schema.arguments]
-    values = dict(zip(names, args))
-    values.update(kwargs)
+    values = named_args(target, args, kwargs)
     x = values["input"]
     spatial = x.dim() - 2
     scales = values.get("scale_factors")
