@@ -223,3 +223,31 @@ def test_validate_compares_the_charged_page_faults_with_the_process_counter(one_
     assert r.measured_faults_per_step == pytest.approx(pages, rel=0.02)   # a few pages of Python's own
     text = render_validation(r)
     assert "page faults per step" in text and "none (this host's probe)" in text
+
+
+class _ScaledByConstant(torch.nn.Module):
+    """A submodule whose forward makes a tensor: export lifts it into a constant of that submodule."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * torch.tensor([0.5, 2.0]).repeat(4)
+
+
+def test_materialise_makes_submodules_lifted_constants_real(tmp_path) -> None:
+    """BEiT's relative position bias holds its lifted constants on a submodule: loaded as meta tensors
+    (the loader reads no data), they crashed the real step until materialise walked every submodule."""
+    from boomfx.frontend.capture import load_exported
+    from boomfx.validate.materialize import materialise
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _ScaledByConstant())
+    path = tmp_path / "lifted.pt2"
+    torch.export.save(torch.export.export(model, (torch.randn(3, 8),)), str(path))
+    ep = load_exported(path)
+    assert any(t.device.type == "meta" for t in ep.constants.values())
+    m = materialise(ep, {})
+    out = m.module(*m.args, **m.kwargs)
+    assert out.shape == (3, 8) and out.device.type == "cpu"
+    held = [v for owner in m.module.modules() for v in vars(owner).values() if isinstance(v, torch.Tensor)]
+    assert held and all(t.device.type == "cpu" for t in held)

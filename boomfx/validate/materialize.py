@@ -90,12 +90,14 @@ def materialise(ep: ExportedProgram, bindings: Mapping[str, int], device: torch.
         done: dict[int, torch.Tensor] = {}
         for name, tensor in named:
             _replace(module, name, tensor, device, gen, kinds.get(name, InputKind.BUFFER), done)
-        for name, value in list(vars(module).items()):    # lifted constants held as plain attributes
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                setattr(module, name, _real(name, value, device, gen, InputKind.CONSTANT_TENSOR))
+        for owner_path, owner in module.named_modules():   # lifted constants held as plain attributes,
+            for name, value in list(vars(owner).items()):   # on submodules too (BEiT's relative position bias)
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    full = f"{owner_path}.{name}" if owner_path else name
+                    setattr(owner, name, _real(full, value, device, gen, InputKind.CONSTANT_TENSOR))
     args, kwargs = _user_inputs(ep, bindings, device, gen)
     tensors = list(module.parameters()) + list(module.buffers()) + _flat(args, kwargs)
-    tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    tensors += [v for owner in module.modules() for v in vars(owner).values() if isinstance(v, torch.Tensor)]
     resident = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in tensors if isinstance(t, torch.Tensor)}
     return Materialised(module, args, kwargs, sum(resident.values()))
