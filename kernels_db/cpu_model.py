@@ -6,7 +6,10 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
                   flops / attention_rate(keys),              fused SDPA forward / backward
                   (ATen's math path, a CPU attention with dropout: its matmuls, softmax and draws in turn)
                   flops / depthwise_rate(flops),             depthwise convolutions
+                  flops / conv_rate(flops),                  oneDNN's other fp32 convolutions (its fixed
+                                                             cost held in the curve's small points)
                   elements / special_rate[op],               exp, tanh, gelu, silu, softmax, ...,
+                                                             batch norm (with the batch's statistics: its own),
                                                              and random draws (dropout, randn, ...)
                   steps x ns_per_step + flops / lstm_rate)   oneDNN's LSTM layer (its own probe)
 
@@ -30,10 +33,11 @@ from typing import Optional
 import torch
 
 from boomfx.core.devices import DeviceSpec
+from boomfx.passes.costs.norms import uses_batch_statistics
 from boomfx.passes.costs.recurrent import lstm_layer_dims
 from boomfx.passes.costs.registry import OpCall, price_call
 
-from boomfx.kernels_db.cpu_convolution import floor_key
+from boomfx.kernels_db.cpu_convolution import ONEDNN, floor_key, route
 from boomfx.kernels_db.host_probe import HostProfile, _rate_at
 from boomfx.kernels_db.roofline import compute_dtype, op_class
 
@@ -68,8 +72,11 @@ class CpuKernelModel:
         footprint = self.footprint_bytes
         ns = moved / self.profile.stream_rate(moved, footprint) * 1e9 if moved > 0 else 0.0
         klass = op_class(call.op)
+        conv_curve = self.conv_curve(call) if flops > 0 else ()
         if flops > 0 and _is_depthwise(call):
             ns = max(ns, flops / _rate_at(self.profile.depthwise_conv, float(flops)) * 1e9)
+        elif conv_curve:
+            ns = max(ns, flops / _rate_at(conv_curve, float(flops)) * 1e9)
         elif flops > 0 and klass in COMPUTE_CLASSES:
             dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
             ns = max(ns, flops / self.profile.gemm_rate(dtype, float(flops), footprint) * 1e9)
@@ -125,6 +132,25 @@ class CpuKernelModel:
         cell = 5.0 * steps * batch * hidden / gates * 1e9 if gates else 0.0
         return products * (2 if backward else 1) + cell
 
+    def conv_curve(self, call: OpCall) -> tuple:
+        """The probe's oneDNN convolution curve a call is priced on (``HostProfile.conv``): a float32,
+        non-depthwise convolution or convolution backward that ATen sends to oneDNN
+        (``cpu_convolution.route``), on the 1x1 curve when every kernel dimension is 1, else the 3x3 one
+        (a grouped convolution at its FLOPs on the dense curve); () for any other call (a GEMM's rate)."""
+        if not self.profile.conv or route(call, self.profile.threads) != ONEDNN:
+            return ()
+        if compute_dtype(call) != torch.float32:
+            return ()
+        try:
+            kernel = [int(d) for d in call.arg("weight").shape[2:]]
+        except (AttributeError, TypeError, ValueError):
+            return ()
+        if not kernel:
+            return ()
+        size = "1x1" if all(d == 1 for d in kernel) else "3x3"
+        phase = "backward" if call.op.overloadpacket is aten.convolution_backward else "forward"
+        return self.profile.conv.get(f"{phase}@{size}", ())
+
     def special_rate(self, call: OpCall) -> Optional[float]:
         """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
         (``approximate="tanh"``) reads its own kernel's rate. A dropout in eval mode (``train=False``)
@@ -135,6 +161,8 @@ class CpuKernelModel:
             return None
         if call.arg("approximate") == "tanh" and f"{name}@tanh" in rates:
             return rates[f"{name}@tanh"]
+        if name in _BATCH_NORMS and "batch_norm@train" in rates and uses_batch_statistics(call):
+            return rates["batch_norm@train"]
         return rates.get(name)
 
     def floor_ns(self, call: OpCall) -> float:
@@ -148,6 +176,9 @@ class CpuKernelModel:
         return floor - self.profile.dispatch_ns
 
 _DROPOUTS = frozenset({"dropout", "native_dropout"})
+# batch norms that run ATen's CPU kernel with the batch's statistics when training (their own probe rate)
+_BATCH_NORMS = frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                          "_native_batch_norm_legit_functional", "_batch_norm_with_update"})
 _FUSED_LSTM = frozenset({aten.mkldnn_rnn_layer, aten.mkldnn_rnn_layer_backward})
 
 

@@ -14,6 +14,9 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
   times slower per FLOP than a GEMM: blocked softmax, small tiles) by sequence length;
 - **depthwise convolution curve**: 3x3 depthwise ``conv2d`` at three channel counts (far below a GEMM's
   rate per FLOP);
+- **dense convolution curves**: oneDNN's 1x1 and 3x3 convolutions forward and backward, 0.1 MFLOP to
+  3.7 GFLOP (``_conv_curves``): its direct kernels are not the GEMM (about twice its rate per FLOP on the
+  AMD development VM) and a small call pays oneDNN's own ~40 us on top of its FLOPs;
 - **pointwise bandwidth curve**: ``a + b`` into a fresh tensor (as eager ops allocate theirs), from
   L1-sized to beyond the last-level cache; a kernel moving B bytes is priced at the rate of B on this
   curve (its working set hits the cache level that size fits);
@@ -72,7 +75,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 10
+PROFILE_VERSION = 12
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +87,9 @@ SPECIAL_ELEMENTS = 1 << 20    # 4 MiB of fp32
 ATTN_BH = 8
 ATTN_SEQS = (32, 128, 512, 1024)
 DEPTHWISE_CHANNELS = (32, 128, 512)      # [8, C, 28, 28] * [C, 1, 3, 3], groups=C
+# [N, C, H, H] * [C, C, k, k] for k = 1, 3: oneDNN's path at every size (a batch above one), 0.1 MFLOP-3.7 GFLOP
+CONV_SHAPES = ((2, 16, 8), (4, 32, 16), (4, 32, 32), (4, 64, 32), (8, 128, 28))
+CONV_KERNELS = (1, 3)
 LSTM_SMALL = (64, 1, 32)                 # (steps, batch, input = hidden width) of the LSTM layer probes
 LSTM_LARGE = (16, 64, 256)
 SPECIAL_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
@@ -123,6 +129,9 @@ class HostProfile:
     host_costs: Mapping[str, float] = field(default_factory=dict)   # host_overheads.EAGER_EVENTS -> ns
     # oneDNN's LSTM layer: pass ("forward", "forward_train", "backward") -> (ns per step, FLOP/s)
     lstm_layer: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # oneDNN's dense convolutions: "forward@1x1", "forward@3x3", "backward@1x1", "backward@3x3" -> (FLOPs,
+    # ns) by size, the call's fixed cost included (``conv_curve``)
+    conv: Mapping[str, Curve] = field(default_factory=dict)
     measured_at: str = ""
     busy_percent: Optional[float] = None   # the host's CPU pressure while measured (cpu_pressure_percent)
 
@@ -169,6 +178,7 @@ class HostProfile:
         for name in ("attention", "attention_backward", "depthwise_conv"):
             d[name] = _curve(d[name])
         d["lstm_layer"] = {k: (float(step), float(rate)) for k, (step, rate) in d.get("lstm_layer", {}).items()}
+        d["conv"] = {k: _curve(v) for k, v in d.get("conv", {}).items()}
         return cls(**d)
 
 
@@ -286,10 +296,15 @@ def _special_rates(dispatch: float) -> dict[str, float]:
         "_log_softmax": lambda: aten._log_softmax(rows, -1, False),
         "layer_norm": lambda: aten.layer_norm(rows, [256], ones, zeros),
         "batch_norm": lambda: aten.batch_norm(image, scale, shift, scale, shift, False, 0.1, 1e-5, True),
+        # in training mode ATen's CPU kernel also collects the batch's statistics: ~10x slower per element
+        # here than the eval transform (1.7 against 19.5 G elements/s), the same at every size measured
+        "batch_norm@train": lambda: aten.batch_norm(image, scale, shift, running_mean, running_var, True, 0.1,
+                                                    1e-5, True),
         "max_pool2d": lambda: aten.max_pool2d(image, [3, 3], [1, 1], [1, 1])}
     ones, zeros = torch.ones(256), torch.zeros(256)
     image = x.view(16, 64, 32, 32)
     scale, shift = torch.ones(64), torch.zeros(64)
+    running_mean, running_var = torch.zeros(64), torch.ones(64)
     rates = {name: SPECIAL_ELEMENTS / (_kernel_ns(_median_ns(fn, 15), dispatch) / 1e9) for name, fn in calls.items()}
     rates.update(_random_rates(dispatch))
     # the same kernels under the names the training export and the decompositions use
@@ -352,6 +367,41 @@ def _depthwise_curve(dispatch: float) -> Curve:
         ns = _median_ns(lambda: torch.ops.aten.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], c), 15)
         points.append((2.0 * 8 * c * 28 * 28 * 9, _kernel_ns(ns, dispatch)))
     return tuple(points)
+
+
+def _raise_mmap_threshold() -> None:
+    """Free a fresh 31 MiB block: glibc raises its mmap threshold to a freed mapped block's size (at most
+    32 MiB), so the outputs of the probes after it come from the heap, not from a fresh mapping that faults
+    at every call (the step's faults are ``Analysis``'s to charge, from ``boomfx/memory/glibc_heap.py``)."""
+    block = torch.empty((31 << 20) // 4)
+    block[-1] = 0.0
+    del block
+
+
+def _conv_curves(dispatch: float) -> dict[str, Curve]:
+    """oneDNN's dense convolutions, 1x1 and 3x3, forward and backward (input and weight gradients, what
+    autograd asks of a hidden convolution without bias) at ``CONV_SHAPES``: ``{"forward@3x3": ((FLOPs, ns),
+    ...), ...}``. Why their own curves: oneDNN's direct kernels reach ~2x the fp32 GEMM's rate per FLOP on
+    large convolutions on the AMD development VM (~450 against ~215 GFLOP/s: MKL's GEMM runs its AVX2 code
+    there, oneDNN its AVX-512 JIT), while a small convolution pays ~40 us of oneDNN's own per call (primitive
+    lookup, layout reorders) on top of its FLOPs, where a GEMM-rate price or the one-element floor alone
+    priced regnet-sized convolutions at half their time."""
+    aten = torch.ops.aten
+    _raise_mmap_threshold()
+    curves: dict[str, Curve] = {}
+    for k in CONV_KERNELS:
+        forward, backward = [], []
+        for n, c, h in CONV_SHAPES:
+            x, w, g = torch.randn(n, c, h, h), torch.randn(c, c, k, k), torch.randn(n, c, h, h)
+            pad = [k // 2, k // 2]
+            flops = 2.0 * n * c * c * k * k * h * h
+            ns = _median_ns(lambda: aten.convolution(x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1), 7)
+            forward.append((flops, _kernel_ns(ns, dispatch)))
+            ns = _median_ns(lambda: aten.convolution_backward(g, x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1,
+                                                              [True, True, False]), 7)
+            backward.append((2.0 * flops, _kernel_ns(ns, dispatch)))
+        curves[f"forward@{k}x{k}"], curves[f"backward@{k}x{k}"] = tuple(forward), tuple(backward)
+    return curves
 
 
 def _lstm_layer_rates(dispatch: float) -> dict[str, tuple[float, float]]:
@@ -498,6 +548,8 @@ def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
         _attention_rates(dispatch, True), _depthwise_curve(dispatch), _page_fault_ns(), _op_floors(), costs,
         _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {},
         time.strftime("%Y-%m-%d %H:%M:%S"))
+    if torch.backends.mkldnn.is_available():
+        profile = replace(profile, conv=_conv_curves(dispatch))    # last: it raises glibc's mmap threshold
     readings = [p for p in (before, cpu_pressure_percent()) if p is not None]
     return replace(profile, busy_percent=max(readings)) if readings else profile
 

@@ -210,6 +210,46 @@ def test_depthwise_convolutions_read_their_own_curve_and_a_conv_costs_its_floor(
     assert model(tiny, cpu_spec()) == pytest.approx(10_000.0 - 1_500.0)    # the floor less the dispatch
 
 
+def test_onednn_convolutions_read_their_own_curves():
+    """A dense fp32 convolution that ATen sends to oneDNN is priced on the probe's convolution curve of its
+    kernel size and pass (oneDNN's direct kernels are not the GEMM; the curve's small points hold its ~40 us
+    per call); what oneDNN does not run (a batch-1 plain 1x1 on one thread is ATen's own; bf16 without
+    oneDNN's support here) and depthwise convolutions keep their own prices."""
+    curves = {"forward@3x3": ((1e6, 50_000.0), (1e9, 2.5e6)), "forward@1x1": ((1e6, 60_000.0), (1e9, 5e6)),
+              "backward@3x3": ((2e6, 100_000.0), (2e9, 5e6)), "backward@1x1": ((2e6, 110_000.0), (2e9, 1e7))}
+    model = CpuKernelModel(dataclasses.replace(PROFILE, conv=curves))
+    dense3 = conv(64, 1)                                               # [8, 64, 28, 28] * [64, 64, 3, 3]
+    flops = price_call(dense3).cost.evaluate()[0]
+    assert flops == 2 * 8 * 64 * 64 * 9 * 28 * 28
+    assert model(dense3, cpu_spec()) == pytest.approx(flops / _rate_at(curves["forward@3x3"], flops) * 1e9)
+    x, w1 = spec(8, 64, 28, 28), spec(64, 64, 1, 1)
+    dense1 = OpCall.build(aten.conv2d.default, (x, w1, None, [1, 1], [0, 0], [1, 1], 1), {}, (x,))
+    flops1 = price_call(dense1).cost.evaluate()[0]
+    assert model(dense1, cpu_spec()) == pytest.approx(flops1 / _rate_at(curves["forward@1x1"], flops1) * 1e9)
+    w3 = spec(64, 64, 3, 3)
+    backward = OpCall.build(aten.convolution_backward.default,
+                            (x, x, w3, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), {},
+                            (x, w3))
+    flops_b = price_call(backward).cost.evaluate()[0]
+    assert model(backward, cpu_spec()) == pytest.approx(flops_b / _rate_at(curves["backward@3x3"], flops_b) * 1e9)
+    # a small call at least the smallest probe's time scaled by its FLOPs, and at least the oneDNN floor
+    tiny = OpCall.build(aten.conv2d.default, (spec(2, 1, 1, 1), spec(1, 1, 1, 1), None, [1, 1], [0, 0], [1, 1], 1),
+                        {}, (spec(2, 1, 1, 1),))
+    floors = dict(PROFILE.op_floors_ns, **{"conv2d@onednn": 40_000.0})
+    floored = CpuKernelModel(dataclasses.replace(PROFILE, conv=curves, op_floors_ns=floors))
+    assert floored(tiny, cpu_spec()) == pytest.approx(40_000.0 - 1_500.0)
+    # not oneDNN's: a batch-1 unstrided 1x1 on one thread (ATen's own kernel), priced at the GEMM's rate
+    one_thread = CpuKernelModel(dataclasses.replace(PROFILE, threads=1, conv=curves))
+    plain = OpCall.build(aten.conv2d.default, (spec(1, 64, 8, 8), w1, None, [1, 1], [0, 0], [1, 1], 1), {},
+                         (spec(1, 64, 8, 8),))
+    flops_p = price_call(plain).cost.evaluate()[0]
+    assert one_thread(plain, cpu_spec()) == pytest.approx(
+        max(flops_p / PROFILE.gemm_rate("float32", flops_p) * 1e9, 10_000.0 - 1_500.0))
+    depthwise = conv(64, 64)
+    flops_d = price_call(depthwise).cost.evaluate()[0]
+    assert model(depthwise, cpu_spec()) == pytest.approx(flops_d / _rate_at(PROFILE.depthwise_conv, flops_d) * 1e9)
+
+
 def test_pricer_uses_the_model_between_database_and_roofline(monkeypatch):
     monkeypatch.setattr(host_probe, "host_profile", lambda env=None: PROFILE)
     pricer = make_pricer(cpu_spec(), "none")                        # the CLI's --db none (no database)
@@ -290,6 +330,30 @@ def test_psi_reading():
     assert host_probe.psi_some_avg10("some total=5\n") is None
 
 
+def test_a_batch_norm_with_the_batchs_statistics_reads_its_own_kernels_rate():
+    """ATen's CPU batch norm in training mode also collects the batch's mean and variance: ~10x slower per
+    element than the eval transform on the VM (1.7 against 19.5 G elements/s). Every training-mode spelling
+    (the export's batch_norm with training=True, native_batch_norm, the functional legit op) reads the
+    probe's ``batch_norm@train`` rate; eval mode keeps ``batch_norm``'s."""
+    rates = {"batch_norm": 2e10, "native_batch_norm": 2e10, "_native_batch_norm_legit_no_training": 2e10,
+             "batch_norm@train": 2e9}
+    model = CpuKernelModel(dataclasses.replace(PROFILE, special_elements_per_s=rates))
+    x, c = spec(16, 64, 32, 32), spec(64)
+    n = 16 * 64 * 32 * 32
+    training = OpCall.build(aten.batch_norm.default, (x, c, c, c, c, True, 0.1, 1e-5, True), {}, (x,))
+    evaluation = OpCall.build(aten.batch_norm.default, (x, c, c, c, c, False, 0.1, 1e-5, True), {}, (x,))
+    native = OpCall.build(aten.native_batch_norm.default, (x, c, c, c, c, True, 0.1, 1e-5), {}, (x, c, c))
+    functional = OpCall.build(aten._native_batch_norm_legit_functional.default, (x, c, c, c, c, True, 0.1, 1e-5),
+                              {}, (x, c, c, c, c))
+    assert model(training, cpu_spec()) == pytest.approx(n / 2e9 * 1e9)                  # 524 us
+    assert model(native, cpu_spec()) == pytest.approx((n + 2 * 64) / 2e9 * 1e9)          # + mean, invstd
+    assert model(functional, cpu_spec()) == pytest.approx((n + 4 * 64) / 2e9 * 1e9)
+    assert model(evaluation, cpu_spec()) < model(training, cpu_spec()) / 4               # the eval rate or bytes
+    no_training = OpCall.build(aten._native_batch_norm_legit_no_training.default, (x, c, c, c, c, 0.1, 1e-5),
+                               {}, (x, c, c))
+    assert model(no_training, cpu_spec()) < model(training, cpu_spec()) / 4
+
+
 def test_the_real_probe_measures_this_host():
     """Every curve positive and in increasing work; the largest fp32 GEMM faster per FLOP than the
     smallest (packing and threading amortised) and slower in all (32768 times the FLOPs)."""
@@ -304,12 +368,18 @@ def test_the_real_probe_measures_this_host():
     for path in ("conv2d@onednn", "convolution_backward", "convolution_backward@onednn",
                  "convolution_backward@onednn_one"):      # kernels_db/cpu_convolution.py
         assert profile.op_floors_ns[path] > 0
+    if torch.backends.mkldnn.is_available():   # oneDNN's convolutions: a small call is mostly its fixed cost
+        assert set(profile.conv) == {"forward@1x1", "forward@3x3", "backward@1x1", "backward@3x3"}
+        for curve in profile.conv.values():
+            assert [f for f, _ in curve] == sorted(f for f, _ in curve) and all(ns > 0 for _, ns in curve)
+            assert curve[-1][0] / curve[-1][1] > 5 * curve[0][0] / curve[0][1]
     fp32 = profile.gemm["float32"][0][1]
     assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
     assert fp32[-1][1] > fp32[0][1]
     assert set(profile.special_elements_per_s) >= {"exp", "tanh", "_softmax", "gelu@tanh", "gelu_backward",
                                                    "bernoulli_", "bernoulli", "dropout", "native_dropout",
-                                                   "randn", "randn_like", "rand", "uniform_", "randperm"}
+                                                   "randn", "randn_like", "rand", "uniform_", "randperm",
+                                                   "batch_norm", "batch_norm@train"}
     # ATen's CPU generator draws one number at a time: a dropout is far slower per element than an add of the
     # same size reading and writing its 12 bytes per element (the pointwise curve, warm)
     if torch.backends.mkldnn.is_available():   # oneDNN's LSTM layer per pass: a cost per step and a FLOP rate

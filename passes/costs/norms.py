@@ -136,7 +136,9 @@ _MUTATES_RUNNING_STATS = frozenset({aten.native_batch_norm, aten._native_batch_n
                                     aten.cudnn_batch_norm, aten._batch_norm_with_update})
 
 
-def _training(call: OpCall) -> bool:
+def uses_batch_statistics(call: OpCall) -> bool:
+    """Whether a batch/group/instance norm call normalises by its input's own statistics (training mode),
+    not by running ones: a statistics pass more, and on a CPU another kernel (kernels_db/cpu_model.py)."""
     packet = call.op.overloadpacket
     if packet in _ALWAYS_TRAINING:
         return True
@@ -153,7 +155,7 @@ def batch_norm_cost(call: OpCall) -> Cost:
     """Training: stats pass (3/elem, reads input) + transform pass (4/elem, reads input again).
     Eval: transform pass only, with the running statistics."""
     x = call.arg("input")
-    training = _training(call)
+    training = uses_batch_statistics(call)
     fpe = TRANSFORM_FLOPS + (STATS_FLOPS if training else 0)
     read = read_all(call) + (unique_bytes(x) if training else 0)
     written = written_all(call)
