@@ -255,7 +255,8 @@ GPUS: tuple[DeviceSpec, ...] = (
 
 _GBPS_DIR = "GB/s per direction"
 # Interconnect per board: NVLink per GPU and direction = links x per-link rate; NVSwitch or not; PCIe host link.
-# NCCL's own per-link figures (src/graph/topo.h: SM80 20.0, SM90 20.6, SM100 40.1 GB/s per link) agree.
+# NCCL's topology model gives a link less (src/graph/topo.h: SM80 20.0, SM90 20.6, SM100 40.1 GB/s per link):
+# the collective model applies that share (kernels_db/collective_model.py, NCCL_NVLINK_USABLE).
 _INTERCONNECT: Mapping[str, tuple[dict, str]] = {
     "v100-32gb": (dict(nvlink_bytes_per_s=150 * GBPS, nvlink_generation=2, nvswitch=False, pcie_generation=3,
                        gpus_per_node=8),
