@@ -22,7 +22,9 @@ reached (small GEMMs run far below the plateau on a CPU), a kernel moving B byte
 of B bytes reached, both at the cache level the step's footprint leaves its operands in
 (``HostProfile`` levels: a tensor is reused after about the step's footprint of other bytes). Known limitations: a GEMM's aspect ratio (a skinny
 ``[tokens, hidden] @ [hidden, 4 hidden]`` packs differently from a square one of the same FLOPs), and
-the in-step effects the database's in-step prices hold (what the kernel before left in the caches).
+the in-step effects the database's in-step prices hold (what the kernel before left in the caches);
+transposed convolutions stay at the GEMM's rate (alone here they ran -72..+89% off it, and off the forward
+convolution curve alike: ``benchmarks/results/cpu_conv_shapes.md``).
 The pages an op's fresh outputs fault are the step's, not the op's (they depend on what glibc's heap holds
 then): ``Analysis`` charges them from ``boomfx/memory/glibc_heap.py``.
 """

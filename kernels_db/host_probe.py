@@ -75,7 +75,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +94,8 @@ LSTM_SMALL = (64, 1, 32)                 # (steps, batch, input = hidden width) 
 LSTM_LARGE = (16, 64, 256)
 SPECIAL_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
                    "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
-                   "max_pool2d_with_indices": "max_pool2d", "_safe_softmax": "_softmax"}
+                   "max_pool2d_with_indices": "max_pool2d", "_safe_softmax": "_softmax",
+                   "group_norm": "native_group_norm", "batch_norm_backward": "native_batch_norm_backward"}
 FLOOR_ALIASES = {"native_layer_norm": "layer_norm", "native_batch_norm": "batch_norm",
                  "_native_batch_norm_legit_no_training": "batch_norm", "_native_batch_norm_legit": "batch_norm",
                  "max_pool2d_with_indices": "max_pool2d", "_adaptive_avg_pool2d": "adaptive_avg_pool2d",
@@ -300,11 +301,24 @@ def _special_rates(dispatch: float) -> dict[str, float]:
         # here than the eval transform (1.7 against 19.5 G elements/s), the same at every size measured
         "batch_norm@train": lambda: aten.batch_norm(image, scale, shift, running_mean, running_var, True, 0.1,
                                                     1e-5, True),
-        "max_pool2d": lambda: aten.max_pool2d(image, [3, 3], [1, 1], [1, 1])}
+        "max_pool2d": lambda: aten.max_pool2d(image, [3, 3], [1, 1], [1, 1]),
+        # the norms' other CPU kernels bound by their arithmetic, not their bytes (alone here: group norm
+        # 9-10, its backward and batch norm's 7-9, layer norm's backward 5-7 G elements/s at every size tried,
+        # where their bytes priced them 20-50% under)
+        "native_group_norm": lambda: aten.native_group_norm(image, scale, shift, 16, 64, 1024, 8, 1e-5),
+        "native_group_norm_backward": lambda: aten.native_group_norm_backward(
+            grad_image, image, group_mean, group_rstd, scale, 16, 64, 1024, 8, [True, True, True]),
+        "native_batch_norm_backward": lambda: aten.native_batch_norm_backward(
+            grad_image, image, scale, running_mean, running_var, scale, scale, True, 1e-5, [True, True, True]),
+        "native_layer_norm_backward": lambda: aten.native_layer_norm_backward(
+            grad_image.view(-1, 256), rows, [256], row_mean, row_rstd, ones, zeros, [True, True, True])}
     ones, zeros = torch.ones(256), torch.zeros(256)
     image = x.view(16, 64, 32, 32)
     scale, shift = torch.ones(64), torch.zeros(64)
     running_mean, running_var = torch.zeros(64), torch.ones(64)
+    grad_image = torch.rand_like(image)       # a backward reads its gradient and its input: two tensors
+    _, group_mean, group_rstd = aten.native_group_norm(image, scale, shift, 16, 64, 1024, 8, 1e-5)
+    _, row_mean, row_rstd = aten.native_layer_norm(rows, [256], ones, zeros, 1e-5)
     rates = {name: SPECIAL_ELEMENTS / (_kernel_ns(_median_ns(fn, 15), dispatch) / 1e9) for name, fn in calls.items()}
     rates.update(_random_rates(dispatch))
     # the same kernels under the names the training export and the decompositions use
