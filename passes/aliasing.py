@@ -92,6 +92,8 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
         return [(src, False)] if isinstance(src, torch.fx.Node) else [None]
     if getattr(target, "boomfx_fused", False):  # compiled execution: in-place buffer reuse (passes/compiled.py)
         return target.output_aliases(node)
+    if target in _GRAD_MODE_WRAPPERS:
+        return _wrapper_aliases(node)
     if not isinstance(target, torch._ops.OpOverload):
         return [None]
     if target in _UNANNOTATED_VIEWS:
@@ -126,6 +128,49 @@ def output_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bo
                     break
         results.append((src, is_write) if src is not None else None)
     return results
+
+
+# torch.export's wrappers of a region run under another grad or autocast mode (``with torch.no_grad():`` inside
+# forward): a submodule called on operands. RWKV rescales its weights in place under no_grad at its first eval
+# forward; the wrapper returns the weights themselves, which a fresh storage per output counted again.
+_GRAD_MODE_WRAPPERS = frozenset(op for op in (getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None),
+                                              getattr(torch.ops.higher_order, "wrap_with_autocast", None)) if op)
+
+
+def _wrapper_aliases(node: torch.fx.Node) -> list[Optional[tuple[torch.fx.Node, bool]]]:
+    """Per output of a grad/autocast-mode wrapper: the operand it aliases inside its submodule (a returned
+    placeholder, or a view or in-place result of one, followed through the submodule's own nodes), else None."""
+    val = node.meta.get("val")
+    n_out = len(val) if isinstance(val, (list, tuple)) else 1
+    at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"), None)
+    owner = node.graph.owning_module
+    if at is None or owner is None:
+        return [None] * n_out
+    try:
+        body = owner.get_submodule(node.args[at].target)
+    except AttributeError:
+        return [None] * n_out
+    operands = node.args[at + 1:]
+    placeholders = {p: k for k, p in enumerate(n for n in body.graph.nodes if n.op == "placeholder")}
+    returned = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    returned = list(returned) if isinstance(returned, (list, tuple)) else [returned]
+
+    def operand_of(inner: Any, write: bool) -> Optional[tuple[torch.fx.Node, bool]]:
+        while isinstance(inner, torch.fx.Node):
+            if inner in placeholders:
+                k = placeholders[inner]
+                outer = operands[k] if k < len(operands) else None
+                return (outer, write) if isinstance(outer, torch.fx.Node) else None
+            if inner.op != "call_function":
+                return None
+            alias = output_aliases(inner)[0] if inner.target is not operator.getitem else None
+            if alias is None:
+                return None
+            inner, write = alias[0], write or alias[1]
+        return None
+
+    out = [operand_of(r, False) for r in returned]
+    return (out + [None] * n_out)[:n_out]
 
 
 _ALIAS_PLANS: dict[Any, tuple] = {}

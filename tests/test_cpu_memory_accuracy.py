@@ -133,3 +133,28 @@ def test_cpu_peak_matches_profiler(name: str, train: bool, foreach: Optional[boo
     assert abs(predicted - real) <= TOLERANCE * real, (
         f"{name} {'train' if train else 'inference'}: predicted peak above start {predicted} B "
         f"(workspace at peak {workspace} B) vs profiler {real} B ({predicted / real - 1:+.2%})")
+
+
+class _RescaledInPlace(torch.nn.Module):
+    """RWKV's eval forward: a weight divided in place under ``torch.no_grad()`` before it is used."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.down.weight.div_(1.0)
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_weight_rescaled_in_place_under_no_grad_is_not_a_new_tensor(tmp_path) -> None:
+    """torch.export wraps the no_grad region in ``wrap_with_set_grad_enabled``, whose output is the weight
+    itself (an in-place write): counted as a fresh 1 MiB storage held from the step's start, it put RWKV's
+    eval peak +45% over the profiler's."""
+    model = _RescaledInPlace().eval()
+    inputs = (torch.randn(64, 256),)
+    ep = torch.export.export(model, inputs)
+    assert any("wrap_with_set_grad_enabled" in str(n.target) for n in ep.graph.nodes)
+    predicted, workspace = predicted_peak(ep, inputs, ProgramOptions(), str(tmp_path / "db.sqlite"))
+    real = real_peak(ep, inputs, train=False)
+    assert abs(predicted - real) <= TOLERANCE * real, (predicted, real, workspace)
