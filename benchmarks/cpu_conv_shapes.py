@@ -21,7 +21,7 @@ import torch
 
 from boomfx.core.devices import cpu_spec
 from boomfx.kernels_db.cpu_model import CpuKernelModel
-from boomfx.kernels_db.host_probe import host_profile
+from boomfx.kernels_db.host_probe import host_profile, raise_mmap_threshold
 from boomfx.passes.costs.registry import OpCall, price_call
 from boomfx.passes.specs import TensorSpec, contiguous_strides
 
@@ -66,7 +66,7 @@ def _row(kind: str, shape: tuple, call: OpCall, fn, model: CpuKernelModel, dispa
     predicted = model(call, cpu_spec()) + dispatch
     flops = float(price_call(call).cost.evaluate()[0])
     row = {"kind": kind, "shape": list(shape), "flops": flops, "real_us": real / 1e3, "predicted_us": predicted / 1e3,
-           "error": predicted / real - 1, "curve": bool(getattr(model, "conv_curve", lambda _: ())(call))}
+           "error": predicted / real - 1, "curve": bool(model.conv_curve(call))}
     print(json.dumps(row), flush=True)
     return row
 
@@ -74,9 +74,7 @@ def _row(kind: str, shape: tuple, call: OpCall, fn, model: CpuKernelModel, dispa
 def run() -> list[dict]:
     profile = host_profile()
     model = CpuKernelModel(profile)
-    block = torch.empty((31 << 20) // 4)      # glibc's mmap threshold raised: outputs from the heap, as in a step
-    block[-1] = 0.0
-    del block
+    raise_mmap_threshold()                    # outputs from glibc's heap, as in a running step
     rows = []
     with torch.no_grad():
         for n, c, h, o, k, s, g in FORWARD:

@@ -383,7 +383,7 @@ def _depthwise_curve(dispatch: float) -> Curve:
     return tuple(points)
 
 
-def _raise_mmap_threshold() -> None:
+def raise_mmap_threshold() -> None:
     """Free a fresh 31 MiB block: glibc raises its mmap threshold to a freed mapped block's size (at most
     32 MiB), so the outputs of the probes after it come from the heap, not from a fresh mapping that faults
     at every call (the step's faults are ``Analysis``'s to charge, from ``boomfx/memory/glibc_heap.py``)."""
@@ -401,7 +401,7 @@ def _conv_curves(dispatch: float) -> dict[str, Curve]:
     lookup, layout reorders) on top of its FLOPs, where a GEMM-rate price or the one-element floor alone
     priced regnet-sized convolutions at half their time."""
     aten = torch.ops.aten
-    _raise_mmap_threshold()
+    raise_mmap_threshold()
     curves: dict[str, Curve] = {}
     for k in CONV_KERNELS:
         forward, backward = [], []
