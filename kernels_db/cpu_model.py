@@ -8,7 +8,7 @@ database does not hold: the CPU counterpart of the GPU kernel model, consulted b
                   flops / depthwise_rate(flops),             depthwise convolutions
                   flops / conv_rate(flops),                  oneDNN's other fp32 convolutions (its fixed
                                                              cost held in the curve's small points)
-                  elements / special_rate[op],               exp, tanh, gelu, silu, softmax, ...,
+                  elements / special_rate(op, elements, row), exp, tanh, gelu, silu, softmax, ...,
                                                              batch norm (with the batch's statistics: its own),
                                                              and random draws (dropout, randn, ...)
                   steps x ns_per_step + flops / lstm_rate)   oneDNN's LSTM layer (its own probe)
@@ -40,7 +40,7 @@ from boomfx.passes.costs.recurrent import lstm_layer_dims
 from boomfx.passes.costs.registry import OpCall, price_call
 
 from boomfx.kernels_db.cpu_convolution import ONEDNN, floor_key, route
-from boomfx.kernels_db.host_probe import HostProfile, _rate_at
+from boomfx.kernels_db.host_probe import HostProfile, _interp, _rate_at
 from boomfx.kernels_db.roofline import compute_dtype, op_class
 
 aten = torch.ops.aten
@@ -105,7 +105,7 @@ class CpuKernelModel:
         dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
         rates = self.profile.special_elements_per_s
         ns = flops / self.profile.gemm_rate(dtype, flops / 2.0, self.footprint_bytes) * 1e9
-        softmax = rates.get("_softmax")
+        softmax = self.rate_of("_softmax", float(scores), _dim(k, -2))
         ns += max(bytes_ns, scores / softmax * 1e9 if softmax else 0.0)
         dropout = rates.get("bernoulli_")
         if (call.arg("dropout_p") or 0) > 0 and dropout:
@@ -154,18 +154,30 @@ class CpuKernelModel:
         return self.profile.conv.get(f"{phase}@{size}", ())
 
     def special_rate(self, call: OpCall) -> Optional[float]:
-        """Elements/s of an arithmetic-bound op (None: priced by its bytes); GELU's tanh approximation
-        (``approximate="tanh"``) reads its own kernel's rate. A dropout in eval mode (``train=False``)
-        draws nothing: ATen returns its input (or a copy), priced by its bytes."""
+        """Elements/s of an arithmetic-bound op (None: priced by its bytes) at its size: on the probe's curve
+        of the op at the call's output elements (``HostProfile.special_curves``), a row-wise op's scaled by
+        its row length's factor (``row_factors``); a profile without curves, the op's 1M-element rate. GELU's
+        tanh approximation (``approximate="tanh"``) reads its own kernel's rate. A dropout in eval mode
+        (``train=False``) draws nothing: ATen returns its input (or a copy), priced by its bytes."""
         rates = self.profile.special_elements_per_s
         name = call.op.overloadpacket.__name__
         if name in _DROPOUTS and call.arg("train") is False:
             return None
         if call.arg("approximate") == "tanh" and f"{name}@tanh" in rates:
-            return rates[f"{name}@tanh"]
-        if name in _BATCH_NORMS and "batch_norm@train" in rates and uses_batch_statistics(call):
-            return rates["batch_norm@train"]
-        return rates.get(name)
+            name = f"{name}@tanh"
+        elif name in _BATCH_NORMS and "batch_norm@train" in rates and uses_batch_statistics(call):
+            name = "batch_norm@train"
+        elements = float(sum(_numel(spec) for spec in call.tensor_outputs()))
+        return self.rate_of(name, elements, _row_length(call) if name in self.profile.row_factors else 0)
+
+    def rate_of(self, name: str, elements: float, row: int = 0) -> Optional[float]:
+        """Elements/s of the probe's ``name`` kernel over ``elements`` (rows of ``row``; 0: not row-wise)."""
+        curve = self.profile.special_curves.get(name)
+        if not curve:
+            return self.profile.special_elements_per_s.get(name)
+        rate = _rate_at(curve, max(elements, 1.0))
+        factors = self.profile.row_factors.get(name)
+        return rate * _interp(factors, float(row)) if factors and row > 0 else rate
 
     def floor_ns(self, call: OpCall) -> float:
         """The op's one-element call less the dispatch charged as its host time; a convolution's on the
@@ -201,6 +213,24 @@ def _is_depthwise(call: OpCall) -> bool:
         return int(groups) > 1 and _dim(call.arg("weight"), 1) == 1
     except (TypeError, ValueError):
         return False
+
+
+def _row_length(call: OpCall) -> int:
+    """The length of the rows a norm or softmax reduces over: the normalized shape's elements of a layer norm
+    (forward or backward), the reduced dimension's size of a softmax; 0 when not known."""
+    if call.arg("normalized_shape") is not None:
+        n = 1
+        for d in call.arg("normalized_shape"):
+            try:
+                n *= int(d)
+            except (TypeError, ValueError):
+                return 0
+        return n
+    dim = call.arg("dim")
+    try:
+        return _dim(call.arg("self") if call.arg("self") is not None else call.arg("input"), int(dim))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _numel(spec: object) -> int:

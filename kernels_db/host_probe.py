@@ -20,8 +20,10 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
 - **pointwise bandwidth curve**: ``a + b`` into a fresh tensor (as eager ops allocate theirs), from
   L1-sized to beyond the last-level cache; a kernel moving B bytes is priced at the rate of B on this
   curve (its working set hits the cache level that size fits);
-- **special-function rates**: elements per second of ``exp``, ``tanh``, ``gelu``, ``silu``, softmax,
-  ...: on a CPU these are bound by the vector units, not memory;
+- **special-function curves**: the time of ``exp``, ``tanh``, ``gelu``, ``silu``, softmax, the norms,
+  ... over 4K to 1M elements (on a CPU these are bound by the vector units, not memory, and a small call
+  is dominated by its fixed costs), and for the row-wise ones (norms, softmaxes) their rate at row lengths
+  64-4096 relative to 256 (each row pays a fixed cost);
 - **random-number rates**: elements per second of dropout, ``bernoulli_``, ``randn``, ``rand``,
   ``randint``, ``randperm``: ATen's CPU generator draws them one at a time under its lock (2-5 ns an
   element here at any thread count, 10-60x a pointwise op's bytes), so a training step's dropouts cost
@@ -75,7 +77,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 13
+PROFILE_VERSION = 14
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,6 +86,10 @@ STREAM_KIB = (16, 128, 1024, 8192, 24576)   # below glibc's largest mmap thresho
 MMAP_ALWAYS_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX (64-bit): larger blocks are always fresh mmaps
 PAGE_BYTES = 4096
 SPECIAL_ELEMENTS = 1 << 20    # 4 MiB of fp32
+SPECIAL_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, SPECIAL_ELEMENTS)   # the arithmetic-bound ops' curves
+SPECIAL_ROW = 256                 # the row length the row-wise ops' curves are probed at
+ROW_LENGTHS = (64, SPECIAL_ROW, 1024, 4096)
+ROW_OPS = ("layer_norm", "_softmax", "_log_softmax", "native_layer_norm_backward")
 ATTN_BH = 8
 ATTN_SEQS = (32, 128, 512, 1024)
 DEPTHWISE_CHANNELS = (32, 128, 512)      # [8, C, 28, 28] * [C, 1, 3, 3], groups=C
@@ -121,7 +127,7 @@ class HostProfile:
     l2_bytes: int
     gemm: Mapping[str, Levels]           # dtype -> flush level -> (FLOPs, ns) by size
     stream: Levels                       # flush level -> (bytes read + written, ns) by size
-    special_elements_per_s: Mapping[str, float]    # aten op name -> elements/s
+    special_elements_per_s: Mapping[str, float]    # aten op name -> elements/s (at SPECIAL_ELEMENTS)
     attention: Rates                     # (keys, FLOP/s) of a causal forward
     attention_backward: Rates
     depthwise_conv: Curve                # (FLOPs, ns) of a 3x3 depthwise convolution
@@ -133,6 +139,10 @@ class HostProfile:
     # oneDNN's dense convolutions: "forward@1x1", "forward@3x3", "backward@1x1", "backward@3x3" -> (FLOPs,
     # ns) by size, the call's fixed cost included (``conv_curve``)
     conv: Mapping[str, Curve] = field(default_factory=dict)
+    # arithmetic-bound ops: aten op name -> (elements, kernel ns) at SPECIAL_SIZES; the row-wise ones' rate at
+    # each row length over their rate at SPECIAL_ROW (``CpuKernelModel.special_rate``)
+    special_curves: Mapping[str, Curve] = field(default_factory=dict)
+    row_factors: Mapping[str, Rates] = field(default_factory=dict)
     measured_at: str = ""
     busy_percent: Optional[float] = None   # the host's CPU pressure while measured (cpu_pressure_percent)
 
@@ -180,6 +190,8 @@ class HostProfile:
             d[name] = _curve(d[name])
         d["lstm_layer"] = {k: (float(step), float(rate)) for k, (step, rate) in d.get("lstm_layer", {}).items()}
         d["conv"] = {k: _curve(v) for k, v in d.get("conv", {}).items()}
+        d["special_curves"] = {k: _curve(v) for k, v in d.get("special_curves", {}).items()}
+        d["row_factors"] = {k: _curve(v) for k, v in d.get("row_factors", {}).items()}
         return cls(**d)
 
 
@@ -275,15 +287,29 @@ def _stream_levels(dispatch: float, flushes: list) -> Levels:
     return tuple(levels)
 
 
-def _special_rates(dispatch: float) -> dict[str, float]:
-    """Elements/s (of the output) of each op whose CPU kernel is bound by its arithmetic, not its bytes,
-    over ``SPECIAL_ELEMENTS`` fp32 elements: special functions, softmaxes and layer norms over rows of
-    256, batch norm and 3x3 max pooling over [16, 64, 32, 32]."""
+def _image_shape(n: int) -> tuple[int, int, int, int]:
+    """The ``[N, 64, H, H]`` image of ``n`` fp32 elements the image ops are probed on (H = 8, 16 or 32)."""
+    side = 32 if n >= SPECIAL_ELEMENTS else 16 if n >= 1 << 14 else 8
+    return (n // (64 * side * side), 64, side, side)
+
+
+def _special_calls(n: int, row: int = SPECIAL_ROW) -> dict[str, Callable[[], object]]:
+    """The probe's call of each arithmetic-bound op over ``n`` fp32 elements: special functions over a vector,
+    softmaxes and layer norms over rows of ``row``, batch norm, group norm and 3x3 max pooling over
+    ``_image_shape(n)``."""
     aten = torch.ops.aten
-    x = torch.rand(SPECIAL_ELEMENTS) - 0.5
+    x = torch.rand(n) - 0.5
     positive = x.abs() + 1.0
-    rows = x.view(-1, 256)
-    calls: dict[str, Callable[[], object]] = {
+    rows = x.view(-1, row)
+    ones, zeros = torch.ones(row), torch.zeros(row)
+    image = x.view(_image_shape(n))
+    batch, channels, hw = image.shape[0], image.shape[1], image.shape[2] * image.shape[3]
+    scale, shift = torch.ones(channels), torch.zeros(channels)
+    running_mean, running_var = torch.zeros(channels), torch.ones(channels)
+    grad_image = torch.rand_like(image)       # a backward reads its gradient and its input: two tensors
+    _, group_mean, group_rstd = aten.native_group_norm(image, scale, shift, batch, channels, hw, 8, 1e-5)
+    _, row_mean, row_rstd = aten.native_layer_norm(rows, [row], ones, zeros, 1e-5)
+    return {
         "exp": lambda: aten.exp(x), "tanh": lambda: aten.tanh(x), "sigmoid": lambda: aten.sigmoid(x),
         "silu": lambda: aten.silu(x), "gelu": lambda: aten.gelu(x), "erf": lambda: aten.erf(x),
         # GELU's tanh approximation (gelu_pytorch_tanh: GPT-BigCode, Gemma, StarCoder2) is another kernel,
@@ -295,7 +321,7 @@ def _special_rates(dispatch: float) -> dict[str, float]:
         "sqrt": lambda: aten.sqrt(positive), "rsqrt": lambda: aten.rsqrt(positive),
         "_softmax": lambda: aten._softmax(rows, -1, False),
         "_log_softmax": lambda: aten._log_softmax(rows, -1, False),
-        "layer_norm": lambda: aten.layer_norm(rows, [256], ones, zeros),
+        "layer_norm": lambda: aten.layer_norm(rows, [row], ones, zeros),
         "batch_norm": lambda: aten.batch_norm(image, scale, shift, scale, shift, False, 0.1, 1e-5, True),
         # in training mode ATen's CPU kernel also collects the batch's statistics: ~10x slower per element
         # here than the eval transform (1.7 against 19.5 G elements/s), the same at every size measured
@@ -305,25 +331,56 @@ def _special_rates(dispatch: float) -> dict[str, float]:
         # the norms' other CPU kernels bound by their arithmetic, not their bytes (alone here: group norm
         # 9-10, its backward and batch norm's 7-9, layer norm's backward 5-7 G elements/s at every size tried,
         # where their bytes priced them 20-50% under)
-        "native_group_norm": lambda: aten.native_group_norm(image, scale, shift, 16, 64, 1024, 8, 1e-5),
+        "native_group_norm": lambda: aten.native_group_norm(image, scale, shift, batch, channels, hw, 8, 1e-5),
         "native_group_norm_backward": lambda: aten.native_group_norm_backward(
-            grad_image, image, group_mean, group_rstd, scale, 16, 64, 1024, 8, [True, True, True]),
+            grad_image, image, group_mean, group_rstd, scale, batch, channels, hw, 8, [True, True, True]),
         "native_batch_norm_backward": lambda: aten.native_batch_norm_backward(
             grad_image, image, scale, running_mean, running_var, scale, scale, True, 1e-5, [True, True, True]),
         "native_layer_norm_backward": lambda: aten.native_layer_norm_backward(
-            grad_image.view(-1, 256), rows, [256], row_mean, row_rstd, ones, zeros, [True, True, True])}
-    ones, zeros = torch.ones(256), torch.zeros(256)
-    image = x.view(16, 64, 32, 32)
-    scale, shift = torch.ones(64), torch.zeros(64)
-    running_mean, running_var = torch.zeros(64), torch.ones(64)
-    grad_image = torch.rand_like(image)       # a backward reads its gradient and its input: two tensors
-    _, group_mean, group_rstd = aten.native_group_norm(image, scale, shift, 16, 64, 1024, 8, 1e-5)
-    _, row_mean, row_rstd = aten.native_layer_norm(rows, [256], ones, zeros, 1e-5)
-    rates = {name: SPECIAL_ELEMENTS / (_kernel_ns(_median_ns(fn, 15), dispatch) / 1e9) for name, fn in calls.items()}
-    rates.update(_random_rates(dispatch))
-    # the same kernels under the names the training export and the decompositions use
+            grad_image.view(-1, row), rows, [row], row_mean, row_rstd, ones, zeros, [True, True, True])}
+
+
+def _special_curves(dispatch: float) -> dict[str, Curve]:
+    """``{op: ((elements, kernel ns), ...)}`` of every ``_special_calls`` op at ``SPECIAL_SIZES`` elements.
+    Why a curve, not one rate: a call's fixed costs (its parallel region, a norm's per-row setup) are a
+    large share of a small call's time; priced at the 1M-element rate alone, GELU over 4K elements came out
+    -78%, exp over 64K -63%, a layer norm's backward over [256, 128] -48% here
+    (``benchmarks/results/cpu_special_shapes_before.md``)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for n in SPECIAL_SIZES:
+        for name, fn in _special_calls(n).items():
+            ns = _median_ns(fn, 15 if n >= 1 << 18 else 31)
+            points.setdefault(name, []).append((float(n), _kernel_ns(ns, dispatch)))
+    curves = {name: tuple(p) for name, p in points.items()}
+    for alias, name in SPECIAL_ALIASES.items():       # the same kernels under their training export's names
+        curves[alias] = curves[name]
+    return curves
+
+
+def _row_factors(dispatch: float) -> dict[str, Rates]:
+    """``{op: ((row length, rate over the rate at SPECIAL_ROW), ...)}`` of the row-wise ops (``ROW_OPS``)
+    over ``SPECIAL_ELEMENTS`` elements: a norm or softmax pays a fixed cost per row, so short rows run
+    slower per element (a layer norm over rows of 64 ~1.6x slower than over 256 here, over 1024 ~1.3x
+    faster)."""
+    factors: dict[str, list[tuple[float, float]]] = {name: [] for name in ROW_OPS}
+    base = {name: _median_ns(fn, 15) for name, fn in _special_calls(SPECIAL_ELEMENTS).items() if name in ROW_OPS}
+    for row in ROW_LENGTHS:
+        calls = _special_calls(SPECIAL_ELEMENTS, row)
+        for name in ROW_OPS:
+            ns = base[name] if row == SPECIAL_ROW else _median_ns(calls[name], 15)
+            factors[name].append((float(row), _kernel_ns(base[name], dispatch) / _kernel_ns(ns, dispatch)))
+    out = {name: tuple(p) for name, p in factors.items()}
     for alias, name in SPECIAL_ALIASES.items():
-        rates[alias] = rates[name]
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
+def _special_rates(curves: Mapping[str, Curve], dispatch: float) -> dict[str, float]:
+    """Elements/s of each arithmetic-bound op at ``SPECIAL_ELEMENTS`` (its curve's plateau; what the model's
+    composite prices, an attention's softmax or an LSTM's gates, read), with the random draws'."""
+    rates = {name: _rate_at(curve, float(SPECIAL_ELEMENTS)) for name, curve in curves.items()}
+    rates.update(_random_rates(dispatch))
     return rates
 
 
@@ -555,13 +612,14 @@ def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
                                                                  compiled=False).items()}
     from boomfx.kernels_db.measure import l2_cache_bytes
     flushes = _flush_buffers()
+    special = _special_curves(dispatch)
     profile = HostProfile(
         torch.get_num_threads(), _cpu_model(), torch.__version__, dispatch, l2_cache_bytes(),
         {name: _gemm_levels(dt, dispatch, flushes) for name, dt in GEMM_DTYPES.items()},
-        _stream_levels(dispatch, flushes), _special_rates(dispatch), _attention_rates(dispatch, False),
+        _stream_levels(dispatch, flushes), _special_rates(special, dispatch), _attention_rates(dispatch, False),
         _attention_rates(dispatch, True), _depthwise_curve(dispatch), _page_fault_ns(), _op_floors(), costs,
-        _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {},
-        time.strftime("%Y-%m-%d %H:%M:%S"))
+        _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {}, {}, special,
+        _row_factors(dispatch), time.strftime("%Y-%m-%d %H:%M:%S"))
     if torch.backends.mkldnn.is_available():
         profile = replace(profile, conv=_conv_curves(dispatch))    # last: it raises glibc's mmap threshold
     readings = [p for p in (before, cpu_pressure_percent()) if p is not None]

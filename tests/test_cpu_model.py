@@ -108,6 +108,34 @@ def test_gelus_tanh_approximation_reads_its_own_kernels_rate():
         erf, cpu_spec()) == pytest.approx(1e6)
 
 
+def test_arithmetic_bound_ops_read_the_curve_at_their_size_and_row_length():
+    """A small special-function call runs far below the 1M-element rate (its fixed costs), so it is priced on
+    the probe's curve at its own output elements; a norm or softmax's rate is also scaled by its row length's
+    factor (short rows pay a fixed cost each). Hand formulas over a made-up curve."""
+    curves = {"gelu": ((4096.0, 8_000.0), (1048576.0, 128_000.0)),
+              "layer_norm": ((4096.0, 4_000.0), (1048576.0, 640_000.0))}
+    factors = {"layer_norm": ((64.0, 0.5), (256.0, 1.0), (1024.0, 2.0))}
+    profile = dataclasses.replace(PROFILE, special_elements_per_s={"gelu": 1048576 / 128e-6, "tanh": 1e9},
+                                  special_curves=curves, row_factors=factors)
+    model = CpuKernelModel(profile)
+    # 4096 elements at the small point's own time; 1M at the plateau; 64K halfway in log(elements)
+    assert model(unary(aten.gelu.default, 4096), cpu_spec()) == pytest.approx(8_000.0)
+    assert model(unary(aten.gelu.default, 1048576), cpu_spec()) == pytest.approx(128_000.0)
+    mid = (4096 / 8e-6 + 1048576 / 128e-6) / 2
+    assert model(unary(aten.gelu.default, 65536), cpu_spec()) == pytest.approx(65536 / mid * 1e9)
+
+    def layer_norm(rows: int, width: int) -> OpCall:
+        return OpCall.build(aten.layer_norm.default, (spec(rows, width), [width], spec(width), spec(width)), {},
+                            (spec(rows, width),))
+    base = 1048576 / 640e-6                  # the rate over 1M elements in rows of 256 (not bound by its bytes)
+    assert model(layer_norm(4096, 256), cpu_spec()) == pytest.approx(640_000.0)
+    assert model(layer_norm(16384, 64), cpu_spec()) == pytest.approx(1048576 / (0.5 * base) * 1e9)
+    assert model(layer_norm(1024, 1024), cpu_spec()) == pytest.approx(1048576 / (2.0 * base) * 1e9)
+    assert model(layer_norm(2048, 512), cpu_spec()) == pytest.approx(1048576 / (1.5 * base) * 1e9)
+    # an op the probe has no curve for keeps its single rate (tanh at 1e9 elements/s)
+    assert model(unary(aten.tanh.default, 1_000_000), cpu_spec()) == pytest.approx(1e6)
+
+
 def test_random_draws_are_bound_by_the_generators_rate():
     """Dropout, bernoulli_ and randn draw one number per element from ATen's CPU generator (2-5 ns each on
     the VM, at any thread count): priced at their probed rate over their outputs' elements, not by their
@@ -419,6 +447,15 @@ def test_the_real_probe_measures_this_host():
     moved, ns = min(profile.stream[0][1], key=lambda point: abs(point[0] / 12 - host_probe.SPECIAL_ELEMENTS))
     add_elements_per_s = moved / 12 / (ns / 1e9)
     assert profile.special_elements_per_s["dropout"] < add_elements_per_s / 3
+    # the arithmetic-bound ops' curves: every size probed; a 4K-element GELU (its fixed costs) runs far below
+    # the 1M-element rate, and a layer norm over rows of 64 below one over rows of 1024 (a cost per row)
+    sizes = [float(n) for n in host_probe.SPECIAL_SIZES]
+    assert all([n for n, _ in profile.special_curves[name]] == sizes for name in ("gelu", "layer_norm", "exp"))
+    assert _rate_at(profile.special_curves["gelu"], 4096.0) < _rate_at(profile.special_curves["gelu"], 1 << 20) / 3
+    assert profile.special_elements_per_s["gelu"] == pytest.approx(_rate_at(profile.special_curves["gelu"], 1 << 20))
+    assert set(profile.row_factors) >= set(host_probe.ROW_OPS)
+    row_rate = dict(profile.row_factors["layer_norm"])
+    assert row_rate[256.0] == 1.0 and row_rate[64.0] < row_rate[1024.0]
     assert HostProfile.from_json(profile.to_json()) == profile
     assert profile.busy_percent is None or profile.busy_percent >= 0
 
