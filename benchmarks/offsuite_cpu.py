@@ -226,7 +226,12 @@ def run(models: list[str], repeats: int, directory: str) -> list[dict]:
                          "predicted_peak_mib": r.predicted_peak_above_start_bytes / 2**20,
                          "measured_peak_mib": r.measured_peak_above_start_bytes / 2**20,
                          "memory_error": (r.predicted_peak_above_start_bytes / r.measured_peak_above_start_bytes - 1
-                                          if r.measured_peak_above_start_bytes else None)})
+                                          if r.measured_peak_above_start_bytes else None),
+                         # page faults: charged (pages glibc maps afresh), estimated after trims (not
+                         # charged), and the real step's (a median over its timed steps)
+                         "predicted_fault_pages": r.predicted_fault_pages,
+                         "predicted_refault_pages": r.predicted_refault_pages,
+                         "measured_faults_per_step": r.measured_faults_per_step})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

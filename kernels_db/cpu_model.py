@@ -41,10 +41,14 @@ from boomfx.passes.costs.registry import OpCall, price_call
 
 from boomfx.kernels_db.cpu_convolution import ONEDNN, floor_key, route
 from boomfx.kernels_db.host_probe import HostProfile, _interp, _rate_at
+from boomfx.kernels_db.in_step_calibration import ratios_by_bound
 from boomfx.kernels_db.roofline import compute_dtype, op_class
 
 aten = torch.ops.aten
 COMPUTE_CLASSES = ("matmul", "conv")
+# what bounds a looped price (``CpuKernelModel.bound``): the probe's in-step ratios are per bound
+BOUND_MATMUL, BOUND_ARITHMETIC, BOUND_MEMORY = "matmul", "arithmetic", "memory"
+BOUNDS = (BOUND_MATMUL, BOUND_ARITHMETIC, BOUND_MEMORY)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _ATTENTION_BACKWARD = frozenset({aten._scaled_dot_product_flash_attention_for_cpu_backward,
                                  aten._scaled_dot_product_flash_attention_backward,
@@ -59,44 +63,75 @@ class CpuKernelModel:
     def __init__(self, profile: HostProfile) -> None:
         self.profile = profile
         self.footprint_bytes: Optional[int] = None
+        # bound -> (looped ns, in-step ratio) by band of time, from the probe's calibration step
+        self.in_step_ratios: dict[str, tuple[tuple[float, float], ...]] = (
+            ratios_by_bound(profile.in_step, self.bound) if profile.in_step else {})
+        # the calls priced next run in ATen's own C++ loop (a recurrent layer's cell ops, ``Analysis``): no
+        # Python or other kernels between them, so they stay hot as in the probe's loops (no in-step ratio)
+        self.in_loop = False
 
     @property
-    def context_key(self) -> Optional[int]:
+    def context_key(self) -> tuple[Optional[int], bool]:
         """What the prices depend on beyond the call (``KernelPricer`` memoizes per call and this)."""
-        return self.footprint_bytes
+        return self.footprint_bytes, self.in_loop
 
     def __call__(self, call: OpCall, device: DeviceSpec) -> Optional[float]:
+        """The call's kernel time inside a step: its looped price at the step's cache level, or its warm
+        looped price scaled by the probe's in-step ratio of what bounds it at its time
+        (``HostProfile.in_step``, ``in_step_calibration.py``), whichever is longer (a cold level already
+        holds the operands' misses the ratio holds: the two do not compound)."""
+        looped = self._looped(call, self.footprint_bytes)
+        if looped is None:
+            return None
+        ns, _ = looped
+        warm, bound = looped if self.footprint_bytes is None else self._looped(call, None)
+        ratios = None if self.in_loop else self.in_step_ratios.get(bound)
+        if not ratios:
+            return ns
+        dispatch = self.profile.dispatch_ns      # the ratio is of whole calls, the dispatch included
+        return max(ns, (warm + dispatch) * _interp(ratios, warm + dispatch) - dispatch)
+
+    def bound(self, call: OpCall) -> Optional[str]:
+        """What bounds the call's warm looped price: ``BOUND_MATMUL`` (a GEMM's or an attention's rate),
+        ``BOUND_ARITHMETIC`` (a convolution's, a special function's or a norm's rate) or ``BOUND_MEMORY``
+        (its bytes, or its one-element floor); None when it cannot be priced."""
+        looped = self._looped(call, None)
+        return looped[1] if looped is not None else None
+
+    def _looped(self, call: OpCall, footprint: Optional[int]) -> Optional[tuple[float, str]]:
+        """The call's kernel time as the probe measures kernels, looped, at the cache level of a step of
+        ``footprint`` bytes (None: warm), and what bounds it (``bound``)."""
         try:
             flops, read, written = price_call(call).cost.evaluate()
         except ValueError:
             return None
         moved = float(read + written)
-        footprint = self.footprint_bytes
-        ns = moved / self.profile.stream_rate(moved, footprint) * 1e9 if moved > 0 else 0.0
+        terms = [(moved / self.profile.stream_rate(moved, footprint) * 1e9 if moved > 0 else 0.0, BOUND_MEMORY),
+                 (self.floor_ns(call), BOUND_MEMORY)]
         klass = op_class(call.op)
         conv_curve = self.conv_curve(call) if flops > 0 else ()
         if flops > 0 and _is_depthwise(call):
-            ns = max(ns, flops / _rate_at(self.profile.depthwise_conv, float(flops)) * 1e9)
+            terms.append((flops / _rate_at(self.profile.depthwise_conv, float(flops)) * 1e9, BOUND_ARITHMETIC))
         elif conv_curve:
-            ns = max(ns, flops / _rate_at(conv_curve, float(flops)) * 1e9)
+            terms.append((flops / _rate_at(conv_curve, float(flops)) * 1e9, BOUND_ARITHMETIC))
         elif flops > 0 and klass in COMPUTE_CLASSES:
             dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
-            ns = max(ns, flops / self.profile.gemm_rate(dtype, float(flops), footprint) * 1e9)
+            terms.append((flops / self.profile.gemm_rate(dtype, float(flops), footprint) * 1e9,
+                          BOUND_MATMUL if klass == "matmul" else BOUND_ARITHMETIC))
         elif flops > 0 and klass == "attention" and call.context.get("sdpa_backend") == "math":
-            return max(self._math_attention_ns(call, flops, ns), self.floor_ns(call))
+            return max((self._math_attention_ns(call, flops, terms[0][0], footprint), BOUND_MATMUL), terms[1])
         elif flops > 0 and klass == "attention":
             backward = call.op.overloadpacket in _ATTENTION_BACKWARD
             keys = _dim(call.arg("key"), -2) or _dim(call.arg("query"), -2) or 256
-            ns = max(ns, flops / self.profile.attention_rate(float(keys), backward) * 1e9)
+            terms.append((flops / self.profile.attention_rate(float(keys), backward) * 1e9, BOUND_MATMUL))
         if call.op.overloadpacket in _FUSED_LSTM:
-            return max(ns, self._lstm_layer_ns(call, flops), self.floor_ns(call))
-        outputs = call.tensor_outputs()
+            return max(*terms, (self._lstm_layer_ns(call, flops, footprint), BOUND_MATMUL))
         rate = self.special_rate(call)
         if rate:
-            ns = max(ns, sum(_numel(spec) for spec in outputs) / rate * 1e9)
-        return max(ns, self.floor_ns(call))
+            terms.append((sum(_numel(spec) for spec in call.tensor_outputs()) / rate * 1e9, BOUND_ARITHMETIC))
+        return max(terms)
 
-    def _math_attention_ns(self, call: OpCall, flops: int, bytes_ns: float) -> float:
+    def _math_attention_ns(self, call: OpCall, flops: int, bytes_ns: float, footprint: Optional[int]) -> float:
         """SDPA on ATen's math path (a CPU attention with dropout): its kernels run one after another, the
         two batched matmuls at the GEMM rate, the softmax over the ``[BH, L, S]`` scores at its rate or
         the path's bytes, and the dropout's draws over the scores at the random-number rate."""
@@ -104,7 +139,7 @@ class CpuKernelModel:
         scores = _numel(q) // max(_dim(q, -1), 1) * _dim(k, -2)
         dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
         rates = self.profile.special_elements_per_s
-        ns = flops / self.profile.gemm_rate(dtype, flops / 2.0, self.footprint_bytes) * 1e9
+        ns = flops / self.profile.gemm_rate(dtype, flops / 2.0, footprint) * 1e9
         softmax = self.rate_of("_softmax", float(scores), _dim(k, -2))
         ns += max(bytes_ns, scores / softmax * 1e9 if softmax else 0.0)
         dropout = rates.get("bernoulli_")
@@ -112,7 +147,7 @@ class CpuKernelModel:
             ns += scores / dropout * 1e9
         return ns
 
-    def _lstm_layer_ns(self, call: OpCall, flops: int) -> float:
+    def _lstm_layer_ns(self, call: OpCall, flops: int, footprint: Optional[int]) -> float:
         """oneDNN's LSTM layer at the probe's cost per step plus its FLOPs at the probe's rate for the pass
         (``HostProfile.lstm_layer``: inference, training forward, backward). A profile without it: the input
         projection as one GEMM over every step, one small recurrent GEMM per step (each at the GEMM curve's
@@ -125,7 +160,6 @@ class CpuKernelModel:
             per_step, rate = measured
             return steps * per_step + flops / rate * 1e9
         dtype = _DTYPE_NAMES.get(compute_dtype(call), "float32")
-        footprint = self.footprint_bytes
         projection = 2.0 * steps * batch * width * 4 * hidden
         recurrent = 2.0 * batch * hidden * 4 * hidden
         products = (projection / self.profile.gemm_rate(dtype, projection, footprint)

@@ -64,6 +64,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from boomfx.kernels_db.measure import MIN_SAMPLE_NS, Measurement, Measurer, l2_cache_bytes, summarize
+from boomfx.kernels_db.price import PriceSource
 from boomfx.kernels_db.schema import KernelKey, KernelRecord, canonical_json
 
 HOST_OP = "boomfx::host"
@@ -144,6 +145,14 @@ class HostCosts:
     values: Mapping[str, float]
     source: str            # "measured" (a database row for every event), "default" or "partly measured"
     l2_bytes: int
+    # the price sources (``PriceSource`` values) whose prices already hold what the kernels before them left
+    # (their op switch and cold start): rows timed in their program's step, and the CPU model's prices when
+    # its probe measured the in-step ratio (``in_step_calibration.py``)
+    in_step_sources: frozenset = frozenset({PriceSource.MEASURED_IN_STEP.value})
+
+    def holds_in_step(self, source: str) -> bool:
+        """Whether a kernel priced from ``source`` already holds its op switch and cold start."""
+        return source in self.in_step_sources
 
     @classmethod
     def from_records(cls, records: Sequence[KernelRecord], device_kind: str,

@@ -24,6 +24,9 @@ describe it instead, at torch's current intra-op thread count, wall clock, media
   ... over 4K to 1M elements (on a CPU these are bound by the vector units, not memory, and a small call
   is dominated by its fixed costs), and for the row-wise ones (norms, softmaxes) their rate at row lengths
   64-4096 relative to 256 (each row pays a fixed cost);
+- **in-step ratios**: how much slower a kernel runs inside a step than in these loops, by its looped
+  time (~2x for a call of a few microseconds, ~1.35x at 40 us, ~1.1x from 130 us here), from a
+  calibration step of the probe's own run in ``in_step.py``'s rotation (``in_step_calibration.py``);
 - **random-number rates**: elements per second of dropout, ``bernoulli_``, ``randn``, ``rand``,
   ``randint``, ``randperm``: ATen's CPU generator draws them one at a time under its lock (2-5 ns an
   element here at any thread count, 10-60x a pointwise op's bytes), so a training step's dropouts cost
@@ -77,7 +80,7 @@ PROBE_ENV = "BOOMFX_HOST_PROBE"
 # Idle, this VM's PSI reads 0.0-0.1%; with the test suite's 4 workers on its 2 vCPUs, 29% (2026-12-06),
 # and a probe cached then priced MobileNetV2's step 37% higher (4.06 against 2.97 ms)
 BUSY_PERCENT = 10.0
-PROFILE_VERSION = 14
+PROFILE_VERSION = 15
 FLUSH_LEVELS_MIB = (0, 8, 32, 128)
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,6 +146,9 @@ class HostProfile:
     # each row length over their rate at SPECIAL_ROW (``CpuKernelModel.special_rate``)
     special_curves: Mapping[str, Curve] = field(default_factory=dict)
     row_factors: Mapping[str, Rates] = field(default_factory=dict)
+    # (key hash, looped ns, in-step ns) of each call of the calibration step (``in_step_calibration.py``):
+    # how much slower a kernel runs inside a step than looped (the CPU model's in-step ratios)
+    in_step: tuple[tuple[str, float, float], ...] = ()
     measured_at: str = ""
     busy_percent: Optional[float] = None   # the host's CPU pressure while measured (cpu_pressure_percent)
 
@@ -192,6 +198,7 @@ class HostProfile:
         d["conv"] = {k: _curve(v) for k, v in d.get("conv", {}).items()}
         d["special_curves"] = {k: _curve(v) for k, v in d.get("special_curves", {}).items()}
         d["row_factors"] = {k: _curve(v) for k, v in d.get("row_factors", {}).items()}
+        d["in_step"] = tuple((str(h), float(alone), float(step)) for h, alone, step in d.get("in_step", ()))
         return cls(**d)
 
 
@@ -621,7 +628,10 @@ def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
         _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {}, {}, special,
         _row_factors(dispatch), time.strftime("%Y-%m-%d %H:%M:%S"))
     if torch.backends.mkldnn.is_available():
-        profile = replace(profile, conv=_conv_curves(dispatch))    # last: it raises glibc's mmap threshold
+        profile = replace(profile, conv=_conv_curves(dispatch))    # it raises glibc's mmap threshold
+    raise_mmap_threshold()          # the calibration step's outputs from the heap, as a running step's
+    from boomfx.kernels_db.in_step_calibration import measure_in_step_pairs
+    profile = replace(profile, in_step=measure_in_step_pairs(_median_ns))
     readings = [p for p in (before, cpu_pressure_percent()) if p is not None]
     return replace(profile, busy_percent=max(readings)) if readings else profile
 

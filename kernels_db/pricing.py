@@ -157,10 +157,14 @@ def host_costs(pricer: Pricer, device: DeviceSpec) -> "HostCosts":
     """The host costs outside kernel prices (``kernels_db/host_overheads.py``: compiled graphs' entries,
     cold starts): the rows the database measured on its host, else (a CPU target) this host's probe
     (``host_probe``), else the defaults for ``device``'s kind."""
+    import dataclasses
     from boomfx.kernels_db.host_overheads import HostCosts
     model = cpu_host_model(pricer)
-    return HostCosts.from_records(list(pricer.host_records.values()), device.kind,
-                                  probed=model.profile.host_costs if model is not None else None)
+    costs = HostCosts.from_records(list(pricer.host_records.values()), device.kind,
+                                   probed=model.profile.host_costs if model is not None else None)
+    if model is not None and model.profile.in_step:     # its prices are in-step prices (cpu_model.py)
+        costs = dataclasses.replace(costs, in_step_sources=costs.in_step_sources | {PriceSource.MODEL.value})
+    return costs
 
 
 def set_step_footprint(pricer: Any, nbytes: Optional[int]) -> None:

@@ -74,7 +74,7 @@ def test_the_step_footprint_picks_the_cache_level():
     call = mm(100, 100, 500)
     warm = model(call, cpu_spec())
     model.footprint_bytes = 64 * MIB
-    assert model(call, cpu_spec()) == pytest.approx(2 * warm) and model.context_key == 64 * MIB
+    assert model(call, cpu_spec()) == pytest.approx(2 * warm) and model.context_key == (64 * MIB, False)
 
 
 def test_pointwise_priced_by_the_bandwidth_of_its_working_set():
@@ -456,6 +456,12 @@ def test_the_real_probe_measures_this_host():
     assert set(profile.row_factors) >= set(host_probe.ROW_OPS)
     row_rate = dict(profile.row_factors["layer_norm"])
     assert row_rate[256.0] == 1.0 and row_rate[64.0] < row_rate[1024.0]
+    # the calibration step's calls looped and in the step (kernels_db/in_step_calibration.py), and the model's
+    # in-step ratios from them, per what bounds a price
+    assert len(profile.in_step) > 20 and all(alone > 0 and step > 0 for _, alone, step in profile.in_step)
+    ratios = CpuKernelModel(profile).in_step_ratios
+    assert set(ratios) <= {"matmul", "arithmetic", "memory"} and "matmul" in ratios
+    assert all(r >= 1.0 for rates in ratios.values() for _, r in rates)
     assert HostProfile.from_json(profile.to_json()) == profile
     assert profile.busy_percent is None or profile.busy_percent >= 0
 

@@ -3,6 +3,8 @@ entries, a CPU's cold starts and eager dispatch (op switches, aliasing ops, the 
 kernels, read by the pricer, placed in the schedule, and measured on this CPU."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -122,7 +124,51 @@ def test_compiled_step_pays_for_entering_its_graphs(tmp_path, train):
     assert eager.time.graph_entry_ns == 0 and eager.kernels[0].start_ns == 0
 
 
-def test_cold_starts_on_a_cpu(tmp_path):
+@pytest.fixture
+def looped_prices(monkeypatch):
+    """The CPU model over this host's probe without its in-step ratios: looped prices, which pay their op
+    switch and cold start on top (with the ratios they hold them: ``test_in_step_model_prices_...``)."""
+    import dataclasses
+    from boomfx.kernels_db import pricing
+    from boomfx.kernels_db.host_probe import host_profile
+    profile = host_profile()
+    looped = dataclasses.replace(profile, in_step=()) if profile is not None else None
+    monkeypatch.setattr(pricing, "_host_profile", lambda device: looped if device.kind == "cpu" else None)
+
+
+def test_in_step_model_prices_hold_their_switch_and_cold_start(tmp_path, monkeypatch):
+    """With the probe's in-step ratios (kernels_db/in_step_calibration.py) the CPU model's price of each kernel
+    is its looped price scaled by the ratio of what bounds it at its time (whole calls: the dispatch in),
+    and such a price already holds what the kernels before it left: no cold start, no op switch."""
+    import dataclasses
+    from boomfx.kernels_db import pricing
+    from boomfx.kernels_db.host_probe import host_profile
+    profile = host_profile()
+    if profile is None:
+        pytest.skip("the host probe is off")
+    ratios = {"matmul": ((1e3, 3.0), (1e6, 1.5)), "arithmetic": ((1e3, 2.0),), "memory": ((1e3, 2.0),)}
+    from boomfx.kernels_db import cpu_model
+    monkeypatch.setattr(cpu_model, "ratios_by_bound", lambda pairs, bound: ratios)
+    for name, prof in (("looped", dataclasses.replace(profile, in_step=())),
+                       ("in_step", dataclasses.replace(profile, in_step=(("calibration", 1.0, 2.0),)))):
+        monkeypatch.setattr(pricing, "_host_profile", lambda device, p=prof: p if device.kind == "cpu" else None)
+        x = torch.randn(256, 256)
+        report = _report(_analysis(MatmulChain(), x, db=_db(tmp_path / name, VALUES), compile=False))
+        if name == "looped":
+            looped = report
+            assert looped.time.cold_start_ns > 0 and looped.time.eager_dispatch_ns > 0
+            continue
+        assert report.time.cold_start_ns == 0 and report.time.eager_dispatch_ns == 0
+        dispatch = profile.dispatch_ns
+        for before, after in zip(looped.kernels, report.kernels):
+            whole = before.time_ns + dispatch
+            ratio = 1.5 + (3.0 - 1.5) * (math.log(1e6) - math.log(whole)) / (math.log(1e6) - math.log(1e3))
+            ratio = 3.0 if whole <= 1e3 else 1.5 if whole >= 1e6 else ratio
+            expected = whole * ratio - dispatch if "matmul" in before.op else whole * 2.0 - dispatch
+            assert after.time_ns == pytest.approx(max(before.time_ns, expected), rel=1e-6)
+
+
+def test_cold_starts_on_a_cpu(tmp_path, looped_prices):
     """Eager mm -> relu -> sum: each kernel pays op_cold x min(1, bytes before / L2), the first one after
     the step's last kernel (a loop); roofline prices hold no cold start. A GPU target pays none."""
     x = torch.randn(256, 256)
@@ -157,7 +203,7 @@ class ViewsAround(torch.nn.Module):
         return torch.relu(x.view(128, 64).t() @ self.w.t()).transpose(0, 1).sum()
 
 
-def test_eager_dispatch_of_aliasing_ops(tmp_path):
+def test_eager_dispatch_of_aliasing_ops(tmp_path, looped_prices):
     """Each aliasing op costs alias_op, charged to the kernel after it; every kernel its switch after a
     different op (scaled down by the bytes the one before moved); the kernels' own prices do not move."""
     x = torch.randn(64, 128)

@@ -195,7 +195,10 @@ def test_a_native_loops_kernels_pay_no_python_switch():
     from boomfx.core.program import META_NATIVE_LOOP
     from boomfx.simulate.timeline import ScheduledKernel
 
-    class Costs:
+    class Costs:                 # looped prices: each pays its switch (no in-step ratio holds it)
+        def holds_in_step(self, source):
+            return False
+
         def switch_ns(self, bytes_before, ns, measured):
             return 1_000.0
 

@@ -129,9 +129,12 @@ class Analysis:
     def _price_node(self, name: str, ev: Evaluator) -> tuple[Any, tuple[float, int]]:
         nc = self.costs.by_node[name]
         call = self._bind(name, ev)
-        key = (str(call.op), _freeze(dict(call.args)), _freeze(call.outputs), _freeze(dict(call.context)))
+        in_loop = name in self._native_loop      # ATen's own loop: hot, as measured looped (cpu_model.py)
+        key = (str(call.op), _freeze(dict(call.args)), _freeze(call.outputs), _freeze(dict(call.context)), in_loop)
         hit = self._price_cache.get(key)
         if hit is None:
+            if self._cpu_model is not None:
+                self._cpu_model.in_loop = in_loop
             cost = nc.priced.cost
             flops = ev.number(cost.flops)
             moved = ev(cost.bytes_read) + ev(cost.bytes_written)

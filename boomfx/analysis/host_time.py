@@ -32,12 +32,10 @@ import torch
 
 from boomfx.core.program import (META_FSDP_UNIT, META_NATIVE_LOOP, META_TP_LINEAR, PHASE_BACKWARD, PHASE_FORWARD,
                                  PHASE_RECOMPUTE, ROLE_PARAM)
-from boomfx.kernels_db.price import DATABASE_SOURCES, PriceSource
+from boomfx.kernels_db.price import DATABASE_SOURCES
 from boomfx.simulate.timeline import ScheduledKernel
 
 _MEASURED = tuple(source.value for source in DATABASE_SOURCES)   # report sources priced from database rows
-# a price timed inside its program's step already holds what the kernels before it left (kernels_db/in_step.py)
-_IN_STEP = PriceSource.MEASURED_IN_STEP.value
 
 
 def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], costs: Any,
@@ -48,7 +46,7 @@ def with_cold_starts(kernels: Sequence[Any], scheduled: list[ScheduledKernel], c
     out: list[ScheduledKernel] = []
     added: list[float] = []
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
-        extra = 0.0 if (i == 0 and compiled) or kernel.source == _IN_STEP else costs.cold_start_ns(
+        extra = 0.0 if (i == 0 and compiled) or costs.holds_in_step(kernel.source) else costs.cold_start_ns(
             kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED)
         device_ns = max(sk.device_ns + extra, 0.0)
         added.append(device_ns - sk.device_ns)
@@ -168,7 +166,7 @@ def with_eager_dispatch(kernels: Sequence[Any], scheduled: list[ScheduledKernel]
     framework = framework or [0.0] * len(kernels)
     for i, (kernel, sk) in enumerate(zip(kernels, scheduled)):
         in_loop = kernel.node in native_loop and i > 0 and kernels[i - 1].node in native_loop
-        switch = (0.0 if kernel.source == _IN_STEP or in_loop else
+        switch = (0.0 if costs.holds_in_step(kernel.source) or in_loop else
                   costs.switch_ns(kernels[i - 1].bytes_moved, kernel.time_ns, kernel.source in _MEASURED))
         extra = switch + costs.alias_ns(host_ops[i]) + framework[i]
         added.append(extra)
