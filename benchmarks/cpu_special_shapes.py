@@ -14,10 +14,9 @@ count (wall clock, median of 5 batches of calls after warm-up, outputs from glib
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import statistics
-import time
 
 import torch
 
@@ -26,7 +25,7 @@ from boomfx.kernels_db.cpu_model import CpuKernelModel
 from boomfx.kernels_db.host_probe import host_profile, raise_mmap_threshold
 from boomfx.passes.costs.registry import OpCall
 
-from cpu_conv_shapes import RESULTS, _median_ns, _spec
+from cpu_conv_shapes import _median_ns, _spec, write_results
 
 aten = torch.ops.aten
 
@@ -101,7 +100,8 @@ def _cases():
 
 def run() -> list[dict]:
     profile = host_profile()
-    model = CpuKernelModel(profile)
+    # the looped price, as the call is timed here (the in-step ratios price a kernel inside a step)
+    model = CpuKernelModel(dataclasses.replace(profile, in_step=()))
     raise_mmap_threshold()                    # outputs from glibc's heap, as in a running step
     with torch.no_grad():
         return [_row(kind, shape, call, fn, model, profile.dispatch_ns) for kind, shape, call, fn in _cases()]
@@ -126,17 +126,7 @@ def render(payload: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stem", default="cpu_special_shapes")
-    a = parser.parse_args()
-    rows = run()
-    payload = {"host": f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()}",
-               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "command": "python benchmarks/cpu_special_shapes.py", "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{a.stem}.json"), "w") as f:
-        json.dump(payload, f, indent=1)
-    with open(os.path.join(RESULTS, f"{a.stem}.md"), "w") as f:
-        f.write(render(payload))
-    print(render(payload))
+    write_results(parser.parse_args().stem, "python benchmarks/cpu_special_shapes.py", run(), render)
     return 0
 
 
