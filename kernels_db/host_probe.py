@@ -621,12 +621,13 @@ def measure_host_profile(with_host_costs: bool = True) -> HostProfile:
     flushes = _flush_buffers()
     special = _special_curves(dispatch)
     profile = HostProfile(
-        torch.get_num_threads(), _cpu_model(), torch.__version__, dispatch, l2_cache_bytes(),
-        {name: _gemm_levels(dt, dispatch, flushes) for name, dt in GEMM_DTYPES.items()},
-        _stream_levels(dispatch, flushes), _special_rates(special, dispatch), _attention_rates(dispatch, False),
-        _attention_rates(dispatch, True), _depthwise_curve(dispatch), _page_fault_ns(), _op_floors(), costs,
-        _lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {}, {}, special,
-        _row_factors(dispatch), time.strftime("%Y-%m-%d %H:%M:%S"))
+        threads=torch.get_num_threads(), cpu=_cpu_model(), torch_version=torch.__version__, dispatch_ns=dispatch,
+        l2_bytes=l2_cache_bytes(), gemm={name: _gemm_levels(dt, dispatch, flushes) for name, dt in GEMM_DTYPES.items()},
+        stream=_stream_levels(dispatch, flushes), special_elements_per_s=_special_rates(special, dispatch),
+        attention=_attention_rates(dispatch, False), attention_backward=_attention_rates(dispatch, True),
+        depthwise_conv=_depthwise_curve(dispatch), page_fault_ns=_page_fault_ns(), op_floors_ns=_op_floors(),
+        host_costs=costs, lstm_layer=_lstm_layer_rates(dispatch) if torch.backends.mkldnn.is_available() else {},
+        special_curves=special, row_factors=_row_factors(dispatch), measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
     if torch.backends.mkldnn.is_available():
         profile = replace(profile, conv=_conv_curves(dispatch))    # it raises glibc's mmap threshold
     raise_mmap_threshold()          # the calibration step's outputs from the heap, as a running step's

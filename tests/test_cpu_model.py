@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -464,6 +465,7 @@ def test_the_real_probe_measures_this_host():
     assert all(r >= 1.0 for rates in ratios.values() for _, r in rates)
     assert HostProfile.from_json(profile.to_json()) == profile
     assert profile.busy_percent is None or profile.busy_percent >= 0
+    time.strptime(profile.measured_at, "%Y-%m-%d %H:%M:%S")      # when it was taken (each field by name)
 
 
 def test_the_python_apis_pure_pricing_of_a_cpu_target_says_it_is_nominal(monkeypatch):
