@@ -443,11 +443,12 @@ def test_the_real_probe_measures_this_host():
     if torch.backends.mkldnn.is_available():   # oneDNN's LSTM layer per pass: a cost per step and a FLOP rate
         assert set(profile.lstm_layer) == {"forward", "forward_train", "backward"}
         assert all(step >= 0 and rate > 0 for step, rate in profile.lstm_layer.values())
-    # (the warm add nearest the dropout probe's 1 Mi elements; the largest one, past the last-level cache, reads
-    # DRAM, which the suite's other workers share: 5.7 GB/s once under their load, a third of a quiet run's)
-    moved, ns = min(profile.stream[0][1], key=lambda point: abs(point[0] / 12 - host_probe.SPECIAL_ELEMENTS))
-    add_elements_per_s = moved / 12 / (ns / 1e9)
-    assert profile.special_elements_per_s["dropout"] < add_elements_per_s / 3
+    # (an add of the dropout probe's 1 Mi elements timed here, the best of three medians: the suite's other
+    # workers share these cores, and once the probe's own add point read 0.17 G elements/s under their load,
+    # a seventieth of a quiet run's, where the probe's largest point reads DRAM)
+    a = torch.ones(host_probe.SPECIAL_ELEMENTS)
+    add_ns = min(host_probe._median_ns(lambda: torch.ops.aten.add(a, a), 25) for _ in range(3))
+    assert profile.special_elements_per_s["dropout"] < host_probe.SPECIAL_ELEMENTS / (add_ns / 1e9) / 3
     # the arithmetic-bound ops' curves: every size probed; a 4K-element GELU (its fixed costs) runs far below
     # the 1M-element rate, and a layer norm over rows of 64 below one over rows of 1024 (a cost per row)
     sizes = [float(n) for n in host_probe.SPECIAL_SIZES]
