@@ -30,7 +30,7 @@ then): ``Analysis`` charges them from ``boomfx/memory/glibc_heap.py``.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -253,13 +253,7 @@ def _row_length(call: OpCall) -> int:
     """The length of the rows a norm or softmax reduces over: the normalized shape's elements of a layer norm
     (forward or backward), the reduced dimension's size of a softmax; 0 when not known."""
     if call.arg("normalized_shape") is not None:
-        n = 1
-        for d in call.arg("normalized_shape"):
-            try:
-                n *= int(d)
-            except (TypeError, ValueError):
-                return 0
-        return n
+        return _product(call.arg("normalized_shape"))
     dim = call.arg("dim")
     try:
         return _dim(call.arg("self") if call.arg("self") is not None else call.arg("input"), int(dim))
@@ -268,10 +262,15 @@ def _row_length(call: OpCall) -> int:
 
 
 def _numel(spec: object) -> int:
+    return _product(getattr(spec, "shape", ()))
+
+
+def _product(dims: Sequence[object]) -> int:
+    """The product of ``dims`` as ints; 0 when one is not a number (a symbolic size)."""
     n = 1
-    for d in getattr(spec, "shape", ()):
+    for d in dims:
         try:
             n *= int(d)
-        except TypeError:
+        except (TypeError, ValueError):
             return 0
     return n

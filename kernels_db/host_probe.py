@@ -369,14 +369,11 @@ def _row_factors(dispatch: float) -> dict[str, Rates]:
     over ``SPECIAL_ELEMENTS`` elements: a norm or softmax pays a fixed cost per row, so short rows run
     slower per element (a layer norm over rows of 64 ~1.6x slower than over 256 here, over 1024 ~1.3x
     faster)."""
-    factors: dict[str, list[tuple[float, float]]] = {name: [] for name in ROW_OPS}
-    base = {name: _median_ns(fn, 15) for name, fn in _special_calls(SPECIAL_ELEMENTS).items() if name in ROW_OPS}
-    for row in ROW_LENGTHS:
-        calls = _special_calls(SPECIAL_ELEMENTS, row)
-        for name in ROW_OPS:
-            ns = base[name] if row == SPECIAL_ROW else _median_ns(calls[name], 15)
-            factors[name].append((float(row), _kernel_ns(base[name], dispatch) / _kernel_ns(ns, dispatch)))
-    out = {name: tuple(p) for name, p in factors.items()}
+    ns = {row: {name: _kernel_ns(_median_ns(fn, 15), dispatch)
+                for name, fn in _special_calls(SPECIAL_ELEMENTS, row).items() if name in ROW_OPS}
+          for row in ROW_LENGTHS}
+    out = {name: tuple((float(row), ns[SPECIAL_ROW][name] / ns[row][name]) for row in ROW_LENGTHS)
+           for name in ROW_OPS}
     for alias, name in SPECIAL_ALIASES.items():
         if name in out:
             out[alias] = out[name]
