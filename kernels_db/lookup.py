@@ -53,6 +53,7 @@ from boomfx.kernels_db.device_rows import device_fingerprints, no_rows_warning
 from boomfx.kernels_db.host_overheads import HOST_OP
 from boomfx.kernels_db.keys import SymbolicKeyError, UnkeyableCallError, kernel_key, op_from_name
 from boomfx.kernels_db.roofline import op_class, roofline_ns
+from boomfx.kernels_db.cpu_attention_scratch import attention_scratch_bytes
 from boomfx.kernels_db.cpu_scratch import convolution_scratch_bytes
 from boomfx.kernels_db.price import KernelPrice, PriceSource
 from boomfx.kernels_db.schema import BLOCK_OP, DeviceFingerprint, KernelKey, KernelRecord, canonical_json, is_in_step_source
@@ -332,8 +333,9 @@ class KernelPricer:
         return rec.host_ns if rec.host_ns > 0 else self.device.host_issue_ns
 
     def _fallback(self, call: OpCall, cost: Cost, why: str) -> KernelPrice:
-        # a CPU convolution's oneDNN scratch (kernels_db/cpu_scratch.py): a database measures it, else modelled
-        scratch = convolution_scratch_bytes(call) if self.device.kind == "cpu" else 0
+        # a CPU convolution's oneDNN scratch (kernels_db/cpu_scratch.py) and a CPU flash attention's block
+        # buffers (kernels_db/cpu_attention_scratch.py): a database measures them, else modelled
+        scratch = (convolution_scratch_bytes(call) + attention_scratch_bytes(call)) if self.device.kind == "cpu" else 0
         if self.model is not None:
             time_ns = self.model(call, self.device)
             if time_ns is not None:

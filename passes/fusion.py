@@ -126,6 +126,10 @@ _POINTWISE = _packets(
     "native_dropout_backward", "threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward",
     "tanh_backward", "_unsafe_view", "hardtanh_backward", "hardswish_backward", "hardsigmoid_backward",
     "leaky_relu_backward", "elu_backward", "softplus_backward", "mish_backward",
+    # a view's gradient: decomposed into zeros + slice_scatter / select_scatter / diagonal_scatter, each
+    # lowered as a pointwise loop over the input's size (where(index in the view, grad, 0)); the gradients
+    # of a fused q/k/v or gate/up projection's splits are summed in the consumer's kernel, never stored
+    "slice_backward", "select_backward", "diagonal_backward",
     # decomposed into zeros + scatter(-1.0 at the target class) * grad: Inductor's joint-graph pass
     # ``scatter_upon_const_tensor`` (one index per row) rewrites that into a pointwise ``where(iota == target)``
     "nll_loss_backward", "nll_loss2d_backward",

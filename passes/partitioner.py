@@ -23,9 +23,25 @@ _NORMALISERS = frozenset((torch.ops.aten._log_softmax.default, torch.ops.aten._s
 # Views that leave the value as it is: eager autograd saves a ``detach`` of an activation's output (``tanh``,
 # ``sigmoid``) for its backward, which the min-cut partitioner sees through
 _ALIASES = frozenset(getattr(torch.ops.aten, n).default for n in ("detach", "alias"))
+# Kept whole by Inductor's decompositions and absent from AOTAutograd's recomputation allowlist
+# (torch 2.13; ``cat`` stays whole where it concatenates several tensors, ``stack`` becomes a ``cat``)
+_NOT_RECOMPUTED = frozenset(getattr(torch.ops.aten, n) for n in (
+    "embedding", "cat", "stack", "constant_pad_nd", "_unsafe_index", "repeat") if hasattr(torch.ops.aten, n))
 _RANDOM = frozenset(getattr(torch.ops.aten, n) for n in (
     "native_dropout", "bernoulli", "rand_like", "randn_like", "rand", "randn", "randint", "randperm", "normal",
     "uniform", "exponential", "multinomial") if hasattr(torch.ops.aten, n))
+
+
+def recomputable(node: torch.fx.Node) -> bool:
+    """Whether the min-cut partitioner may recompute ``node`` in the backward. It recomputes only ops on
+    AOTAutograd's allowlist (``get_default_op_list().recomputable_ops``: pointwise ops, views, cheap
+    reductions, index and gather; ``functorch.config.ban_recompute_not_in_allowlist``, on by default),
+    after Inductor's decompositions (softmax, norms and GELU reach it as allowlisted pieces). The ops we
+    fuse as pointwise that reach it whole and are not on the list (``_NOT_RECOMPUTED``) are saved: a
+    decoder's embedding output is saved for its first norm's backward (read in Inductor's output code
+    of a compiled Qwen2 step: recomputed, the predicted peak was 512 KiB low)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket not in _NOT_RECOMPUTED
 
 
 def recompute_for_backward(program: Program) -> Program:
@@ -41,7 +57,9 @@ def recompute_for_backward(program: Program) -> Program:
     chain is copied in front of its first backward user (phase backward, so it fuses there) and the
     backward users read the copy; the forward value then dies in the forward pass. A value the backward
     reads through autograd's ``detach`` of it (a tanh's saved output) is recomputed like one it reads
-    directly; other forward views of it only for the normalisers. Random ops are never
+    directly; other forward views of it only for the normalisers and for values of the graph's inputs
+    alone (a rotary cos/sin table, read in the backward through its ``unsqueeze``: Phi-3's compiled
+    backward recomputes it, read in Inductor's output code). Random ops are never
     recomputed. Not modelled: the min-cut's trade-offs when recomputing would save a *new* tensor (we
     keep the eager choice), its banning of long recompute chains and of reductions.
     """
@@ -104,7 +122,7 @@ def recompute_for_backward(program: Program) -> Program:
         if node_class(o) != CLASS_POINTWISE and not normaliser:
             continue
         g = group_of.get(o.name)
-        if g is None or kinds[g] != "fused" or o.target.overloadpacket in _RANDOM:
+        if g is None or kinds[g] != "fused" or o.target.overloadpacket in _RANDOM or not recomputable(o):
             continue
         if normaliser and not fused_away(o, g):
             continue
@@ -112,8 +130,9 @@ def recompute_for_backward(program: Program) -> Program:
         fw_views = [u for u in o.users if phase(u) == PHASE_FORWARD and node_class(u) == CLASS_NONE
                     and is_view_node(u) and u.args and u.args[0] is o
                     and any(phase(w) == PHASE_BACKWARD for w in u.users)]
-        if not normaliser and any(v.target not in _ALIASES for v in fw_views):
-            continue   # read in backward through a forward view: a normaliser, or a detach (autograd's saved output)
+        # read in backward through a forward view: a normaliser, a detach (autograd's saved output), or a
+        # value of parameters, buffers and constants alone (checked on its leaves below)
+        through_view = not normaliser and any(v.target not in _ALIASES for v in fw_views)
         if any(any(phase(w) == PHASE_FORWARD and node_class(w) == CLASS_NONE for w in v.users) for v in fw_views):
             continue   # a view of a view: not handled
         bw_users = [u for u in o.users if phase(u) == PHASE_BACKWARD]
@@ -133,7 +152,8 @@ def recompute_for_backward(program: Program) -> Program:
                 continue
             seen.add(n)
             inner = (n.op == "call_function" and phase(n) == PHASE_FORWARD and isinstance(n.target, torch._ops.OpOverload)
-                     and ((node_class(n) == CLASS_POINTWISE and kinds[group_of.get(n.name, -1)] == "fused")
+                     and ((node_class(n) == CLASS_POINTWISE and kinds[group_of.get(n.name, -1)] == "fused"
+                           and recomputable(n))
                           or (node_class(n) == CLASS_NONE and is_view_node(n))))
             if n is o or (inner and not saved_anyway(n)):   # a value saved anyway is a leaf
                 if n.target.overloadpacket in _RANDOM:
@@ -146,6 +166,8 @@ def recompute_for_backward(program: Program) -> Program:
                 ok = False
         if not ok:
             continue
+        if through_view and any(_is_tensor(leaf) and view_base(leaf).op != "placeholder" for leaf in leaves):
+            continue   # only a value of the graph's inputs alone is recomputed through a view (rotary tables)
         size = numel(o)
         free = True
         extra: Any = sympy.Integer(0)    # elements newly saved so that ``o`` need not be
