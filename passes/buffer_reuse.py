@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from boomfx.core.program import META_BUFFER_REUSE, Program
+from boomfx.passes.aliasing import output_aliases
 from boomfx.passes.fusion import CLASS_EXTERN, node_class
 from boomfx.passes.liveness import liveness_pass
 from boomfx.passes.peak_memory_order import compiled_graph_runs, graph_model, memory_at_steps, storage_sizes
@@ -94,7 +95,7 @@ def _plan_run(run: list[torch.fx.Node], node_sids: dict, sizes: dict[int, int], 
     step = {k: i for i, k in enumerate(kernels)}
     # the storage liveness gives each buffer (an in-place output: the storage it is written over)
     real_sid = {sid: model.inplace_of.get(sid, sid) for sid in buffers}
-    overwritten = set(model.inplace_of.values())
+    overwritten = set(model.inplace_of.values()) | _written_over(model)
     frees: dict[int, list[int]] = defaultdict(list)      # step -> buffers freed after it, pooled
     for sid, buf in buffers.items():
         if buf.writer is None or buf.graph_output or sid in overwritten or real_sid[sid] not in dtype \
@@ -144,6 +145,20 @@ def _wrapper_allocates(node: torch.fx.Node) -> bool:
     if node_class(node) != CLASS_EXTERN:
         return True
     return getattr(node.target, "overloadpacket", None) in _OUT_EXTERNS
+
+
+def _written_over(model) -> set[int]:
+    """The buffers a later kernel writes its output over in place: the storage lives on under the new name
+    (``buf13 = buf12; del buf12  # reuse``), so their deaths free nothing. A chain of in-place kernels over one
+    storage (a residual stream: add + norm, add + norm, ...) names its root storage in ``inplace_of`` for
+    every link; the links in between are values of their own here, and pooling one of them would hand the
+    storage to an allocation while the chain's last link still holds it."""
+    out: set[int] = set()
+    for k in model.kernels:
+        for alias in output_aliases(k.node):
+            if alias is not None and alias[1]:
+                out.update(model.storages(alias[0]))
+    return out
 
 
 def _unaligned(model, inputs_unaligned: bool) -> set[int]:

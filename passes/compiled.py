@@ -52,9 +52,11 @@ import torch.fx
 from boomfx.core.fx_copy import copy_node
 from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
+from boomfx.passes.cpu_sdpa import decompose_cpu_attention
 from boomfx.passes.cse import eliminate_common_subexpressions
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
+from boomfx.passes.locality_order import reorder_for_locality
 from boomfx.passes.low_memory_max_pool import low_memory_max_pool
 from boomfx.passes.buffer_reuse import plan_buffer_reuse
 from boomfx.passes.peak_memory_order import reorder_for_peak_memory
@@ -350,7 +352,8 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     backend = backend_for(program)
-    program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(sizes_from_inputs(program), backend), backend))
+    program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(reorder_for_locality(decompose_cpu_attention(sizes_from_inputs(program))),
+                                                                               backend), backend))
     program = recompute_for_backward(eliminate_common_subexpressions(program))
     program = backward_convolution_operands(recompute_inlined(program), backend)
     fusion = fusion_groups(program)

@@ -46,8 +46,10 @@ relative to ``torch/_inductor``):
    >= 5 Mi elements and twice as many rows as columns, provably so for symbolic sizes). ``foreach``
    ops fuse with ``foreach`` producers over lists of the same length.
 5. **Horizontal fusion.** Independent groups of the same space merge when the node's producers are in
-   them or when they read a common stored value (scheduler.py ``get_possible_fusions`` pairs kernels
-   sharing a buffer; ``can_fuse`` then needs equal numel/rnumel and no path between them).
+   them or when they read a common stored value, the same part of it (scheduler.py ``get_possible_fusions``
+   pairs kernels sharing a buffer, ``score_fusion_memory`` needs equal memory dependencies: BLOOM's q, k and v
+   copies, ``select``s of its fused projection, stay apart); ``can_fuse`` then needs equal numel/rnumel and
+   no path between them).
 6. **Inlined values** belong to the group of the first stored node (graph order) that computes them,
    as in Inductor's output, where later kernels recompute them (``FusionInfo.inlined``;
    ``compiled.recompute_inlined`` gives each other kernel its own copy).
@@ -557,16 +559,37 @@ def _mix_order_ok(rows_in_group: Sequence[Any], rows: Any, space: Any, backend: 
     return True
 
 
-def _stored_inputs(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
-                   virtual: set[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The stored values (graph inputs and kernel outputs) the kernel of ``node`` loads."""
-    def visit(n: torch.fx.Node) -> tuple[bool, Iterable[torch.fx.Node]]:
+# views that read part of their base: two kernels reading one buffer through different ones read different
+# elements (BLOOM's q, k and v copies out of its fused projection)
+_SELECTING_VIEWS = _packets("select", "slice", "narrow", "unbind", "split", "split_with_sizes", "chunk",
+                            "as_strided", "diagonal")
+
+
+def _stored_reads(node: torch.fx.Node, cls_of: Mapping[torch.fx.Node, str],
+                  virtual: set[torch.fx.Node]) -> list[tuple[torch.fx.Node, tuple]]:
+    """The stored values (graph inputs and kernel outputs) the kernel of ``node`` loads, each with the part read:
+    the selecting views (op and constant arguments, a multi-output view's ``getitem`` index) on the way.
+    Inductor pairs two kernels for a horizontal fusion only when they share data (scheduler.py
+    ``score_fusion_memory``: equal memory dependencies); reads of different parts of a buffer share none."""
+    out: list[tuple[torch.fx.Node, tuple]] = []
+    seen: set[tuple[torch.fx.Node, tuple]] = set()
+    stack = [(n, ()) for n in node.all_input_nodes]
+    while stack:
+        n, part = stack.pop()
+        if (n, part) in seen:
+            continue
+        seen.add((n, part))
         if not isinstance(n.meta.get("val"), (torch.Tensor, list, tuple)):
-            return False, ()          # sizes and scalars are no buffers
+            continue
         if n.op == "call_function" and (cls_of.get(n, CLASS_NONE) == CLASS_NONE or n in virtual):
-            return False, n.all_input_nodes
-        return True, ()
-    return _reachable(node.all_input_nodes, visit)
+            packet = getattr(n.target, "overloadpacket", None)
+            if packet in _SELECTING_VIEWS or n.target is operator.getitem:
+                constants = tuple(a for a in n.args[1:] if not isinstance(a, torch.fx.Node))
+                part = part + ((str(n.target), repr(constants)),)
+            stack.extend((i, part) for i in n.all_input_nodes)
+            continue
+        out.append((n, part))
+    return out
 
 
 def _inlined_into(node: torch.fx.Node, virtual: set[torch.fx.Node],
@@ -738,9 +761,9 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                 if not (no_outside_path(g, t) and no_outside_path(t, g)):
                     continue
                 merge(g, t)
-        # rule 5: horizontal fusion of independent kernels reading a common stored value
+        # rule 5: horizontal fusion of independent kernels reading a common stored value (the same part of it)
         if cls in FUSIBLE:
-            for buf in _stored_inputs(node, cls_of, virtual):
+            for buf in _stored_reads(node, cls_of, virtual):
                 for g in list(readers.get(buf, ())):
                     g, t = find(g), find(target_group)
                     if g == t or group_kind[g] != "fused" or group_region[g] != region:

@@ -62,6 +62,22 @@ class PointwiseChain(nn.Module):
         return torch.relu(x) * 2.0 + 1.0
 
 
+class FusedQKVCopies(nn.Module):
+    """BLOOM's attention: q, k and v are ``select``s of one fused projection, each copied contiguous (their
+    kernels read different parts of one buffer: no shared data, no horizontal fusion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        fused = self.qkv(x).view(b, s, 4, 3, 8)
+        q, k, v = (fused[..., i, :].transpose(1, 2).reshape(b * 4, s, 8) for i in range(3))
+        probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1)
+        return torch.bmm(probs, v)
+
+
 def _program(model: nn.Module, x: torch.Tensor, **opts) -> object:
     return capture(torch.export.export(model, (x,)), options=ProgramOptions(**opts))
 
@@ -80,7 +96,8 @@ def _theirs_and_ours(program, backend: str) -> tuple[set, set]:
 
 
 @pytest.mark.parametrize("model, shape", [(MLPGelu(), (4, 16)), (LayerNormResidual(), (4, 32)),
-                                          (Softmax(), (4, 32)), (SharedInlined(), (4, 8))])
+                                          (Softmax(), (4, 32)), (SharedInlined(), (4, 8)),
+                                          (FusedQKVCopies(), (2, 16, 32))])
 def test_groups_equal_inductors(model, shape):
     """Node sets per kernel equal those of Inductor's scheduler (CPU backend) on small graphs."""
     program = _program(model, torch.randn(*shape))
