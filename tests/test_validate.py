@@ -202,6 +202,40 @@ def test_a_compiled_real_step_starts_from_a_fresh_dynamo(monkeypatch):
     assert events == []
 
 
+class _NoGradRegion(torch.nn.Module):
+    """A router-like ``torch.no_grad()`` region (PhiMoE's sparse mixer): exported as a
+    ``wrap_with_set_grad_enabled`` whose body ``ep.module()`` holds as a lazily generated GraphModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        with torch.no_grad():
+            gate = (h.abs().amax(-1, keepdim=True) > 0.5).to(h.dtype)
+        return h * gate
+
+
+def test_a_compiled_real_step_is_one_graph_across_a_no_grad_region(tmp_path):
+    """Dynamo refuses to trace a lazy GraphModule's first call (boomfx's loader builds the region bodies lazy,
+    frontend/deserialize.py); unless build_step generates their code first, the region breaks the step."""
+    from torch._dynamo.utils import counters
+    from boomfx.frontend.capture import to_exported_program
+    from boomfx.validate.materialize import materialise
+    from boomfx.validate.real_step import build_step
+    x = torch.randn(4, 16)
+    torch.export.save(torch.export.export(_NoGradRegion(), (x,), strict=False), str(tmp_path / "m.pt2"))
+    ep = to_exported_program(str(tmp_path / "m.pt2"))
+    assert any("wrap_with_set_grad_enabled" in str(n.target) for n in ep.graph.nodes)
+    real = materialise(ep, {}, "cpu", 0)       # not called before the step: its bodies' code is not generated
+    step = build_step(real.module, real.args, real.kwargs, train=False, compile=True)
+    counters.clear()
+    step.run()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 class _Doubled(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2

@@ -96,6 +96,19 @@ def _autocast(device: torch.device, amp: Optional[str]) -> contextlib.AbstractCo
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
 
 
+def _compiled_bodies(module: torch.nn.Module) -> None:
+    """Generate the code of every lazily compiled fx submodule of ``module`` now.
+
+    ``ep.module()`` holds the bodies of higher-order ops (``wrap_with_set_grad_enabled``: a ``torch.no_grad()``
+    region such as PhiMoE's sparse mixer) as ``_LazyGraphModule``s, whose first-call code path Dynamo refuses to
+    trace (``_lazy_forward`` is marked skipped): the step then broke into a compiled graph per region with the
+    regions run eagerly between them, holding each graph's outputs in the frame, where a user compiling the
+    model gets one graph (PhiMoE's compiled inference measured 10.68 MiB with the breaks, 8.50 MiB without)."""
+    for sub in module.modules():
+        if hasattr(sub, "real_recompile"):       # a no-op on one already generated
+            sub.real_recompile()
+
+
 def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool, optimizer: str = "adamw",
                amp: Optional[str] = None, compile: bool = False, resident_grads: bool = False,
                device: torch.device | str = "cpu", loss: str = "mean", foreach: Optional[bool] = True) -> RealStep:
@@ -108,6 +121,7 @@ def build_step(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: boo
         # ``_WithLoss.forward``, and past its recompile limit (8 compilations: a few models validated in one
         # process) dynamo silently runs it eagerly: the "compiled" real step measured eager time and memory
         torch._dynamo.reset()
+        _compiled_bodies(module)
     if not train:
         fn = torch.compile(module) if compile else module
 
