@@ -59,6 +59,21 @@ print(json.dumps({"pred": r.predicted_peak_above_start_bytes, "real": r.measured
 NOTES = """
 ## Notes
 
+- 2026-12-07 (session 44), every row rerun (18:07-19:10 UTC) with three compiled-inference mechanisms read in
+  the output code of held-out BART and BLOOM steps (heldout_memory.md), none read on these models: the
+  dispatcher's CPU decomposition of the composite SDPA (a boolean mask becomes a stored batch-sized float mask,
+  the flash kernel returns a log-sum-exp and takes its block buffers: passes/cpu_sdpa.py), Inductor's
+  inference-only `reorder_for_locality` (passes/locality_order.py) with horizontal fusion only on shared data
+  (fusion rule 5), and no pooling of a storage a later in-place kernel still holds (passes/buffer_reuse.py).
+  Inference: DeiT -4.3% -> -0.1%, T5 -0.8% -> -0.05%, RoBERTa and DistilBERT +0.004% -> 0.0%. PhiMoE -20.4% ->
+  0.0% is the *measurement* corrected: validate's compiled real step broke into a compiled graph per
+  `torch.no_grad()` region (its sparse mixer) with the regions run eagerly between them, because Dynamo
+  refuses to trace the lazily generated GraphModules boomfx's loader builds for the regions' bodies; it now
+  generates their code first (boomfx/validate/real_step.py), and the one-graph step measures 8.50 MiB, the
+  prediction. Training: every row the same but MPT +1.7% -> +3.5% (+512 KiB): its residual gradient is one
+  storage written over in place by each layer norm backward; the previous code pooled a middle link of that
+  chain and gave a later output the storage while the chain still held it, an undercount that had hidden the
+  same amount over elsewhere (not found). GraniteMoE inference -1.8% unchanged.
 - 2026-12-07 (session 43), four mechanisms read in Inductor's output code of held-out compiled steps (Falcon,
   Phi-3, Qwen2, Cohere; wrapper code replayed buffer by buffer: Phi-3's replay equals its profiler peak to 4 B)
   and one measured: (1) a view's gradient (`slice_backward`, `select_backward`) is a pointwise loop summed in its
