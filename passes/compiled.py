@@ -352,8 +352,9 @@ def compile_program(program: Program) -> Program:
     """The Program ``torch.compile`` would run: one ``FusedKernel`` node per generated kernel."""
     fused_op()
     backend = backend_for(program)
-    program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(reorder_for_locality(decompose_cpu_attention(sizes_from_inputs(program))),
-                                                                               backend), backend))
+    # what AOTAutograd hands Inductor (the dispatcher's decompositions) and Inductor's post-grad rewrites
+    program = reorder_for_locality(decompose_cpu_attention(sizes_from_inputs(program)))
+    program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(program, backend), backend))
     program = recompute_for_backward(eliminate_common_subexpressions(program))
     program = backward_convolution_operands(recompute_inlined(program), backend)
     fusion = fusion_groups(program)

@@ -99,11 +99,12 @@ def _autocast(device: torch.device, amp: Optional[str]) -> contextlib.AbstractCo
 def _compiled_bodies(module: torch.nn.Module) -> None:
     """Generate the code of every lazily compiled fx submodule of ``module`` now.
 
-    ``ep.module()`` holds the bodies of higher-order ops (``wrap_with_set_grad_enabled``: a ``torch.no_grad()``
-    region such as PhiMoE's sparse mixer) as ``_LazyGraphModule``s, whose first-call code path Dynamo refuses to
-    trace (``_lazy_forward`` is marked skipped): the step then broke into a compiled graph per region with the
-    regions run eagerly between them, holding each graph's outputs in the frame, where a user compiling the
-    model gets one graph (PhiMoE's compiled inference measured 10.68 MiB with the breaks, 8.50 MiB without)."""
+    boomfx's loader builds an export's GraphModules lazily (frontend/deserialize.py), so ``ep.module()`` holds the
+    bodies of higher-order ops (``wrap_with_set_grad_enabled``: a ``torch.no_grad()`` region such as PhiMoE's
+    sparse mixer) as ``_LazyGraphModule``s, whose first-call code path Dynamo refuses to trace (``_lazy_forward``
+    is marked skipped): the step then broke into a compiled graph per region with the regions run eagerly
+    between them, holding each graph's outputs in the frame, where a user compiling the model gets one graph
+    (PhiMoE's compiled inference measured 10.68 MiB with the breaks, 8.50 MiB without)."""
     for sub in module.modules():
         if hasattr(sub, "real_recompile"):       # a no-op on one already generated
             sub.real_recompile()
