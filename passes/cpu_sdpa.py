@@ -59,34 +59,40 @@ def _arguments(node: torch.fx.Node) -> dict[str, Any]:
     return values
 
 
-def _stand_in(value: Any, program: Program) -> Any:
-    """A fake tensor of ``value``'s dtype with its sizes and strides at the example sizes."""
+def _described(value: Any, program: Program) -> Any:
+    """An argument as the dispatcher's choice sees it: a tensor's sizes, strides (at the example sizes) and
+    dtype; anything else as it is."""
     if not isinstance(value, torch.fx.Node):
         return value
     val = value.meta.get("val")
-    sizes = [int(size_hint(s, program)) for s in val.shape]
-    strides = [int(size_hint(s, program)) for s in val.stride()]
-    return torch.empty_strided(sizes, strides, dtype=val.dtype, device=val.device)
+    return (tuple(int(size_hint(s, program)) for s in val.shape),
+            tuple(int(size_hint(s, program)) for s in val.stride()), val.dtype, val.device)
 
 
-def _runs_cpu_flash(args: dict[str, Any], program: Program) -> bool:
-    """Whether the dispatcher's decomposition of this call, at the example sizes, runs the CPU flash kernel."""
+def _runs_cpu_flash(args: dict[str, Any], program: Program, memo: dict[tuple, bool]) -> bool:
+    """Whether the dispatcher's decomposition of this call, at the example sizes, runs the CPU flash kernel
+    (``memo``: the answers by described arguments; a model's repeated layers ask once, ~4 ms a question)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     if any(not isinstance(args[k], torch.fx.Node) or not isinstance(args[k].meta.get("val"), torch.Tensor)
            for k in ("query", "key", "value")):
         return False
     if args["attn_mask"] is not None and not isinstance(args["attn_mask"], torch.fx.Node):
         return False
-    recorder = _OpRecorder()
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
-            fakes = {k: _stand_in(v, program) for k, v in args.items()}
-            with recorder:
-                SDPA(fakes["query"], fakes["key"], fakes["value"], fakes["attn_mask"], fakes["dropout_p"],
-                     fakes["is_causal"], scale=fakes["scale"], enable_gqa=fakes["enable_gqa"])
-    except Exception:       # noqa: BLE001 - a call the dispatcher refuses at these sizes: leave it as exported
-        return False
-    return FLASH_CPU in recorder.ops
+    described = {k: _described(v, program) for k, v in args.items()}
+    key = tuple(described[k] for k in _ARGS)
+    if key not in memo:
+        recorder = _OpRecorder()
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=False):
+                fakes = {k: torch.empty_strided(v[0], v[1], dtype=v[2], device=v[3])
+                         if isinstance(args[k], torch.fx.Node) else v for k, v in described.items()}
+                with recorder:
+                    SDPA(fakes["query"], fakes["key"], fakes["value"], fakes["attn_mask"], fakes["dropout_p"],
+                         fakes["is_causal"], scale=fakes["scale"], enable_gqa=fakes["enable_gqa"])
+            memo[key] = FLASH_CPU in recorder.ops
+        except Exception:       # noqa: BLE001 - a call the dispatcher refuses at these sizes: leave it as exported
+            memo[key] = False
+    return memo[key]
 
 
 def _float_mask(graph: torch.fx.Graph, mask: torch.fx.Node, dtype: torch.dtype, mode: Any) -> torch.fx.Node:
@@ -107,8 +113,9 @@ def decompose_cpu_attention(program: Program) -> Program:
     decomposes them (module docstring); the same program when there is none to rewrite."""
     if getattr(program.options, "target_kind", "cpu") != "cpu":
         return program
+    memo: dict[tuple, bool] = {}
     calls = [n for n in program.graph.nodes if n.op == "call_function" and n.target is SDPA
-             and _runs_cpu_flash(_arguments(n), program)]
+             and _runs_cpu_flash(_arguments(n), program, memo)]
     if not calls:
         return program
     graph, val_map = program.copied_graph()

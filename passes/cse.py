@@ -25,6 +25,7 @@ import torch.fx
 
 from boomfx.core.fx_copy import copy_node
 from boomfx.core.program import META_ACTION, PHASE_BACKWARD, Program
+from boomfx.passes.op_sets import draws_random, mutates
 
 aten = torch.ops.aten
 
@@ -44,7 +45,7 @@ def eliminate_common_subexpressions(program: Program) -> Program:
     region = 0
     merged = 0
     for node in program.graph.nodes:
-        if node.op == "call_function" and _mutates(node):
+        if node.op == "call_function" and mutates(node.target):
             region += 1                       # fx_graph_cse's mutation regions: no merge across a write
         if node.op == "call_function" and node not in kept:
             action = node.meta.get(META_ACTION)   # a pipeline stage's micro-batch: its own joint graph
@@ -73,17 +74,11 @@ def _never_merged(program: Program) -> set[torch.fx.Node]:
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        target = node.target
-        packet = getattr(target, "overloadpacket", None)
+        packet = getattr(node.target, "overloadpacket", None)
         if (program.runs_eagerly(node) or node in outputs or node.name in named or packet in _NEVER_MERGED
-                or (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)):
+                or draws_random(node.target)):
             out.add(node)
     return out
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def _token(node: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node], region: Hashable) -> Hashable:

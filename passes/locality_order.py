@@ -26,20 +26,8 @@ import torch
 import torch.fx
 
 from boomfx.core.program import PHASE_BACKWARD, Program
-
-
-def _is_assert(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and "assert" in str(node.target)
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _draws_random(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+from boomfx.passes.fusion import _is_assert
+from boomfx.passes.op_sets import draws_random, mutates
 
 
 def reorder_for_locality(program: Program) -> Program:
@@ -51,7 +39,7 @@ def reorder_for_locality(program: Program) -> Program:
     region: dict[torch.fx.Node, int] = {}
     current = 0
     for node in graph.nodes:
-        if node.op == "call_function" and _mutates(node):
+        if node.op == "call_function" and mutates(node.target):
             current += 1
         region[node] = current
     asserts = [n for n in graph.nodes if _is_assert(n)]
@@ -72,7 +60,7 @@ def reorder_for_locality(program: Program) -> Program:
             for producer in _argument_nodes(node):
                 if (producer.op == "call_function" and producer.target is not operator.getitem
                         and not _is_assert(producer) and all(u in seen for u in users(producer))
-                        and region[producer] == region[node] and not _draws_random(producer)):
+                        and region[producer] == region[node] and not draws_random(producer.target)):
                     node.prepend(producer)
         node = node.prev
     position = {n: i for i, n in enumerate(graph.nodes)}

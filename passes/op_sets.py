@@ -5,6 +5,8 @@
 - ``METADATA_OPS``: shape queries, runtime assertions and profiler markers: no tensor data; priced at zero.
 - ``NO_KERNEL_OPS``: ops the kernel pass treats as launching nothing (allocation-only ops such as ``empty``,
   size queries, assertions, ``alias``/``detach``/``lift_fresh``): no launch and no host issue time.
+- ``mutates`` / ``draws_random``: what AOTAutograd's and Inductor's graph passes never move or merge across
+  (a mutation region's boundary, an op reading the random state), from the op's schema and tags.
 """
 from __future__ import annotations
 
@@ -62,3 +64,13 @@ NO_KERNEL_OPS: frozenset = frozenset({aten.sym_size, aten.sym_stride, aten.sym_n
               aten._assert_tensor_metadata, aten.lift_fresh, aten.alias, aten.detach, aten._local_scalar_dense,
               aten.sym_is_contiguous,
               torch.ops._c10d_functional.wait_tensor})   # waits for a collective; moves no data
+
+
+def mutates(op: Any) -> bool:
+    """Whether ``op`` writes one of its inputs (its schema is mutable): the boundary of a mutation region."""
+    return isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
+
+
+def draws_random(op: Any) -> bool:
+    """Whether ``op`` reads the random state (tagged ``nondeterministic_seeded``): never merged or reordered."""
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
