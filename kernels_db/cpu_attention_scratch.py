@@ -3,18 +3,21 @@
 ``_scaled_dot_product_flash_attention_for_cpu`` (what SDPA runs on a CPU) works on blocks of ``q_split``
 query rows against ``kv_split`` keys and allocates, inside the op, one fp32 block buffer per intra-op
 thread: the forward ``q_split x kv_split`` scores, two row statistics and a ``q_split x head_dim`` output
-block; the backward two score-sized blocks (attention and its gradient) and a row, plus an fp32 buffer of
-the query gradient's size that it accumulates into. ``q_split`` is 32 query rows, 64 from 192 rows, 256 from
+block; the backward two score-sized blocks (attention and its gradient) and a row, plus a contiguous copy
+of the output gradient when that is not laid out sequence-major (``(batch, seq, heads, dim)`` in memory,
+the layout the kernel reads): the gradient a model's output projection hands back is (a transposed view of
+``(batch, seq, heads * dim)``), so real training steps, eager and compiled, make no copy; a gradient made
+contiguous in ``(batch, heads, seq, dim)`` order does. ``q_split`` is 32 query rows, 64 from 192 rows, 256 from
 768 (never more than the query has), ``kv_split`` 512 keys (never more than the key has).
 
-Why it matters: the backward's buffer is as large as the query; in a compiled training step the attention
-backward is where the peak sits (a compiled Cohere step's predicted peak was 557 KiB, 1.9%, under the real
-step's without it).
+Why it matters: in a compiled training step the attention backward is where the peak often sits. The copy
+is as large as the query: counting it for a sequence-major gradient put compiled Cohere and Gemma-3 steps
+1.5-1.8% over their real peaks (the profiler shows the three gradients, a 32 KiB block and a 128 B row).
 
 Measured (torch 2.13.0, fp32, profiler peak of one call minus its outputs; 1 and 2 threads; 16 shapes:
-query rows 2-800, keys 31-800, head dims 32 and 64, causal, masked, GQA): exact in every case but one, a
-single-row backward (decode), which allocates no query-sized buffer (2.3 KiB measured); bf16/fp16 calls
-keep reduced-precision copies on top, not measured, and are left at 0.
+query rows 2-800, keys 31-800, head dims 32 and 64, causal, masked, GQA; each backward with its gradient in
+both layouts): exact in every case (a single-row gradient is contiguous in both orders: no copy);
+bf16/fp16 calls keep reduced-precision copies on top, not measured, and are left at 0.
 """
 from __future__ import annotations
 
@@ -54,5 +57,21 @@ def attention_scratch_bytes(call: Any, threads: Optional[int] = None) -> int:
     if op in FORWARD_OPS:
         per_thread = qs * kvs + 2 * qs + qs * head_dim
         return ACCUMULATE_BYTES * threads * per_thread
-    query_gradient = math.prod((batch, heads, rows, head_dim)) if rows > 1 else 0
-    return ACCUMULATE_BYTES * (query_gradient + threads * (2 * qs * kvs + qs))
+    grad_out = call.arg("grad_out")
+    copy = 0 if grad_out is None or _sequence_major(grad_out) else math.prod(int(s) for s in grad_out.shape)
+    return ACCUMULATE_BYTES * (copy + threads * (2 * qs * kvs + qs))
+
+
+def _sequence_major(spec: Any) -> bool:
+    """Whether a ``(batch, heads, seq, dim)`` tensor is contiguous in ``(batch, seq, heads, dim)`` order
+    (a size-1 dimension's stride does not matter)."""
+    try:
+        shape, stride = [int(s) for s in spec.shape], [int(s) for s in spec.stride]
+    except TypeError:
+        return True
+    expected = 1
+    for d in (3, 1, 2, 0):
+        if shape[d] != 1 and stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True

@@ -133,7 +133,7 @@ def _plan_run(run: list[torch.fx.Node], node_sids: dict, sizes: dict[int, int], 
 # extern kernels Inductor calls with ``out=`` a buffer its wrapper allocated (``ExternKernelOut``: the matmuls,
 # ``linear`` and ``matmul`` decomposed into them); other extern (fallback) kernels allocate their outputs
 # themselves and never take a pooled buffer
-_OUT_EXTERNS = frozenset(p for p in (getattr(torch.ops.aten, n, None)
+OUT_EXTERNS = frozenset(p for p in (getattr(torch.ops.aten, n, None)
                                      for n in ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul")) if p is not None)
 
 
@@ -144,7 +144,7 @@ def _wrapper_allocates(node: torch.fx.Node) -> bool:
         return True
     if node_class(node) != CLASS_EXTERN:
         return True
-    return getattr(node.target, "overloadpacket", None) in _OUT_EXTERNS
+    return getattr(node.target, "overloadpacket", None) in OUT_EXTERNS
 
 
 def _written_over(model) -> set[int]:

@@ -54,11 +54,13 @@ from boomfx.passes.costs.registry import Cost, price_call
 from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.cpu_sdpa import decompose_cpu_attention
 from boomfx.passes.cse import eliminate_common_subexpressions
+from boomfx.passes.empty_cat import drop_empty_cat_inputs
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
 from boomfx.passes.locality_order import reorder_for_locality
 from boomfx.passes.low_memory_max_pool import low_memory_max_pool
 from boomfx.passes.buffer_reuse import plan_buffer_reuse
+from boomfx.passes.concat_into import realize_concat_inputs
 from boomfx.passes.peak_memory_order import reorder_for_peak_memory
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
@@ -170,7 +172,10 @@ def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], in
     storage no later node reads: within one
     phase that is a buffer of the same graph; in the backward it may be an activation the forward saved,
     which AOTAutograd hands the backward graph as a *donated* buffer (``buf1 = mm; del mm  # reuse``:
-    the logits' gradient written over the saved logits). ``held``: names a runtime keeps alive."""
+    the logits' gradient written over the saved logits). An output of a multi-output op Inductor lowers
+    (a LayerNorm backward's input gradient) is a buffer like any other: the next LayerNorm backward adds
+    the residual gradient into it in place (``buf13 = buf3; del buf3  # reuse``). ``held``: names a
+    runtime keeps alive."""
     first = min(order[n] for n in inside)
     taken: set[int] = set()
     result = []
@@ -185,11 +190,11 @@ def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], in
         for i, inp in sorted(enumerate(inputs), key=lambda item: loads.get(item[1], len(loads) + item[0])):
             v, base = inp.meta.get("val"), view_base(inp)   # a reshape of a buffer reads it at the same index
             b = base.meta.get("val")
-            if i in taken or base.op != "call_function" or node_class(base) == CLASS_NONE or base.name in held:
+            if i in taken or not _is_buffer(base) or base.name in held:
                 continue
             if not isinstance(v, torch.Tensor) or not isinstance(b, torch.Tensor) or b.numel() != v.numel() \
                     or not _dense(b) or not _dies_in(base, inside, first, order) \
-                    or not _read_pointwise(inp, inside, backward):
+                    or not _read_pointwise(inp, out, inside, backward):
                 continue
             # the same element at the same offset: same shape and strides (a channels-last convolution's
             # output takes its BatchNorm + ReLU in place as a contiguous one does)
@@ -202,8 +207,22 @@ def _inplace_reuse(inputs: list[torch.fx.Node], outputs: list[torch.fx.Node], in
     return tuple(result)
 
 
-# ops whose Inductor decomposition loads another argument before the first: ``where(self <= t, 0, grad)``
-_LOADS_FIRST = {"threshold_backward": (1, 0), "hardtanh_backward": (1, 0)}
+def _is_buffer(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a buffer some kernel wrote: a computing op's output, or one output of a
+    multi-output op (``getitem``; Inductor's ``MultiOutput`` or a lowered op's own buffer)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, torch.fx.Node) and source.op == "call_function" \
+            and node_class(source) != CLASS_NONE
+    return node_class(node) != CLASS_NONE
+
+
+# ops whose Inductor decomposition loads another argument before the first: ``where(self <= t, 0, grad)``;
+# ``_softmax_backward_data`` is ``fma(-output, sum(grad * output), grad * output)`` (Inductor's own
+# decomposition), so the saved softmax output is loaded first and written over
+_LOADS_FIRST = {"threshold_backward": (1, 0), "hardtanh_backward": (1, 0), "_softmax_backward_data": (1, 0)}
 
 
 def _load_order(out: torch.fx.Node, inside: set) -> dict[torch.fx.Node, int]:
@@ -234,12 +253,22 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
-def _read_pointwise(node: torch.fx.Node, inside: set, backward: bool) -> bool:
-    """Whether every member of the kernel reading ``node`` (directly or through views of the kernel) reads it
-    element for element: Inductor writes over an input only when its one read is at the output's own index
-    (scheduler.py ``can_inplace``, ``single_index_in_fused_node``), never when a reduction also reads it
-    (a LayerNorm backward's incoming gradient gets a new buffer). A ``_log_softmax`` in the backward is
-    a recomputation from saved per-row statistics (``partitioner.recompute_for_backward``): pointwise."""
+def _read_pointwise(node: torch.fx.Node, out: torch.fx.Node, inside: set, backward: bool) -> bool:
+    """Whether the kernel's members read ``node`` (directly or through views of the kernel) only on the way
+    to ``out``, and ``out``'s own computation reads it element for element. Inductor writes over an input
+    when its one remaining reader is the node storing the output at the same index (scheduler.py
+    ``can_inplace``, ``single_index_in_fused_node``); a reduction the output depends on ran before and does
+    not count (``decide_inplace_update`` skips the node's ancestors: a softmax backward writes over the
+    saved softmax output it also sums), a reader on the way to another output does (a LayerNorm backward's
+    incoming gradient, also summed into the weight gradient, gets a new buffer). A ``_log_softmax`` in the
+    backward is a recomputation from saved per-row statistics (``partitioner.recompute_for_backward``):
+    pointwise."""
+    root = out
+    while root.target is operator.getitem or (node_class(root) == CLASS_NONE and is_view_node(root)):
+        if not root.args or root.args[0] not in inside:
+            break
+        root = root.args[0]
+    feeding = _feeders(root, inside)
     stack = [node]
     while stack:
         for user in stack.pop().users:
@@ -247,9 +276,42 @@ def _read_pointwise(node: torch.fx.Node, inside: set, backward: bool) -> bool:
                 continue
             if node_class(user) == CLASS_NONE and is_view_node(user):
                 stack.append(user)
-            elif node_class(user) != CLASS_POINTWISE and not (backward and user.target in _NORMALISERS):
+                continue
+            if user not in feeding:
                 return False
+            if node_class(user) == CLASS_POINTWISE or (backward and user.target in _NORMALISERS):
+                continue
+            if user is root:
+                if getattr(user.target, "overloadpacket", None) not in _POINTWISE_AFTER_ROWS:
+                    return False
+            elif not feeding[user]:
+                return False    # read on the way to ``out`` by a member that neither reduces nor is pointwise
+            if any(u.target is operator.getitem and u not in feeding and u.users for u in user.users):
+                return False    # the member also computes another output from it (a weight gradient)
     return True
+
+
+# single-output ops whose output Inductor computes element for element from the input and per-row
+# reductions of it (separate nodes, ancestors of the output's): softmax and its backward
+# (``fma(-output, sum(grad * output), grad * output)``), log-softmax and its backward
+_POINTWISE_AFTER_ROWS = frozenset((torch.ops.aten._softmax, torch.ops.aten._log_softmax,
+                                   torch.ops.aten._softmax_backward_data,
+                                   torch.ops.aten._log_softmax_backward_data))
+
+
+def _feeders(root: torch.fx.Node, inside: set) -> dict[torch.fx.Node, bool]:
+    """The members ``root`` is computed from (``root`` included), each mapped to whether it is a reduction
+    or lies behind one on the way to ``root``: those ran as nodes of their own before ``root``'s."""
+    feeding: dict[torch.fx.Node, bool] = {}
+    stack = [(root, False)]
+    while stack:
+        node, behind = stack.pop()
+        if node in feeding and (feeding[node] or not behind):
+            continue
+        reduction = node is not root and node_class(node) not in (CLASS_NONE, CLASS_POINTWISE)
+        feeding[node] = behind or reduction
+        stack.extend((a, feeding[node]) for a in node.all_input_nodes if a in inside)
+    return feeding
 
 
 def _dies_in(node: torch.fx.Node, inside: set, first: int, order: dict[torch.fx.Node, int]) -> bool:
@@ -353,7 +415,7 @@ def compile_program(program: Program) -> Program:
     fused_op()
     backend = backend_for(program)
     # what AOTAutograd hands Inductor (the dispatcher's decompositions) and Inductor's post-grad rewrites
-    program = reorder_for_locality(decompose_cpu_attention(sizes_from_inputs(program)))
+    program = reorder_for_locality(decompose_cpu_attention(drop_empty_cat_inputs(sizes_from_inputs(program))))
     program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(program, backend), backend))
     program = recompute_for_backward(eliminate_common_subexpressions(program))
     program = backward_convolution_operands(recompute_inlined(program), backend)
@@ -479,7 +541,8 @@ def compile_program(program: Program) -> Program:
             env[view] = copy_node(new_graph, view, lambda n: env[n])
             phases[env[view].name] = phase
     grad_nodes = {renamed.get(name, name): fqn for name, fqn in program.grad_nodes.items()}
-    compiled = reorder_for_peak_memory(program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes))
+    compiled = program.rewritten(new_graph, phases=phases, grad_nodes=grad_nodes)
+    compiled = reorder_for_peak_memory(realize_concat_inputs(compiled))
     compiled = plan_buffer_reuse(compiled)
     runtime = program.gm.meta.get(META_RUNTIME_USES)
     if runtime:

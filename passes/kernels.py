@@ -19,7 +19,7 @@ from boomfx.passes.costs.grouped_mm import LIBRARY_GROUPED_MM_OPS
 from boomfx.passes.foreign_ops import library_op_name
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.op_sets import NO_KERNEL_OPS
-from boomfx.core.program import Program
+from boomfx.core.program import META_CONCAT_INTO, Program
 
 aten = torch.ops.aten
 
@@ -114,7 +114,7 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
         if target.namespace not in _ATEN_NAMESPACES:
             by_node[node.name] = KernelChoice(True, op_class(target))
             continue
-        if is_view_node(node):
+        if is_view_node(node) or _concat_written_by_producers(node):
             by_node[node.name] = NO_KERNEL
             continue
         cls = op_class(target)
@@ -123,6 +123,20 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
             backend = sdpa_backend_for(node, am.device)
         by_node[node.name] = KernelChoice(True, cls, backend)
     return KernelInfo(by_node)
+
+def _concat_written_by_producers(node: torch.fx.Node) -> bool:
+    """A compiled ``cat`` whose every non-empty input its producing kernel wrote into the concat buffer
+    (``META_CONCAT_INTO``, passes/concat_into.py): Inductor's ConcatKernel is then no kernel at all."""
+    positions = node.meta.get(META_CONCAT_INTO)
+    if not positions:
+        return False
+    for p, inp in enumerate(node.args[0]):
+        if p in positions or not isinstance(inp, torch.fx.Node):
+            continue
+        val = inp.meta.get("val")      # anything but an empty input (a repeated one too) is copied
+        if not (isinstance(val, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in val.shape)):
+            return False
+    return True
 
 def is_bookkeeping(node: torch.fx.Node) -> bool:
     """Non-aten call_function nodes (getitem, SymInt arithmetic) that never touch the device."""

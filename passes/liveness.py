@@ -14,6 +14,7 @@ Known limitations:
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -27,7 +28,7 @@ from boomfx.passes.evaluate import Evaluator
 from boomfx.passes.manager import AnalysisManager
 from boomfx.passes.specs import dtype_itemsize, to_sympy
 from boomfx.core.program import (
-    META_BUFFER_REUSE, META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
+    META_BUFFER_REUSE, META_CONCAT_INTO, META_RUNTIME_USES, PHASE_BACKWARD, PHASE_FORWARD, PHASE_OPTIMIZER, PHASE_RECOMPUTE, ROLE_BUFFER, ROLE_CONSTANT, ROLE_GRAD, ROLE_INPUT, ROLE_LABEL,
     ROLE_OPT_STATE, ROLE_PARAM, Program,
 )
 
@@ -166,6 +167,23 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
         return None
 
 
+def _concat_targets(nodes: Sequence[torch.fx.Node]) -> dict[tuple[torch.fx.Node, int], torch.fx.Node]:
+    """(kernel node, output index) -> the ``cat`` that output is written into (``META_CONCAT_INTO``)."""
+    found: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+    for cat in nodes:
+        positions = cat.meta.get(META_CONCAT_INTO)
+        if not positions:
+            continue
+        inputs = list(cat.args[0])
+        for p in positions:
+            inp = inputs[p]
+            if inp.target is operator.getitem:
+                found[(inp.args[0], inp.args[1])] = cat
+            else:
+                found[(inp, 0)] = cat
+    return found
+
+
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                   uses: Optional[Mapping[torch.fx.Node, Sequence[torch.fx.Node]]] = None,
                   buffer_reuse: bool = True) -> LivenessInfo:
@@ -190,6 +208,9 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
     out_sids: dict[torch.fx.Node, list[Optional[int]]] = {}   # per output index
     resident_by_storage: dict[int, int] = {}                     # fake storage -> storage id (ties)
     by_name = {n.name: n for n in nodes}
+
+    concat_of = _concat_targets(nodes)       # (kernel, output index) -> the cat it is written into
+    concat_sid: dict[torch.fx.Node, int] = {}
 
     def new_storage(node: torch.fx.Node, nbytes: sympy.Expr, start: int, cat: Optional[Category]) -> int:
         storage_nodes.append(node)
@@ -226,6 +247,9 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
             continue
         val = node.meta.get("val")
         vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        if node in concat_sid:       # a ConcatKernel: its buffer was made by the first input written into it
+            vals = []
+            out_sids[node] = [concat_sid[node]]
         aliases = output_aliases(node) if node.op == "call_function" else [None] * len(vals)
         reused = (node.meta.get(META_BUFFER_REUSE) or ()) if buffer_reuse else ()
         sids: list[Optional[int]] = []
@@ -233,7 +257,15 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
             alias = aliases[k] if k < len(aliases) else None
             t = sum(1 for s in sids if s is not None)      # META_BUFFER_REUSE counts the storages made so far
             held = _held_storage(reused[t] if t < len(reused) else None, by_name, out_sids)
-            if alias is None and held is not None and isinstance(v, torch.Tensor):
+            concat = concat_of.get((node, k))
+            if concat is not None and concat in concat_sid:
+                sids.append(concat_sid[concat])     # the concat buffer itself, made by its first writer
+            elif concat is not None and isinstance(v, torch.Tensor):
+                # written into its slice of a concat buffer, allocated here (passes/concat_into.py)
+                sid = held if held is not None else new_storage(node, fresh_nbytes(concat.meta["val"]), step, None)
+                concat_sid[concat] = sid
+                sids.append(sid)
+            elif alias is None and held is not None and isinstance(v, torch.Tensor):
                 sids.append(held)     # a dead buffer Inductor's wrapper held for this output
             elif alias is not None:
                 src, _ = alias
@@ -248,7 +280,8 @@ def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,
                 sids.append(new_storage(node, fresh_nbytes(v), step, None))
             else:
                 sids.append(None)
-        out_sids[node] = sids
+        if vals or node not in concat_sid:
+            out_sids[node] = sids
         for inp in inputs_of(node):
             for sid in _sids(out_sids, inp):
                 if storage_start[sid] >= 0 and storage_end[sid] < step:

@@ -26,6 +26,7 @@ from boomfx.core.devices import get_device
 from boomfx.core.program import ProgramOptions
 from boomfx.frontend.capture import capture, resolve_bindings
 from boomfx.passes.compiled import fused_nodes
+from boomfx.passes.fused_op import FusedKernel
 
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 1024, 64, 256, 4, 64
 
@@ -353,3 +354,73 @@ def test_global_response_norm_product_is_recomputed_across_the_reduction(tmp_pat
                              (torch.randn(8, 32, 16, 16),))
     error, predicted, measured = real_step_memory_error(ep, tmp_path, "mean")
     assert abs(error) <= 0.02, (predicted, measured)
+
+
+class _PreNormBlock(torch.nn.Module):
+    """MPT's block: LayerNorm, attention written out (scores, causal mask, softmax, ``dropout`` absent),
+    residual, LayerNorm, GELU MLP, residual."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim, bias=False)
+        self.down = torch.nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        attn = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        x = x + self.out((attn @ v).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+def _in_place_sources(program, op: str) -> list:
+    """For each backward kernel containing ``op``: the ops of the kernel whose output one of its outputs is
+    written over (followed through views and ``getitem``), or None where every output gets a new buffer."""
+    found = []
+    for node in fused_nodes(program):
+        kernel = node.target
+        if kernel.phase != "backward" or op not in kernel.ops:
+            continue
+        written = [i for i in kernel.inplace if i is not None]
+        source = node.args[written[0]] if written else None
+        while source is not None and not isinstance(source.target, FusedKernel):
+            source = source.args[0] if source.op == "call_function" else None
+        found.append(None if source is None else source.target.ops)
+    return found
+
+
+class _PreNormLM(torch.nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.Sequential(*[_PreNormBlock(DIM) for _ in range(layers)])
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.lm_head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.blocks(self.embed(input_ids))))
+
+
+def test_backward_writes_over_the_saved_softmax_and_the_residual_gradient(tmp_path):
+    """Two in-place writes of Inductor's compiled backward (its output code: ``buf20 = div_1; del div_1
+    # reuse`` and ``buf13 = buf3; del buf3  # reuse``): the softmax backward writes over the saved softmax
+    output, which it also sums (a reduction the output depends on runs first and does not block it); the
+    LayerNorm backward that adds the residual gradient writes over that gradient, an output of the previous
+    LayerNorm backward kernel. Without them MPT's compiled training peak was +3.5%, this LM's (256 tokens,
+    the attention scores the largest tensors) +10.8%; against the real compiled step, within 1%."""
+    torch.manual_seed(0)
+    ep = torch.export.export(_PreNormLM(2).train(), (torch.randint(0, VOCAB, (BATCH, 256)),))
+    program = _compiled_program(ep)
+    softmax = _in_place_sources(program, "_softmax_backward_data")
+    assert len(softmax) == 2 and all(s is not None and "_softmax" in s for s in softmax), softmax
+    norms = _in_place_sources(program, "native_layer_norm_backward")
+    assert sum(s is not None and "native_layer_norm_backward" in s for s in norms) >= 3, norms
+    error, predicted, measured = real_step_memory_error(ep, tmp_path, "cross_entropy")
+    assert abs(error) <= 0.01, (predicted, measured)
