@@ -388,10 +388,16 @@ def recompute_inlined(program: Program) -> Program:
             if not grouped_users:
                 continue
             group[node] = group[grouped_users[0]]
+            base = node.args[0]
+            while base not in group and base.op == "call_function" and is_view_node(base):
+                base = base.args[0]
+            if fusion.groups[group[node]].kind != "fused" and base in group \
+                    and fusion.groups[group[base]].into_concat == grouped_users[0].name:
+                group[node] = group[base]    # read by a ConcatKernel: its copy kernel computes the value
         readers: dict[int, list[torch.fx.Node]] = {}
         for user in list(node.users):
             g = group.get(user)
-            if g is not None and g != group[node]:
+            if g is not None and g != group[node] and fusion.groups[group[node]].into_concat != user.name:
                 readers.setdefault(g, []).append(user)
         for g, users in readers.items():
             first = min(users, key=order.__getitem__)
@@ -427,6 +433,7 @@ def compile_program(program: Program) -> Program:
     unit_of: dict[torch.fx.Node, int] = {}
     units: list[list[torch.fx.Node]] = []
     rewritten: set[int] = set()
+    copy_into: dict[int, str] = {}       # unit -> the cat whose slice it copies a view input into
     for group in fusion.groups:
         if group.kind != "fused":
             continue
@@ -435,6 +442,8 @@ def compile_program(program: Program) -> Program:
         for n in body:
             unit_of[n] = len(units)
         rewritten.add(len(units))
+        if group.into_concat is not None:
+            copy_into[len(units)] = group.into_concat
         units.append(body)
     for n in nodes:
         if n not in unit_of:
@@ -516,6 +525,7 @@ def compile_program(program: Program) -> Program:
         kernel = FusedKernel(name, tuple(n.name for n in body), ops, desc_text, len(tensor_inputs),
                              tuple(scalars), in_specs, out_specs, cost, phase)
         kernel.inplace = _inplace_reuse(tensor_inputs, outputs, inside, order, held, phase == PHASE_BACKWARD)
+        kernel.into_concat = copy_into.get(u)
         first = body[0]
         fused = new_graph.call_function(kernel, tuple(env[n] for n in tensor_inputs + scalar_nodes))
         fused.name = name

@@ -59,7 +59,7 @@ def realize_concat_inputs(program: Program) -> Program:
             if not isinstance(inp, torch.fx.Node) or inp in seen:
                 continue        # a repeated input: its layout is the first slice's now, copied into the second
             seen.add(inp)
-            output = _kernel_output(inp)
+            output = _kernel_output(inp) or _slice_copy(inp, cat)
             if output is None or output in claimed or inp.meta["val"].dtype != val.dtype \
                     or program.phase_of(output[0]) != program.phase_of(cat) \
                     or _read_by_extern_before(inp, cat, order):
@@ -90,6 +90,21 @@ def _kernel_output(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
             and isinstance(node.meta.get("val"), torch.Tensor):
         return node, 0
     return None
+
+
+def _slice_copy(node: torch.fx.Node, cat: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
+    """(kernel, output index) when ``node`` is a view, read by ``cat`` only, of the output of the kernel that
+    Inductor's ConcatKernel generates to copy that view into its slice (``FusedKernel.into_concat``: the
+    inlined values the view reads, computed straight into the slice)."""
+    base = node
+    while base.op == "call_function" and len(base.users) == 1 and (
+            base.target is not operator.getitem and isinstance(base.target, torch._ops.OpOverload)
+            and is_view_node(base)):
+        base = base.args[0]
+    output = _kernel_output(base) if base is not node and len(base.users) == 1 else None
+    if output is None or getattr(output[0].target, "into_concat", None) != cat.name:
+        return None
+    return output
 
 
 def _read_by_extern_before(node: torch.fx.Node, cat: torch.fx.Node, order: dict) -> bool:

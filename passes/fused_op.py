@@ -168,6 +168,8 @@ class FusedKernel:
         self.cost = cost
         self.phase = phase
         self.inplace: tuple = (None,) * len(output_specs)
+        # a ConcatKernel's copy of a view input (fusion.FusionGroup.into_concat): the cat it writes into
+        self.into_concat: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"FusedKernel({self.name}: {' + '.join(self.ops)})"

@@ -177,6 +177,9 @@ def _concat_targets(nodes: Sequence[torch.fx.Node]) -> dict[tuple[torch.fx.Node,
         inputs = list(cat.args[0])
         for p in positions:
             inp = inputs[p]
+            while inp.target is not operator.getitem and output_aliases(inp) and output_aliases(inp)[0] \
+                    and not output_aliases(inp)[0][1]:
+                inp = inp.args[0]       # a view of the kernel's output (a ConcatKernel's copy kernel)
             if inp.target is operator.getitem:
                 found[(inp.args[0], inp.args[1])] = cat
             else:
