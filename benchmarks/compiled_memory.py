@@ -59,6 +59,22 @@ print(json.dumps({"pred": r.predicted_peak_above_start_bytes, "real": r.measured
 NOTES = """
 ## Notes
 
+- 2026-12-07 (session 45), every row rerun (21:58-22:26 UTC) with four compiled mechanisms read in the output
+  code of MPT, Phi-3, Gemma-3 and Cohere steps (all held out before) and one measured: Inductor's in-place
+  rules (a reduction the output depends on does not block writing over an input: a softmax backward writes
+  over the saved softmax output; an input also read on the way to another output does; a multi-output
+  kernel's output is a buffer like any other: the next LayerNorm backward adds the residual gradient into it),
+  the ConcatKernel (kernel and `out=` matmul outputs written straight into the concat buffer, view inputs
+  copied by kernels of their own: passes/concat_into.py), Inductor's `cat` decomposition (an input empty along
+  the cat dimension dropped, a lone input cloned in its own layout, so Phi-3's `.contiguous()` after the
+  attention is a no-op: passes/empty_cat.py), and the CPU flash attention backward's query-sized buffer, which
+  is a copy of the output gradient made only when that is not sequence-major (kernels_db/
+  cpu_attention_scratch.py; a real step hands it sequence-major). Training (30 rows): MPT +3.5% -> 0.0%,
+  Phi-3 +3.4% -> +0.2%, Cohere -3.2% -> -0.0%, Falcon +3.1% -> +1.2%, Gemma-3 -2.9% -> -0.1%, Mixtral +2.4%
+  -> +1.0%, GraniteMoE +2.4% -> +1.0%, OLMoE +2.0% -> -1.6%; T5 -3.3% -> -4.2% (designed on: the removed
+  gradient copy had hidden 1 MiB that Inductor's own estimate has live at the decoder's cross-attention
+  backward and ours does not, not found); every other row the same. Inference: GraniteMoE -1.8% -> -0.0%,
+  every other row the same.
 - 2026-12-07 (session 44), every row rerun (18:07-19:10 UTC) with three compiled-inference mechanisms read in
   the output code of held-out BART and BLOOM steps (heldout_memory.md), none read on these models: the
   dispatcher's CPU decomposition of the composite SDPA (a boolean mask becomes a stored batch-sized float mask,
