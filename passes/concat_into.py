@@ -14,9 +14,9 @@ Why it matters: rotary embeddings are built from cats (``rotate_half``: ``cat(-x
 rotary appends an empty pass-through part to the rotated query and key), and each input counted as a
 buffer of its own was a query- or key-sized buffer too many (Phi-3's compiled training step +3.4%).
 
-``realize_concat_inputs(program)`` marks each such ``cat`` node of a compiled program with the positions of
-the inputs its producers write in place (``META_CONCAT_INTO``); ``passes/liveness.py`` gives those
-producers' outputs the concat's storage. Such an output is never also written over a dying input: a
+``realize_concat_inputs(program)`` marks each such ``cat`` node of a compiled program with the inputs its
+producers write in place (``META_CONCAT_INTO``: position, kernel node name, output index);
+``passes/liveness.py`` gives those producers' outputs the concat's storage. Such an output is never also written over a dying input: a
 ``NonOwningLayout`` buffer is not allocated, so Inductor's in-place update skips it
 (scheduler.py ``decide_inplace_update``: ``should_allocate``).
 """
@@ -53,7 +53,7 @@ def realize_concat_inputs(program: Program) -> Program:
         if len(set(tensors)) <= 1 or not isinstance(val, torch.Tensor) \
                 or all(t.meta["val"].dtype in _FALLBACK_DTYPES for t in tensors):
             continue
-        positions: list[int] = []
+        written: list[tuple[int, str, int]] = []
         seen: set[torch.fx.Node] = set()
         for p, inp in enumerate(inputs):
             if not isinstance(inp, torch.fx.Node) or inp in seen:
@@ -64,14 +64,14 @@ def realize_concat_inputs(program: Program) -> Program:
                     or program.phase_of(output[0]) != program.phase_of(cat) \
                     or _read_by_extern_before(inp, cat, order):
                 continue
-            positions.append(p)
+            written.append((p, output[0].name, output[1]))
             claimed.add(output)
             kernel, index = output[0].target, output[1]
             inplace = getattr(kernel, "inplace", ())
             if index < len(inplace) and inplace[index] is not None:
                 kernel.inplace = tuple(None if i == index else j for i, j in enumerate(kernel.inplace))
-        if positions:
-            cat.meta[META_CONCAT_INTO] = tuple(positions)
+        if written:
+            cat.meta[META_CONCAT_INTO] = tuple(written)
     return program
 
 
@@ -97,9 +97,8 @@ def _slice_copy(node: torch.fx.Node, cat: torch.fx.Node) -> Optional[tuple[torch
     Inductor's ConcatKernel generates to copy that view into its slice (``FusedKernel.into_concat``: the
     inlined values the view reads, computed straight into the slice)."""
     base = node
-    while base.op == "call_function" and len(base.users) == 1 and (
-            base.target is not operator.getitem and isinstance(base.target, torch._ops.OpOverload)
-            and is_view_node(base)):
+    while base.op == "call_function" and len(base.users) == 1 and base.target is not operator.getitem \
+            and _is_view(base):
         base = base.args[0]
     output = _kernel_output(base) if base is not node and len(base.users) == 1 else None
     if output is None or getattr(output[0].target, "into_concat", None) != cat.name:
@@ -115,9 +114,12 @@ def _read_by_extern_before(node: torch.fx.Node, cat: torch.fx.Node, order: dict)
         for user in stack.pop().users:
             if user is cat or order[user] > order[cat]:
                 continue
-            if user.target is operator.getitem or (isinstance(user.target, torch._ops.OpOverload)
-                                                   and is_view_node(user)):
+            if user.target is operator.getitem or _is_view(user):
                 stack.append(user)
             elif node_class(user) == CLASS_EXTERN:
                 return True
     return False
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and is_view_node(node)

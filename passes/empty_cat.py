@@ -50,7 +50,7 @@ def drop_empty_cat_inputs(program: Program) -> Program:
                 new = graph.call_function(aten.cat.default, (kept, *node.args[1:]), dict(node.kwargs))
         new.meta = {k: v for k, v in node.meta.items() if k != "val"}
         with mode:
-            new.meta["val"] = new.target(*_vals(new.args), **_vals(new.kwargs))
+            new.meta["val"] = new.target(*_vals(new.args), **_vals(dict(new.kwargs)))
         if node.name in phases:
             phases[new.name] = phases[node.name]
         node.replace_all_uses_with(new)
@@ -91,16 +91,6 @@ def _is_zero(size: Any) -> bool:
     return isinstance(size, int) and size == 0
 
 
-def _vals(value: Any) -> Any:
-    if isinstance(value, torch.fx.Node):
-        return value.meta.get("val")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_vals(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _vals(v) for k, v in value.items()}
-    return value
-
-
 def _layout(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
         return tuple(val.shape), tuple(val.stride()), val.dtype
@@ -127,10 +117,15 @@ def _repropagate(graph: torch.fx.Graph, changed: set[torch.fx.Node], mode: Any) 
         old = node.meta.get("val")
         try:
             with mode:
-                new = node.target(*_vals(node.args), **_vals(node.kwargs))
+                new = node.target(*_vals(node.args), **_vals(dict(node.kwargs)))
         except Exception:       # noqa: BLE001  (an op fake tensors cannot rerun: keep what the trace recorded)
             continue
         if _layout(new) != _layout(old):
             node.meta["val"] = new
             dirty.add(node)
     return dirty
+
+
+def _vals(args: Any) -> Any:
+    """``args`` with each node replaced by its fake value (what rerunning its consumer on fakes needs)."""
+    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))

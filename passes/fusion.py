@@ -650,6 +650,18 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
     anc: dict[torch.fx.Node, int] = {}
     through: dict[torch.fx.Node, int] = {}     # memo of anc_of for the others, cleared on each ownership
 
+    def new_group(members: list[torch.fx.Node], kind: str, space: Any, phase: str, region: tuple,
+                  pointwise: bool) -> int:
+        group_members.append(list(members))
+        group_kind.append(kind)
+        group_space.append(space)
+        group_phase.append(phase)
+        group_region.append(region)
+        group_pointwise.append(pointwise)
+        group_rows.append([])
+        alive.append(True)
+        return len(group_members) - 1
+
     def find(g: int) -> int:
         while not alive[g]:
             g = redirect[g]
@@ -735,15 +747,7 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                     break
         if target_group is None:
             kind = "fused" if cls in FUSIBLE else ("separate" if cls == CLASS_SCATTER else "extern")
-            group_members.append([node])
-            group_kind.append(kind)
-            group_space.append(space)
-            group_phase.append(phase)
-            group_region.append(region)
-            group_pointwise.append(cls == CLASS_POINTWISE)
-            group_rows.append([])
-            alive.append(True)
-            target_group = len(group_members) - 1
+            target_group = new_group([node], kind, space, phase, region, cls == CLASS_POINTWISE)
         else:
             group_members[target_group].append(node)
             group_pointwise[target_group] &= cls == CLASS_POINTWISE
@@ -757,18 +761,10 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                 owned = _inlined_from([inp], virtual, group_of) if isinstance(inp, torch.fx.Node) else []
                 if not owned:
                     continue
-                copy_into[len(group_members)] = node.name
-                group_members.append([])
-                group_kind.append("fused")
-                group_space.append(_space(owned[0], CLASS_POINTWISE))
-                group_phase.append(phase)
-                group_region.append(region)
-                group_pointwise.append(True)
-                group_rows.append([])
-                alive.append(True)
+                copy = new_group(owned, "fused", _space(owned[0], CLASS_POINTWISE), phase, region, True)
+                copy_into[copy] = node.name
                 for v in owned:
-                    group_of[v] = len(group_members) - 1
-                    group_members[-1].append(v)
+                    group_of[v] = copy
                 through.clear()
         for v in _inlined_into(node, virtual, group_of):     # rule 6: first consumer owns inlined values
             group_of[v] = target_group
@@ -805,15 +801,8 @@ def fusion_groups(program: Program, backend: Optional[str] = None) -> FusionInfo
                         merge(g, t)
                 readers.setdefault(buf, []).append(find(target_group))
     for v in virtual - group_of.keys() - dead:     # no kernel consumer reached it: a kernel of its own
-        group_members.append([v])
-        group_kind.append("fused")
-        group_space.append(_space(v, CLASS_POINTWISE))
-        group_pointwise.append(True)
-        group_rows.append([])
-        group_phase.append(program.phase_of(v))
-        group_region.append(_region(program, v))
-        alive.append(True)
-        group_of[v] = len(group_members) - 1
+        group_of[v] = new_group([v], "fused", _space(v, CLASS_POINTWISE), program.phase_of(v), _region(program, v),
+                                True)
     order = {n: i for i, n in enumerate(nodes)}
     groups: list[FusionGroup] = []
     name_to_group: dict[str, int] = {}

@@ -127,9 +127,10 @@ def kernel_pass(program: Program, am: AnalysisManager) -> KernelInfo:
 def _concat_written_by_producers(node: torch.fx.Node) -> bool:
     """A compiled ``cat`` whose every non-empty input its producing kernel wrote into the concat buffer
     (``META_CONCAT_INTO``, passes/concat_into.py): Inductor's ConcatKernel is then no kernel at all."""
-    positions = node.meta.get(META_CONCAT_INTO)
-    if not positions:
+    written = node.meta.get(META_CONCAT_INTO)
+    if not written:
         return False
+    positions = {p for p, _, _ in written}
     for p, inp in enumerate(node.args[0]):
         if p in positions or not isinstance(inp, torch.fx.Node):
             continue

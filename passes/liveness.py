@@ -14,7 +14,6 @@ Known limitations:
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -169,22 +168,9 @@ def _storage_key(val: torch.Tensor) -> Optional[int]:
 
 def _concat_targets(nodes: Sequence[torch.fx.Node]) -> dict[tuple[torch.fx.Node, int], torch.fx.Node]:
     """(kernel node, output index) -> the ``cat`` that output is written into (``META_CONCAT_INTO``)."""
-    found: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
-    for cat in nodes:
-        positions = cat.meta.get(META_CONCAT_INTO)
-        if not positions:
-            continue
-        inputs = list(cat.args[0])
-        for p in positions:
-            inp = inputs[p]
-            while inp.target is not operator.getitem and output_aliases(inp) and output_aliases(inp)[0] \
-                    and not output_aliases(inp)[0][1]:
-                inp = inp.args[0]       # a view of the kernel's output (a ConcatKernel's copy kernel)
-            if inp.target is operator.getitem:
-                found[(inp.args[0], inp.args[1])] = cat
-            else:
-                found[(inp, 0)] = cat
-    return found
+    by_name = {n.name: n for n in nodes}
+    return {(by_name[kernel], index): cat for cat in nodes
+            for _, kernel, index in cat.meta.get(META_CONCAT_INTO, ())}
 
 
 def liveness_pass(program: Program, am: Optional[AnalysisManager] = None,

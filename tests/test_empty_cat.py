@@ -11,19 +11,24 @@ from boomfx.validate import validate
 aten = torch.ops.aten
 
 
-class _EmptyPassAttention(torch.nn.Module):
+class EmptyPassAttention(torch.nn.Module):
     """Phi-3's attention: the query and key are ``cat((rotated, pass_through), -1)`` with an empty
-    pass-through part, then SDPA, ``transpose(1, 2).contiguous()`` and the output projection."""
+    pass-through part, then SDPA, ``transpose(1, 2).contiguous()`` and the output projection.
+    ``fused_qkv``: one q/k/v projection split by ``chunk`` (its backward concatenates the three gradients)."""
 
-    def __init__(self, dim: int = 256, heads: int = 4) -> None:
+    def __init__(self, dim: int = 256, heads: int = 4, fused_qkv: bool = False) -> None:
         super().__init__()
         self.heads = heads
-        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.projections = torch.nn.ModuleList(
+            [torch.nn.Linear(dim, 3 * dim, bias=False)] if fused_qkv
+            else [torch.nn.Linear(dim, dim, bias=False) for _ in range(3)])
         self.out = torch.nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        parts = self.projections[0](x).chunk(3, -1) if len(self.projections) == 1 \
+            else [p(x) for p in self.projections]
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in parts)
         rotary = d // self.heads
         q = torch.cat((q[..., :rotary] * 0.5, q[..., rotary:]), dim=-1)
         k = torch.cat((k[..., :rotary] * 0.5, k[..., rotary:]), dim=-1)
@@ -31,11 +36,11 @@ class _EmptyPassAttention(torch.nn.Module):
         return x + self.out(o.transpose(1, 2).contiguous().reshape(b, s, d))
 
 
-class _LM(torch.nn.Module):
-    def __init__(self, vocab: int = 1024, dim: int = 256) -> None:
+class EmptyPassLM(torch.nn.Module):
+    def __init__(self, vocab: int = 1024, dim: int = 256, fused_qkv: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
-        self.blocks = torch.nn.Sequential(_EmptyPassAttention(dim), _EmptyPassAttention(dim))
+        self.blocks = torch.nn.Sequential(*(EmptyPassAttention(dim, fused_qkv=fused_qkv) for _ in range(2)))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -44,7 +49,7 @@ class _LM(torch.nn.Module):
 
 def _export():
     torch.manual_seed(0)
-    return torch.export.export(_LM().train(), (torch.randint(0, 1024, (4, 128)),))
+    return torch.export.export(EmptyPassLM().train(), (torch.randint(0, 1024, (4, 128)),))
 
 
 def test_the_copy_after_attention_is_gone_and_the_cats_are_clones():

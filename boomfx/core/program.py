@@ -46,8 +46,8 @@ META_NATIVE_LOOP = "boomfx.native_loop"
 # Node meta: per output of a compiled kernel, the (node name, output index) whose storage Inductor's wrapper
 # hands it from its pool of dead buffers (passes/buffer_reuse.py), or None for a fresh allocation
 META_BUFFER_REUSE = "boomfx.buffer_reuse"
-# Node meta: on a compiled ``cat`` (Inductor's ConcatKernel), the positions of the inputs whose kernels write
-# them straight into the concat buffer (passes/concat_into.py): they have no storage of their own
+# Node meta: on a compiled ``cat`` (Inductor's ConcatKernel), (input position, kernel node name, output index)
+# of each input its kernel writes straight into the concat buffer (passes/concat_into.py): no storage of its own
 META_CONCAT_INTO = "boomfx.concat_into"
 # Node meta: the pipeline schedule action (kind, micro-batch, virtual stage) a stage program's node runs in
 # (boomfx/distributed/pipeline_stages.py); none: once a step. Each action is its own call of the compiled
