@@ -55,6 +55,7 @@ from boomfx.passes.aliasing import is_view_node
 from boomfx.passes.cpu_sdpa import decompose_cpu_attention
 from boomfx.passes.cse import eliminate_common_subexpressions
 from boomfx.passes.empty_cat import drop_empty_cat_inputs
+from boomfx.passes.functional_inplace import functional_inplace
 from boomfx.passes.fusion import CLASS_NONE, CLASS_POINTWISE, _is_assert, backend_for, fusion_groups, node_class
 from boomfx.passes.layout import backward_convolution_operands, channels_last_convolutions
 from boomfx.passes.locality_order import reorder_for_locality
@@ -62,6 +63,7 @@ from boomfx.passes.low_memory_max_pool import low_memory_max_pool
 from boomfx.passes.buffer_reuse import plan_buffer_reuse
 from boomfx.passes.concat_into import realize_concat_inputs
 from boomfx.passes.peak_memory_order import reorder_for_peak_memory
+from boomfx.passes.pool_decompositions import decompose_pools
 from boomfx.passes.post_grad import fuse_addmm
 from boomfx.passes.fused_op import FusedKernel, encode, fused_op
 from boomfx.passes.op_names import op_name
@@ -421,7 +423,8 @@ def compile_program(program: Program) -> Program:
     fused_op()
     backend = backend_for(program)
     # what AOTAutograd hands Inductor (the dispatcher's decompositions) and Inductor's post-grad rewrites
-    program = reorder_for_locality(decompose_cpu_attention(drop_empty_cat_inputs(sizes_from_inputs(program))))
+    program = functional_inplace(decompose_pools(sizes_from_inputs(program)))
+    program = reorder_for_locality(decompose_cpu_attention(drop_empty_cat_inputs(program)))
     program = low_memory_max_pool(fuse_addmm(channels_last_convolutions(program, backend), backend))
     program = recompute_for_backward(eliminate_common_subexpressions(program))
     program = backward_convolution_operands(recompute_inlined(program), backend)

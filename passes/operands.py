@@ -108,10 +108,15 @@ class StorageRoots:
 
 
 def operands_of(node: torch.fx.Node, roots: StorageRoots) -> Operands:
-    """The ``Operands`` of a kernel node (an aten-style OpOverload call)."""
-    call = OpCall.build(node.target, tuple(_tagged(a) for a in node.args),
-                        {k: _tagged(v) for k, v in node.kwargs.items()})
-    inputs = tuple(Operand(t.node.name, roots(t.node)) for value in call.args.values() for t in _tags(value))
+    """The ``Operands`` of a kernel node: an aten-style OpOverload call, or a compiled program's fused group
+    (``passes/fused_op.FusedKernel``: its tensor inputs are its first arguments, in its OpCall's order)."""
+    if getattr(node.target, "boomfx_fused", False):
+        tensors = node.args[:node.target.n_tensor_inputs]
+        inputs = tuple(Operand(a.name, roots(a)) if isinstance(a, torch.fx.Node) else None for a in tensors)
+    else:
+        call = OpCall.build(node.target, tuple(_tagged(a) for a in node.args),
+                            {k: _tagged(v) for k, v in node.kwargs.items()})
+        inputs = tuple(Operand(t.node.name, roots(t.node)) for value in call.args.values() for t in _tags(value))
     val = node.meta.get("val")
     if not isinstance(val, (list, tuple)):
         return Operands(inputs, (Operand(node.name, roots(node)),))

@@ -4,6 +4,7 @@ is handed the tensors the step's earlier calls left, as a real step hands them. 
 actually received, recorded at call time."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from boomfx.analysis.analysis import Analysis, AnalyzeOptions
@@ -30,9 +31,10 @@ class TokenMLP(torch.nn.Module):
         return self.l2(torch.relu(self.l1(self.emb(ids))))
 
 
-def _step():
+def _step(compile: bool = False):
     ep = torch.export.export(TokenMLP(), (torch.randint(0, 50, (4, 6)),))
-    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu"))   # a CPU's default: the loop
+    program = capture(ep, options=ProgramOptions(True, "adamw", target_kind="cpu",   # a CPU's default: the loop
+                                                 compile=compile))
     analysis = Analysis(program, get_device("cpu"), AnalyzeOptions("cpu", db="none"))
     return program, analysis.kernel_calls(resolve_bindings(program, {})), analysis.kernel_operands()
 
@@ -85,16 +87,20 @@ def test_operands_name_the_values_and_storages_of_the_graph():
         assert out.storage == state.storage                  # an in-place write keeps its argument's storage
 
 
-def test_each_call_is_handed_what_the_step_left():
+@pytest.mark.parametrize("compile", [False, True])
+def test_each_call_is_handed_what_the_step_left(compile):
     """With operands, a floating-point argument is the tensor its producer returned earlier in the pass (or,
     for a value no call produces, one tensor shared by every call reading it); integer indices keep the
-    call's own; without operands every call reads its own tensors."""
-    _, calls, operands = _step()
+    call's own; without operands every call reads its own tensors. Compiled, the fused groups (Inductor's
+    generated kernels) are handed them too: a group reads the matmul output its producer just wrote."""
+    _, calls, operands = _step(compile)
+    fused = [c for c in calls if str(c.op) == "boomfx.fused.default"]
+    assert bool(fused) == compile
     log = _recorded_pass(calls, operands)
     assert [op for op, _, _ in log] == [str(c.op) for c in calls]
     out_storage: dict[str, int] = {}       # value -> storage its producer returned this pass
     first_seen: dict[str, int] = {}        # storage value -> storage a reader was handed first
-    shared = handed_own = 0
+    shared = handed_own = shared_fused = 0
     for (op, ins, outs), call, ops in zip(log, calls, operands):
         specs = call.tensor_args()
         for ptr, spec, operand in zip(ins, specs, ops.inputs):
@@ -105,12 +111,14 @@ def test_each_call_is_handed_what_the_step_left():
             if operand.storage in out_storage:
                 assert ptr == out_storage[operand.storage], (op, operand)
                 shared += 1
+                shared_fused += op == "boomfx.fused.default"
             else:
                 assert first_seen.setdefault(operand.storage, ptr) == ptr, (op, operand)
         for ptr, output in zip(outs, ops.outputs):
             if output is not None and output.storage == output.value:
                 out_storage[output.storage] = ptr
     assert shared >= 30 and handed_own >= 1    # the loop's chains, the embedding's indices
+    assert (shared_fused >= 4) == compile      # compiled: the ReLU's, the loss's and their gradients' kernels
 
     own = _recorded_pass(calls, None)
     distinct = [p for _, ins, _ in own for p in ins]

@@ -123,7 +123,7 @@ def _collect(args: argparse.Namespace) -> int:
                   f"({fused.elapsed_s:.1f} s)")
             what = f"the library kernels of {args.for_file}"
             if device.type == "cpu" and args.in_step and not (result.pending or fused.pending):
-                what += _in_step(path, analysis.kernel_calls(bindings), fused_measurer)
+                what += _in_step(path, analysis.kernel_calls(bindings), fused_measurer, analysis.kernel_operands())
         elif parallel is not None:   # each rank class's program, as analyze --parallel builds and prices it
             per_class = _rank_class_calls(program, parallel, spec, bindings)
             calls = [c for class_calls, _ in per_class for c in class_calls]
