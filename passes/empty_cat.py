@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from boomfx.core.program import Program
+from boomfx.passes.fake_values import copy_to_rewrite, fake_values
 
 aten = torch.ops.aten
 
@@ -33,11 +34,10 @@ def drop_empty_cat_inputs(program: Program) -> Program:
     no cat has an empty input."""
     if not any(_kept_inputs(n) is not None for n in program.graph.nodes):
         return program
-    graph, _ = program.copied_graph()
-    phases = dict(program.phases)
-    mode = next((v.fake_mode for n in graph.nodes for v in [n.meta.get("val")] if hasattr(v, "fake_mode")), None)
-    if mode is None:
+    copy = copy_to_rewrite(program)
+    if copy is None:
         return program
+    graph, phases, mode = copy
     changed: set[torch.fx.Node] = set()
     for node in list(graph.nodes):
         kept = _kept_inputs(node)
@@ -50,7 +50,7 @@ def drop_empty_cat_inputs(program: Program) -> Program:
                 new = graph.call_function(aten.cat.default, (kept, *node.args[1:]), dict(node.kwargs))
         new.meta = {k: v for k, v in node.meta.items() if k != "val"}
         with mode:
-            new.meta["val"] = new.target(*_vals(new.args), **_vals(dict(new.kwargs)))
+            new.meta["val"] = new.target(*fake_values(new.args), **fake_values(dict(new.kwargs)))
         if node.name in phases:
             phases[new.name] = phases[node.name]
         node.replace_all_uses_with(new)
@@ -117,7 +117,7 @@ def _repropagate(graph: torch.fx.Graph, changed: set[torch.fx.Node], mode: Any) 
         old = node.meta.get("val")
         try:
             with mode:
-                new = node.target(*_vals(node.args), **_vals(dict(node.kwargs)))
+                new = node.target(*fake_values(node.args), **fake_values(dict(node.kwargs)))
         except Exception:       # noqa: BLE001  (an op fake tensors cannot rerun: keep what the trace recorded)
             continue
         if _layout(new) != _layout(old):
@@ -125,7 +125,3 @@ def _repropagate(graph: torch.fx.Graph, changed: set[torch.fx.Node], mode: Any) 
             dirty.add(node)
     return dirty
 
-
-def _vals(args: Any) -> Any:
-    """``args`` with each node replaced by its fake value (what rerunning its consumer on fakes needs)."""
-    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from boomfx.core.program import Program
+from boomfx.passes.fake_values import copy_to_rewrite, fake_values
 from boomfx.passes.aliasing import output_aliases
 from boomfx.passes.operands import StorageRoots
 
@@ -33,11 +34,10 @@ def functional_inplace(program: Program) -> Program:
     compiled = {n.name for n in program.graph.nodes if not program.runs_eagerly(n)}   # not the optimizer's
     if not any(n.name in compiled and _functional_form(n, StorageRoots()) is not None for n in program.graph.nodes):
         return program
-    graph, _ = program.copied_graph()
-    phases = dict(program.phases)
-    mode = next((v.fake_mode for n in graph.nodes for v in [n.meta.get("val")] if hasattr(v, "fake_mode")), None)
-    if mode is None:
+    copy = copy_to_rewrite(program)
+    if copy is None:
         return program
+    graph, phases, mode = copy
     order = {n: i for i, n in enumerate(graph.nodes)}
     roots = StorageRoots()
     changed = False
@@ -46,7 +46,7 @@ def functional_inplace(program: Program) -> Program:
         if functional is None:
             continue
         with mode:
-            val = functional(*_vals(node.args), **_vals(dict(node.kwargs)))
+            val = functional(*fake_values(node.args), **fake_values(dict(node.kwargs)))
         written = node.args[0]
         old = written.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype != old.dtype or val.shape != old.shape:
@@ -99,6 +99,3 @@ def _aliases(user: torch.fx.Node, value: torch.fx.Node) -> bool:
         return False
     return any(a is not None and a[0] is value for a in output_aliases(user))
 
-
-def _vals(args: Any) -> Any:
-    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))

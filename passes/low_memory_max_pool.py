@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from boomfx.core.program import PHASE_BACKWARD, Program
+from boomfx.passes.fake_values import graph_fake_mode
 
 aten = torch.ops.aten
 _POOLS = (aten.max_pool2d_with_indices.default,)
@@ -49,7 +50,7 @@ def low_memory_max_pool(program: Program) -> Program:
         return program
     graph, val_map = program.copied_graph()
     phases = dict(program.phases)
-    mode = next((v.fake_mode for n in graph.nodes for v in [n.meta.get("val")] if hasattr(v, "fake_mode")), None)
+    mode = graph_fake_mode(graph)
     for original in pools:
         pool = val_map[original]
         values, indices = pool.meta["val"]

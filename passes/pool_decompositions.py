@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from boomfx.core.program import Program
+from boomfx.passes.fake_values import copy_to_rewrite, fake_values
 
 aten = torch.ops.aten
 
@@ -31,11 +32,10 @@ def decompose_pools(program: Program) -> Program:
     (module docstring); the same program when it has none."""
     if not any(_mean_dims(n) is not None or _is_max_pool(n) for n in program.graph.nodes):
         return program
-    graph, _ = program.copied_graph()
-    phases = dict(program.phases)
-    mode = next((v.fake_mode for n in graph.nodes for v in [n.meta.get("val")] if hasattr(v, "fake_mode")), None)
-    if mode is None:
+    copy = copy_to_rewrite(program)
+    if copy is None:
         return program
+    graph, phases, mode = copy
     for node in list(graph.nodes):
         dims = _mean_dims(node)
         if dims is None and not _is_max_pool(node):
@@ -51,8 +51,7 @@ def decompose_pools(program: Program) -> Program:
                 pool = graph.call_function(aten.max_pool2d_with_indices.default, node.args, dict(node.kwargs))
                 with mode:
                     pool.meta["val"] = aten.max_pool2d_with_indices.default(
-                        *torch.fx.node.map_arg(node.args, lambda n: n.meta["val"]),
-                        **torch.fx.node.map_arg(dict(node.kwargs), lambda n: n.meta["val"]))
+                        *fake_values(node.args), **fake_values(dict(node.kwargs)))
                 pool.meta.update({k: v for k, v in node.meta.items() if k != "val"})
                 new = graph.call_function(operator.getitem, (pool, 0))
                 val = pool.meta["val"][0]
